@@ -1,0 +1,307 @@
+"""MetaClient: the one async client of the metaserver, used by the router and the connector.
+
+No other module formats a metaserver URL. Every answer is parsed into the models of
+`metaserver.models`; every failure is raised as a `MetaError` subclass with a stable `code`, so a
+caller decides on types (retry on `MetaUnavailable`, give up on `MetaGone`), never on strings.
+
+Exception tree:
+    MetaError
+    ├── MetaBadRequest      400/413/422: the body or a parameter was refused
+    ├── MetaUnauthorized    401/403: missing or wrong admin token
+    ├── MetaNotFound        404: unknown id (an instance whose lease lapsed is unknown)
+    ├── MetaConflict        409: illegal transition / someone else won the claim (`current_state`)
+    ├── MetaGone            410: the handoff is terminal (`current_state`)
+    └── MetaUnavailable     503, connection errors and timeouts: retryable
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar
+
+import httpx
+import orjson
+from pydantic import BaseModel
+
+from metaserver.models import (
+    AbortBody,
+    ClaimBody,
+    DoneBody,
+    Handoff,
+    HandoffCreate,
+    HandoffEvents,
+    HandoffState,
+    HeartbeatBody,
+    HeartbeatResponse,
+    Instance,
+    InstanceLoad,
+    InstanceRegistration,
+    InstanceState,
+    KVLocation,
+    RegisterResponse,
+    Role,
+)
+
+__all__ = [
+    "MetaAPI",
+    "MetaBadRequest",
+    "MetaClient",
+    "MetaConflict",
+    "MetaError",
+    "MetaGone",
+    "MetaNotFound",
+    "MetaUnauthorized",
+    "MetaUnavailable",
+]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class MetaError(Exception):
+    code: str = "meta_error"
+    status: int = 500
+    retryable: bool = False
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        current_state: HandoffState | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+        self.current_state = current_state
+
+
+class MetaBadRequest(MetaError):
+    code, status = "bad_request", 400
+
+
+class MetaUnauthorized(MetaError):
+    code, status = "unauthorized", 401
+
+
+class MetaNotFound(MetaError):
+    code, status = "not_found", 404
+
+
+class MetaConflict(MetaError):
+    code, status = "conflict", 409
+
+
+class MetaGone(MetaError):
+    code, status = "gone", 410
+
+
+class MetaUnavailable(MetaError):
+    code, status, retryable = "unavailable", 503, True
+
+
+_BY_STATUS: dict[int, type[MetaError]] = {
+    400: MetaBadRequest,
+    401: MetaUnauthorized,
+    403: MetaUnauthorized,
+    404: MetaNotFound,
+    409: MetaConflict,
+    410: MetaGone,
+    413: MetaBadRequest,
+    422: MetaBadRequest,
+    502: MetaUnavailable,
+    503: MetaUnavailable,
+    504: MetaUnavailable,
+}
+
+
+class MetaAPI(Protocol):
+    """What the router and the connector need from the metaserver.
+
+    `MetaClient` implements it over HTTP; the router's embedded metaserver may implement it
+    in-process with the same semantics and the same exceptions.
+    """
+
+    async def register(self, reg: InstanceRegistration) -> RegisterResponse: ...
+    async def heartbeat(self, instance_id: str, load: InstanceLoad | None = None) -> HeartbeatResponse: ...
+    async def drain(self, instance_id: str) -> Instance: ...
+    async def deregister(self, instance_id: str) -> None: ...
+    async def list_instances(
+        self, *, role: Role | None = None, model: str | None = None, state: InstanceState | None = None
+    ) -> list[Instance]: ...
+    async def get_instance(self, instance_id: str) -> Instance: ...
+    async def create_handoff(self, body: HandoffCreate) -> Handoff: ...
+    async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff: ...
+    async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff: ...
+    async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff: ...
+    async def abort(self, transfer_id: str, reason: str) -> Handoff: ...
+    async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff: ...
+    async def events(
+        self, instance_id: str, cursor: str | None = None, wait: float | None = None
+    ) -> HandoffEvents: ...
+
+
+class MetaClient:
+    """Async HTTP client for every metaserver route.
+
+    Long-polls (`get_handoff(wait=...)`, `events(wait=...)`) extend the read timeout by the wait, so
+    a long-poll is never cut by the client's own default timeout.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 256,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    @property
+    def base_url(self) -> str:
+        return str(self._http.base_url)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> MetaClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- transport --------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: BaseModel | None = None,
+        params: dict[str, Any] | None = None,
+        wait: float | None = None,
+    ) -> Any:
+        content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        timeout = self._timeout + wait if wait else self._timeout
+        try:
+            resp = await self._http.request(
+                method, path, content=content, params=params, headers=headers, timeout=timeout
+            )
+        except httpx.TimeoutException as exc:
+            raise MetaUnavailable(f"metaserver {method} {path} timed out: {exc!r}", code="timeout") from exc
+        except httpx.TransportError as exc:
+            raise MetaUnavailable(f"metaserver {method} {path} unreachable: {exc!r}") from exc
+        if resp.status_code >= 400:
+            raise _error_from(resp, method, path)
+        if resp.status_code == 204 or not resp.content:
+            return None
+        return orjson.loads(resp.content)
+
+    async def _model(self, cls: type[M], method: str, path: str, **kw: Any) -> M:
+        return cls.model_validate(await self._call(method, path, **kw))
+
+    # -- registry ---------------------------------------------------------------------------
+
+    async def register(self, reg: InstanceRegistration) -> RegisterResponse:
+        return await self._model(RegisterResponse, "POST", "/v1/instances", body=reg)
+
+    async def heartbeat(self, instance_id: str, load: InstanceLoad | None = None) -> HeartbeatResponse:
+        return await self._model(
+            HeartbeatResponse, "POST", f"/v1/instances/{instance_id}/heartbeat", body=HeartbeatBody(load=load)
+        )
+
+    async def drain(self, instance_id: str) -> Instance:
+        return await self._model(Instance, "POST", f"/v1/instances/{instance_id}/drain")
+
+    async def deregister(self, instance_id: str) -> None:
+        await self._call("DELETE", f"/v1/instances/{instance_id}")
+
+    async def list_instances(
+        self, *, role: Role | None = None, model: str | None = None, state: InstanceState | None = None
+    ) -> list[Instance]:
+        params = {
+            k: v.value if hasattr(v, "value") else v
+            for k, v in (("role", role), ("model", model), ("state", state))
+            if v is not None
+        }
+        data = await self._call("GET", "/v1/instances", params=params)
+        return [Instance.model_validate(x) for x in data["instances"]]
+
+    async def get_instance(self, instance_id: str) -> Instance:
+        return await self._model(Instance, "GET", f"/v1/instances/{instance_id}")
+
+    # -- handoff ledger ---------------------------------------------------------------------
+
+    async def create_handoff(self, body: HandoffCreate) -> Handoff:
+        return await self._model(Handoff, "POST", "/v1/handoffs", body=body)
+
+    async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
+        return await self._model(Handoff, "PUT", f"/v1/handoffs/{transfer_id}/ready", body=location)
+
+    async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
+        body = ClaimBody(decode_instance_id=decode_instance_id, lease_s=lease_s)
+        return await self._model(Handoff, "POST", f"/v1/handoffs/{transfer_id}/claim", body=body)
+
+    async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
+        body = DoneBody(decode_instance_id=decode_instance_id)
+        return await self._model(Handoff, "POST", f"/v1/handoffs/{transfer_id}/done", body=body)
+
+    async def abort(self, transfer_id: str, reason: str) -> Handoff:
+        return await self._model(
+            Handoff, "POST", f"/v1/handoffs/{transfer_id}/abort", body=AbortBody(reason=reason)
+        )
+
+    async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff:
+        params = {"wait": wait} if wait else None
+        return await self._model(Handoff, "GET", f"/v1/handoffs/{transfer_id}", params=params, wait=wait)
+
+    async def events(
+        self, instance_id: str, cursor: str | None = None, wait: float | None = None
+    ) -> HandoffEvents:
+        params: dict[str, Any] = {}
+        if cursor is not None:
+            params["cursor"] = cursor
+        if wait:
+            params["wait"] = wait
+        return await self._model(
+            HandoffEvents, "GET", f"/v1/instances/{instance_id}/handoff-events", params=params, wait=wait
+        )
+
+    async def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", "/health")
+        return result
+
+
+def _error_from(resp: httpx.Response, method: str, path: str) -> MetaError:
+    """Turn an RFC 7807 (or FastAPI `detail`) answer into the typed error for its status."""
+    cls = _BY_STATUS.get(resp.status_code, MetaError)
+    detail = f"metaserver {method} {path} answered {resp.status_code}"
+    code: str | None = None
+    state: HandoffState | None = None
+    try:
+        data = orjson.loads(resp.content)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        if isinstance(data.get("detail"), str):
+            detail = f"{detail}: {data['detail']}"
+        elif data.get("detail") is not None:
+            detail = f"{detail}: {data['detail']!r}"
+        code = data.get("code") if isinstance(data.get("code"), str) else None
+        raw_state = data.get("current_state")
+        if raw_state in HandoffState.__members__:
+            state = HandoffState(raw_state)
+    return cls(detail, status=resp.status_code, code=code, current_state=state)
