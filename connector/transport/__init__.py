@@ -1,0 +1,59 @@
+"""KV block transports behind one small interface (see ``base.py``).
+
+Engine adapters (``nixl.py``, ``llmdatadist.py``) import their engine lazily, inside the
+constructor, so importing this package never pulls in nixl, CANN or torch.
+"""
+
+from connector.transport.base import (
+    BadRequest,
+    BlockRun,
+    ByteRange,
+    EngineError,
+    KVRegion,
+    LinkError,
+    PeerUnreachable,
+    PullRequest,
+    PullResult,
+    PullTimeout,
+    RegistrationError,
+    RemoteKVMissing,
+    RemotePeer,
+    Transport,
+    TransportClosed,
+    TransportError,
+    coalesce,
+)
+
+__all__ = [
+    "BadRequest",
+    "BlockRun",
+    "ByteRange",
+    "EngineError",
+    "KVRegion",
+    "LinkError",
+    "PeerUnreachable",
+    "PullRequest",
+    "PullResult",
+    "PullTimeout",
+    "RegistrationError",
+    "RemoteKVMissing",
+    "RemotePeer",
+    "Transport",
+    "TransportClosed",
+    "TransportError",
+    "coalesce",
+    "transport_class",
+]
+
+
+def transport_class(kind: str) -> type[Transport]:
+    """Map a transport ``kind`` (as found in a peer address) to its class, importing it lazily."""
+    if kind == "nixl":
+        from connector.transport.nixl import NixlTransport
+
+        return NixlTransport
+    if kind == "llmdatadist":
+        from connector.transport.llmdatadist import LLMDataDistTransport
+
+        return LLMDataDistTransport
+    raise ValueError(f"unknown transport kind {kind!r}; expected 'nixl' or 'llmdatadist'")

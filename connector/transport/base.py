@@ -1,0 +1,466 @@
+"""The transport seam: how a decode worker pulls KV blocks out of a prefill worker's memory.
+
+Every engine we support reduces to the same four steps (see the reference
+``kv-transfer-engines.md``, "Interface shape"): register memory, export an opaque peer
+description, pull a list of (remote block, local block) pairs, learn when it finished.
+This module fixes that shape once so the worker half of the connector never imports an
+engine, and tests can swap in a fake.
+
+Threading contract: a transport instance is owned by ONE thread (the worker's background
+thread). NIXL is not thread-safe and llm_datadist serialises link calls, so no method here
+may be called concurrently. Engines that block (llm_datadist) run their own worker thread
+internally and still honour this contract at the surface.
+
+Error contract: ``start_pull`` raises synchronously only for requests that can never succeed
+(:class:`BadRequest`) or when the transport is closed (:class:`TransportClosed`). Everything
+that happens on the wire (timeouts, dead peers, broken links) comes back from :meth:`poll`
+as a failed :class:`PullResult` carrying a typed :class:`TransportError` (a BadRequest can
+arrive that way too when only the engine could tell). A failed pull may have written part of
+its destination blocks; they stay owned by the request until the ledger finishes it.
+
+Exception tree (``code`` is stable and goes into metrics and the handoff ledger)::
+
+    TransportError                  transport_error               retryable=False
+    ├── BadRequest                  transport_bad_request         False
+    ├── RegistrationError           transport_registration_failed False
+    ├── TransportClosed             transport_closed              False
+    ├── RemoteKVMissing             transport_remote_kv_missing   False
+    ├── EngineError                 transport_engine_error        False
+    ├── PeerUnreachable             transport_peer_unreachable    True
+    ├── LinkError                   transport_link_failed         True
+    └── PullTimeout                 transport_pull_timeout        True
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "UINT64_MAX",
+    "BadRequest",
+    "BlockRun",
+    "ByteRange",
+    "EngineError",
+    "KVRegion",
+    "LinkError",
+    "PeerUnreachable",
+    "PullRequest",
+    "PullResult",
+    "PullTimeout",
+    "RegistrationError",
+    "RemoteKVMissing",
+    "RemotePeer",
+    "Transport",
+    "TransportClosed",
+    "TransportError",
+    "byte_ranges",
+    "check_layouts_match",
+    "check_pull",
+    "coalesce",
+    "regions_from_address",
+    "regions_to_address",
+]
+
+#: kv_key is the ledger's numeric key; llm_datadist ids are uint64, so that is the range we accept.
+UINT64_MAX = 2**64 - 1
+
+#: The remote rank's transport address exactly as it registered it (``Transport.local_address()``
+#: of the peer). Kind-specific; each transport documents its own keys.
+RemotePeer = Mapping[str, Any]
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+class TransportError(Exception):
+    """Base of every transport failure.
+
+    ``code`` and ``retryable`` are class attributes so callers can switch on them without
+    string matching. ``engine_code`` keeps the engine's own status (``LLM_LINK_FAILED``,
+    ``nixlBackendError``) for diagnostics; it is never used for control flow.
+    """
+
+    code: ClassVar[str] = "transport_error"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, *, engine_code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.engine_code = engine_code
+
+    def __str__(self) -> str:
+        suffix = f" [{self.engine_code}]" if self.engine_code else ""
+        return f"{self.code}: {self.message}{suffix}"
+
+
+class BadRequest(TransportError):
+    """The request can never succeed as written (mismatched lists, ids out of range, wrong peer kind)."""
+
+    code = "transport_bad_request"
+
+
+class RegistrationError(TransportError):
+    """Memory could not be registered (bad region, engine limit such as llm_datadist's 240 addresses)."""
+
+    code = "transport_registration_failed"
+
+
+class TransportClosed(TransportError):
+    """The transport was used after ``close()``."""
+
+    code = "transport_closed"
+
+
+class RemoteKVMissing(TransportError):
+    """The peer is reachable but has no cache under the key we asked for."""
+
+    code = "transport_remote_kv_missing"
+
+
+class EngineError(TransportError):
+    """The engine failed in a way we have no better name for; not worth retrying blindly."""
+
+    code = "transport_engine_error"
+
+
+class PeerUnreachable(TransportError):
+    """The peer cannot be reached or went away mid-transfer (process died, connection refused)."""
+
+    code = "transport_peer_unreachable"
+    retryable = True
+
+
+class LinkError(TransportError):
+    """Building or using the link to the peer failed; a fresh link may work."""
+
+    code = "transport_link_failed"
+    retryable = True
+
+
+class PullTimeout(TransportError):
+    """The pull did not finish within its deadline. The link to that peer has been torn down."""
+
+    code = "transport_pull_timeout"
+    retryable = True
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; a True block id is always a bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """One registered KV tensor (typically one per layer, or one per K and per V).
+
+    Block ``i`` occupies ``block_len`` bytes at ``base_ptr + i * stride``. ``stride`` may exceed
+    ``block_len`` for interleaved layouts; transports treat each block as opaque bytes, so any
+    dtype works.
+    """
+
+    name: str
+    base_ptr: int
+    block_len: int
+    num_blocks: int
+    stride: int
+
+    def __post_init__(self) -> None:
+        where = f"region {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise RegistrationError("region name must be a non-empty string")
+        for attr in ("base_ptr", "block_len", "num_blocks", "stride"):
+            value = getattr(self, attr)
+            if not _is_int(value) or value <= 0:
+                raise RegistrationError(f"{where}: {attr} must be a positive int, got {value!r}")
+        if self.stride < self.block_len:
+            raise RegistrationError(
+                f"{where}: stride {self.stride} is smaller than block_len {self.block_len}; blocks would overlap"
+            )
+
+    @classmethod
+    def dense(cls, name: str, base_ptr: int, block_len: int, num_blocks: int) -> KVRegion:
+        """A region whose blocks are back to back (stride == block_len), the common case."""
+        return cls(name, base_ptr, block_len, num_blocks, block_len)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.stride == self.block_len
+
+    @property
+    def extent(self) -> int:
+        """Bytes from ``base_ptr`` to the end of the last block: what must be registered."""
+        return (self.num_blocks - 1) * self.stride + self.block_len
+
+    def block_addr(self, block_id: int) -> int:
+        return self.base_ptr + block_id * self.stride
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "base_ptr": self.base_ptr,
+            "block_len": self.block_len,
+            "num_blocks": self.num_blocks,
+            "stride": self.stride,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVRegion:
+        try:
+            return cls(
+                name=data["name"],
+                base_ptr=data["base_ptr"],
+                block_len=data["block_len"],
+                num_blocks=data["num_blocks"],
+                stride=data["stride"],
+            )
+        except KeyError as exc:
+            raise BadRequest(f"remote region description lacks {exc.args[0]!r}") from None
+        except RegistrationError as exc:
+            raise BadRequest(f"remote region description is invalid: {exc.message}") from None
+
+
+def regions_to_address(regions: Sequence[KVRegion]) -> list[dict[str, Any]]:
+    """The JSON form of a region list, as it travels inside ``local_address()``."""
+    return [r.to_dict() for r in regions]
+
+
+def regions_from_address(peer: RemotePeer) -> list[KVRegion]:
+    """Parse the ``regions`` list out of a peer address; BadRequest if missing or malformed."""
+    raw = peer.get("regions")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("remote address has no 'regions' list")
+    return [KVRegion.from_dict(item) for item in raw]
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """Pull ``remote_block_ids[i]`` of the peer into ``local_block_ids[i]``, for every region.
+
+    ``transfer_id`` is the ledger's handoff id (it comes back in :class:`PullResult` and, for
+    NIXL, as the notification the prefill side receives). ``kv_key`` is the ledger's numeric
+    key; engines that key caches by integer use it as is, never a hash of a string.
+    ``timeout_s`` overrides the transport's default deadline for this pull.
+    """
+
+    transfer_id: str
+    kv_key: int
+    remote: RemotePeer
+    remote_block_ids: Sequence[int]
+    local_block_ids: Sequence[int]
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        # Freeze the id lists so a caller mutating its list after start_pull cannot race us.
+        object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
+        object.__setattr__(self, "local_block_ids", tuple(self.local_block_ids))
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """The outcome of one :class:`PullRequest`; ``error`` is set exactly when ``ok`` is False."""
+
+    transfer_id: str
+    ok: bool
+    error: TransportError | None = None
+    nbytes: int = 0
+    elapsed_s: float = 0.0
+
+    @classmethod
+    def success(cls, transfer_id: str, *, nbytes: int, elapsed_s: float) -> PullResult:
+        return cls(transfer_id, True, None, nbytes, elapsed_s)
+
+    @classmethod
+    def failure(cls, transfer_id: str, error: TransportError, *, elapsed_s: float = 0.0) -> PullResult:
+        return cls(transfer_id, False, error, 0, elapsed_s)
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """``count`` consecutive blocks starting at ``src_start`` (remote) and ``dst_start`` (local)."""
+
+    src_start: int
+    dst_start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    src_addr: int
+    dst_addr: int
+    nbytes: int
+
+
+# --------------------------------------------------------------------------------------------
+# Pure helpers
+# --------------------------------------------------------------------------------------------
+
+
+def check_pull(req: PullRequest, *, local_num_blocks: int, remote_num_blocks: int) -> None:
+    """Reject requests that can never succeed, naming the first offending index.
+
+    Rules: ``transfer_id`` non-empty; ``kv_key`` in uint64; both id lists non-empty and of equal
+    length; every id an int in range; no local block written twice (two sources racing into one
+    destination is always a bookkeeping bug). Repeated remote ids are allowed: reading twice is
+    harmless.
+    """
+    if not isinstance(req.transfer_id, str) or not req.transfer_id:
+        raise BadRequest("transfer_id must be a non-empty string")
+    if not _is_int(req.kv_key) or not 0 <= req.kv_key <= UINT64_MAX:
+        raise BadRequest(f"kv_key must be an int in [0, 2**64), got {req.kv_key!r}")
+    if req.timeout_s is not None and not req.timeout_s > 0:
+        raise BadRequest(f"timeout_s must be positive, got {req.timeout_s!r}")
+    src, dst = req.remote_block_ids, req.local_block_ids
+    if len(src) != len(dst):
+        raise BadRequest(
+            f"remote_block_ids has {len(src)} ids but local_block_ids has {len(dst)}; "
+            "trim the remote list to the local count before pulling"
+        )
+    if not src:
+        raise BadRequest("empty pull: no block ids given")
+    _check_ids("remote_block_ids", src, remote_num_blocks)
+    _check_ids("local_block_ids", dst, local_num_blocks)
+    if len(set(dst)) != len(dst):
+        seen: set[int] = set()
+        for i, b in enumerate(dst):
+            if b in seen:
+                raise BadRequest(f"local_block_ids[{i}] = {b} appears twice; one destination, two sources")
+            seen.add(b)
+
+
+def _check_ids(label: str, ids: Sequence[int], num_blocks: int) -> None:
+    # Fast path for the common, valid case (a 4096-id pull is checked in well under 1 ms); the
+    # loop below only runs to name the first offending index.
+    if all(type(b) is int for b in ids) and min(ids) >= 0 and max(ids) < num_blocks:
+        return
+    for i, b in enumerate(ids):
+        if not _is_int(b):
+            raise BadRequest(f"{label}[{i}] = {b!r} is not an int")
+        if not 0 <= b < num_blocks:
+            raise BadRequest(f"{label}[{i}] = {b} is out of range [0, {num_blocks})")
+
+
+def check_layouts_match(local: Sequence[KVRegion], remote: Sequence[KVRegion]) -> None:
+    """Both sides must describe the same model: same region count, order and block sizes.
+
+    Names are compared too, so a peer serving another model (or another TP shard layout) fails
+    here with a message instead of copying the wrong bytes.
+    """
+    if len(local) != len(remote):
+        raise BadRequest(f"peer registered {len(remote)} regions, we registered {len(local)}")
+    for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
+        if lr.name != rr.name or lr.block_len != rr.block_len:
+            raise BadRequest(
+                f"region {i} differs: local {lr.name!r}/{lr.block_len} B, remote {rr.name!r}/{rr.block_len} B"
+            )
+
+
+def coalesce(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]:
+    """Merge pairs that are adjacent on BOTH sides into runs, keeping the request's order.
+
+    ``[(4,10), (5,11), (6,12), (9,2)]`` becomes ``[BlockRun(4,10,3), BlockRun(9,2,1)]``. Engines
+    that move byte ranges (Mooncake-style batches, memcpy) submit one entry per run instead of
+    one per block; a per-batch cap then applies to runs, not blocks. NIXL does the same merge
+    itself inside ``make_prepped_xfer`` (checked via its telemetry), so its adapter submits
+    block ids and only uses the run count for logging.
+    """
+    if len(src_ids) != len(dst_ids):
+        raise BadRequest(f"coalesce: {len(src_ids)} source ids vs {len(dst_ids)} destination ids")
+    runs: list[BlockRun] = []
+    if not src_ids:
+        return runs
+    start_s, start_d, count = src_ids[0], dst_ids[0], 1
+    for s, d in zip(src_ids[1:], dst_ids[1:], strict=True):
+        if s == start_s + count and d == start_d + count:
+            count += 1
+            continue
+        runs.append(BlockRun(start_s, start_d, count))
+        start_s, start_d, count = s, d, 1
+    runs.append(BlockRun(start_s, start_d, count))
+    return runs
+
+
+def byte_ranges(runs: Sequence[BlockRun], src: KVRegion, dst: KVRegion) -> list[ByteRange]:
+    """Turn block runs into (src address, dst address, length) for one region pair.
+
+    A run stays one range only when both regions are dense (stride == block_len); otherwise the
+    blocks of a run are not contiguous in memory and each becomes its own range.
+    """
+    if src.block_len != dst.block_len:
+        raise BadRequest(f"block_len differs: remote {src.block_len} B, local {dst.block_len} B")
+    out: list[ByteRange] = []
+    bl = src.block_len
+    if src.is_dense and dst.is_dense:
+        for r in runs:
+            out.append(ByteRange(src.block_addr(r.src_start), dst.block_addr(r.dst_start), r.count * bl))
+        return out
+    for r in runs:
+        for k in range(r.count):
+            out.append(ByteRange(src.block_addr(r.src_start + k), dst.block_addr(r.dst_start + k), bl))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The interface
+# --------------------------------------------------------------------------------------------
+
+
+class Transport(abc.ABC):
+    """Pull-mode KV block transport. One instance per worker (per TP rank), one owning thread.
+
+    Lifecycle: construct -> :meth:`register` once -> :meth:`local_address` (publish it) ->
+    any number of :meth:`start_pull` / :meth:`poll` -> :meth:`close`. The prefill side never
+    pulls, but it must still call :meth:`poll` regularly: engines such as NIXL without a
+    progress thread need the target to make progress, and that is where it learns which
+    transfers peers finished reading (:meth:`drain_served`).
+    """
+
+    kind: ClassVar[str]
+
+    @abc.abstractmethod
+    def register(self, regions: Sequence[KVRegion]) -> None:
+        """Register the KV regions this rank serves and pulls into. Call once, before linking."""
+
+    @abc.abstractmethod
+    def local_address(self) -> dict[str, Any]:
+        """JSON-serialisable description a peer needs to pull from us (includes ``kind``)."""
+
+    @abc.abstractmethod
+    def start_pull(self, req: PullRequest) -> None:
+        """Submit one batched pull. Non-blocking; the outcome arrives from :meth:`poll`."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[PullResult]:
+        """Make progress, enforce deadlines, and return the pulls that finished since last call."""
+
+    def drain_served(self) -> list[str]:
+        """Transfer ids peers reported as fully read from us (prefill side may free those blocks).
+
+        Engines without notifications return an empty list; the ledger's READ state then tells
+        the prefill side instead.
+        """
+        return []
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release engine resources. Idempotent. In-flight pulls are abandoned, not reported."""
+
+    # Small shared helpers for implementations -------------------------------------------
+
+    @staticmethod
+    def _check_kind(peer: RemotePeer, kind: str) -> None:
+        got = peer.get("kind")
+        if got != kind:
+            raise BadRequest(f"peer address is of kind {got!r}, this transport is {kind!r}")
