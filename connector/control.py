@@ -1,0 +1,390 @@
+"""The scheduler half's control thread: one asyncio loop that owns the `MetaClient`.
+
+Why a thread of its own: vLLM's scheduler hooks run on the engine-core thread between model steps, and
+an HTTP call there would stall every request in the batch. Commands (`connector.messages`) come in with
+`submit()` (scheduled on the loop with `call_soon_threadsafe`), answers go out on a `queue.SimpleQueue`
+that the scheduler half drains at its next hook. The feed's liveness is a single float
+(`feed_ok_at`) this thread writes and the engine thread reads: a monotonic timestamp, published whole.
+
+Per command, the retry rules:
+  MarkReady  retry while unreachable, up to the handoff lease; gone/unknown/refused -> free now.
+  Claim      long-poll while PENDING, up to `ready_wait_s`; gone/unknown/claimed elsewhere -> fail.
+  Done       retry while unreachable for a few seconds; gone -> the KV may have been freed: invalid.
+  Abort      best effort, a few retries; gone/unknown are fine (nothing to abort).
+  Check      one try; unknown -> the record is lost, free; unreachable -> keep (local deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from connector.config import ConnectorConfig
+from connector.messages import (
+    Abort,
+    Check,
+    CheckResult,
+    Claim,
+    Claimed,
+    ClaimFailed,
+    Command,
+    Done,
+    DoneResult,
+    MarkReady,
+    ReadyFailed,
+    ReadyRecorded,
+    Register,
+    Registered,
+    Result,
+    Terminal,
+    UpdateLoad,
+    WriteStats,
+)
+from connector.registration import Registrar, backoff
+from metaserver.client import (
+    MetaClient,
+    MetaConflict,
+    MetaError,
+    MetaGone,
+    MetaNotFound,
+    MetaUnavailable,
+)
+from metaserver.models import TERMINAL_STATES, HandoffState, InstanceLoad, RegisterResponse
+
+__all__ = ["ControlThread"]
+
+logger = logging.getLogger(__name__)
+
+_LONG_POLL_CAP_S = 10.0
+_STATS_EVERY_S = 0.2
+
+
+class ControlThread:
+    """Runs metaserver I/O for one scheduler half. Create, `submit()` commands, `drain()` results, `close()`."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        *,
+        client_factory: Callable[[], MetaClient] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "pdgate-control",
+    ) -> None:
+        self._cfg = cfg
+        self._clock = clock
+        self._client_factory = client_factory or (
+            lambda: MetaClient(cfg.metaserver_url, token=cfg.metaserver_token, timeout=5.0)
+        )
+        self._results: queue.SimpleQueue[Result] = queue.SimpleQueue()
+        self._loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._load: InstanceLoad | None = None
+        self._registrar: Registrar | None = None
+        self._client: MetaClient | None = None
+        self._closed = False
+        self.feed_ok_at: float | None = None
+        self._pending_stats: dict[str, Any] | None = None
+        self._stats_written_at = float("-inf")
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
+        self._thread.start()
+        started.wait()
+
+    # ---- engine-thread API -----------------------------------------------------------------------
+
+    def submit(self, commands: list[Command]) -> None:
+        if commands and not self._closed:
+            self._loop.call_soon_threadsafe(self._dispatch, commands)
+
+    def drain(self) -> list[Result]:
+        out: list[Result] = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self, *, abort_transfer_ids: Sequence[str] = (), timeout: float = 3.0) -> None:
+        """Abort what we still hold (best effort), deregister, stop the loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        fut = asyncio.run_coroutine_threadsafe(self._shutdown(list(abort_transfer_ids), timeout), self._loop)
+        try:
+            fut.result(timeout + 1.0)
+        except Exception as exc:  # a shutdown that cannot finish must not block the engine's exit
+            logger.warning("control thread shutdown incomplete: %r", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+    # ---- loop side --------------------------------------------------------------------------------
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._client = self._client_factory()
+        started.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("control task failed: %r", task.exception(), exc_info=task.exception())
+
+    def _dispatch(self, commands: list[Command]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, MarkReady):
+                self._spawn(self._mark_ready(cmd))
+            elif isinstance(cmd, Claim):
+                self._spawn(self._claim(cmd))
+            elif isinstance(cmd, Done):
+                self._spawn(self._done(cmd))
+            elif isinstance(cmd, Abort):
+                self._spawn(self._abort(cmd))
+            elif isinstance(cmd, Check):
+                self._spawn(self._check(cmd))
+            elif isinstance(cmd, UpdateLoad):
+                self._load = cmd.load
+            elif isinstance(cmd, WriteStats):
+                self._queue_stats(cmd.snapshot)
+            elif isinstance(cmd, Register):
+                self._start_registration(cmd)
+
+    @property
+    def _meta(self) -> MetaClient:
+        assert self._client is not None
+        return self._client
+
+    # registration and the event feed
+
+    def _start_registration(self, cmd: Register) -> None:
+        if self._registrar is not None:
+            logger.warning("instance %s: already registering; ignoring a second registration", cmd.registration.id)
+            return
+        self._registrar = Registrar(
+            self._meta,
+            cmd.registration,
+            heartbeat_s=self._cfg.heartbeat_s,
+            load=lambda: self._load,
+            on_registered=self._registered,
+        )
+        self._spawn(self._registrar.run())
+        if self._cfg.can_prefill:
+            self._spawn(self._feed(self._registrar))
+
+    def _registered(self, resp: RegisterResponse) -> None:
+        self._results.put(Registered(resp.instance.id, resp.lease_s))
+
+    async def _feed(self, registrar: Registrar) -> None:
+        """Terminal transitions of our handoffs, long-polled; the prefill frees blocks on them."""
+        cursor: str | None = None
+        attempt = 0
+        while True:
+            await registrar.registered.wait()
+            try:
+                batch = await self._meta.events(registrar.instance_id, cursor, wait=self._cfg.feed_wait_s)
+            except MetaError as exc:
+                if attempt == 0 or attempt % 20 == 0:
+                    logger.warning("instance %s: handoff-event feed failed: %s", registrar.instance_id, exc)
+                await asyncio.sleep(backoff(attempt, base=0.1, cap=2.0))
+                attempt += 1
+                continue
+            attempt = 0
+            cursor = batch.cursor
+            for ev in batch.events:
+                if ev.state in TERMINAL_STATES:
+                    self._results.put(Terminal(ev.transfer_id, ev.state.value, ev.reason))
+            self.feed_ok_at = self._clock()
+
+    # handoff commands
+
+    async def _mark_ready(self, cmd: MarkReady) -> None:
+        deadline = self._clock() + self._cfg.kv_lease_s
+        attempt = 0
+        while True:
+            try:
+                h = await self._meta.mark_ready(cmd.transfer_id, cmd.location)
+            except MetaConflict as exc:
+                if exc.current_state in (HandoffState.READY, HandoffState.CLAIMED):
+                    # An earlier try landed although its answer was lost: recorded.
+                    self._results.put(ReadyRecorded(cmd.transfer_id, None, self._cfg.kv_lease_s))
+                else:
+                    self._results.put(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=True))
+                return
+            except MetaUnavailable as exc:
+                if self._clock() >= deadline:
+                    self._results.put(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=False))
+                    return
+                await asyncio.sleep(backoff(attempt, base=0.05, cap=1.0))
+                attempt += 1
+                continue
+            except MetaError as exc:  # gone, unknown, refused, unauthorized: this READY will never land
+                self._results.put(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=True))
+                return
+            self._results.put(ReadyRecorded(cmd.transfer_id, h.kv_key, h.lease_s))
+            return
+
+    async def _claim(self, cmd: Claim) -> None:
+        tid = cmd.transfer_id
+        me = self._instance_id()
+        deadline = self._clock() + self._cfg.ready_wait_s
+        attempt = 0
+        while True:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                self._results.put(ClaimFailed(tid, "pd_kv_not_ready", f"not READY within {self._cfg.ready_wait_s}s"))
+                return
+            try:
+                h = await self._meta.claim(tid, me, self._cfg.claim_lease_s)
+                self._results.put(Claimed(tid, h))
+                return
+            except MetaConflict as exc:
+                if exc.current_state not in (None, HandoffState.PENDING, HandoffState.READY):
+                    self._results.put(ClaimFailed(tid, "claimed_elsewhere", exc.detail))
+                    return
+                # Still PENDING (the prefill's READY is on its way): wait for the record to move.
+                try:
+                    h = await self._meta.get_handoff(tid, wait=min(remaining, _LONG_POLL_CAP_S))
+                except MetaError:
+                    await asyncio.sleep(backoff(attempt, base=0.02, cap=0.5))
+                    attempt += 1
+                    continue
+                if h.state in TERMINAL_STATES:
+                    self._results.put(ClaimFailed(tid, "gone", f"handoff became {h.state.value}: {h.reason}"))
+                    return
+            except MetaGone as exc:
+                state = exc.current_state.value if exc.current_state else "terminal"
+                self._results.put(ClaimFailed(tid, "gone", f"handoff is {state}: {exc.detail}"))
+                return
+            except MetaNotFound as exc:
+                self._results.put(ClaimFailed(tid, "not_found", exc.detail))
+                return
+            except MetaUnavailable:
+                await asyncio.sleep(backoff(attempt, base=0.05, cap=1.0))
+                attempt += 1
+            except MetaError as exc:
+                self._results.put(ClaimFailed(tid, exc.code, exc.detail))
+                return
+
+    async def _done(self, cmd: Done) -> None:
+        tid = cmd.transfer_id
+        deadline = self._clock() + 5.0
+        attempt = 0
+        while True:
+            try:
+                await self._meta.done(tid, self._instance_id())
+                self._results.put(DoneResult(tid, True))
+                return
+            except MetaGone as exc:
+                # ABORTED/EXPIRED while we read: the prefill may already have reused the blocks.
+                self._results.put(DoneResult(tid, False, "gone", exc.detail))
+                return
+            except MetaConflict as exc:
+                # Our claim lapsed back to READY (or another decode claimed it): the record is live, so
+                # the prefill still held the blocks while we read them.
+                logger.warning("transfer %s: DONE refused (%s); the KV was still held, using it", tid, exc.detail)
+                self._results.put(DoneResult(tid, True, exc.code, exc.detail))
+                return
+            except MetaUnavailable as exc:
+                if self._clock() >= deadline:
+                    self._results.put(DoneResult(tid, False, "metaserver_unavailable", exc.detail))
+                    return
+                await asyncio.sleep(backoff(attempt, base=0.02, cap=0.5))
+                attempt += 1
+            except MetaError as exc:
+                self._results.put(DoneResult(tid, False, exc.code, exc.detail))
+                return
+
+    async def _abort(self, cmd: Abort) -> None:
+        for attempt in range(5):
+            try:
+                await self._meta.abort(cmd.transfer_id, cmd.reason)
+                return
+            except (MetaGone, MetaNotFound, MetaConflict):
+                return
+            except MetaUnavailable:
+                await asyncio.sleep(backoff(attempt, base=0.1, cap=1.0))
+            except MetaError as exc:
+                logger.warning("transfer %s: abort refused: %s", cmd.transfer_id, exc)
+                return
+        logger.warning("transfer %s: abort not delivered (metaserver unreachable)", cmd.transfer_id)
+
+    async def _check(self, cmd: Check) -> None:
+        try:
+            h = await self._meta.get_handoff(cmd.transfer_id)
+        except MetaNotFound:
+            self._results.put(CheckResult(cmd.transfer_id, None, found=False))
+        except MetaError:
+            self._results.put(CheckResult(cmd.transfer_id, None))
+        else:
+            self._results.put(CheckResult(cmd.transfer_id, h.state))
+
+    def _instance_id(self) -> str:
+        return self._cfg.instance_id
+
+    def _queue_stats(self, snapshot: dict[str, Any]) -> None:
+        """Keep the newest snapshot; write at most every `_STATS_EVERY_S`, and always the last one."""
+        first = self._pending_stats is None
+        self._pending_stats = snapshot
+        if first:
+            delay = max(0.0, self._stats_written_at + _STATS_EVERY_S - self._clock())
+            self._loop.call_later(delay, self._flush_stats)
+
+    def _flush_stats(self) -> None:
+        snapshot, self._pending_stats = self._pending_stats, None
+        if snapshot is not None:
+            self._stats_written_at = self._clock()
+            self._write_stats(snapshot)
+
+    def _write_stats(self, snapshot: dict[str, Any]) -> None:
+        path = self._cfg.stats_file
+        if not path:
+            return
+        snapshot = {**snapshot, "pid": os.getpid(), "written_at": time.time()}
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".pdgate-stats-", dir=directory)
+            with os.fdopen(fd, "w") as f:
+                json.dump(snapshot, f, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("cannot write stats file %s: %s", path, exc)
+
+    async def _shutdown(self, abort_ids: list[str], timeout: float) -> None:
+        self._flush_stats()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=0.5)
+
+        async def goodbye() -> None:
+            if abort_ids:
+                await asyncio.gather(
+                    *(self._abort(Abort(t, "prefill instance shutting down")) for t in abort_ids),
+                    return_exceptions=True,
+                )
+            if self._registrar is not None:
+                await self._registrar.deregister()
+
+        try:
+            await asyncio.wait_for(goodbye(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("shutdown: the metaserver did not answer within %.1fs", timeout)
+        finally:
+            await self._meta.aclose()

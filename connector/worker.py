@@ -1,0 +1,395 @@
+"""The worker half: owns the transport and moves blocks off the forward path.
+
+One worker per TP rank (vLLM worker process). The model-runner thread only touches plain Python state
+here and two `queue.SimpleQueue`s; the transport lives entirely on one background thread
+("pdgate-xfer"), which constructs it, registers the KV regions, submits pulls, polls, and hands
+`PullOutcome`s back. NIXL is not thread-safe and llm_datadist serialises its calls, so "one owning
+thread" is the transport contract (`connector/transport/base.py`), not just tidiness.
+
+Per step (`StepMetadata` from the scheduler half):
+  pulls     -> submitted to the thread; the outcome travels back to the scheduler half in the worker
+               metadata (vLLM aggregates it over the workers).
+  recv_done -> reported as finished receiving once no pull of ours is still writing into the blocks;
+               a failed one also reports its blocks through `get_block_ids_with_load_errors`.
+  holds     -> the prefill keeps blocks for a decode: the thread polls the transport often, because
+               NIXL without a progress thread needs the *target* to make progress over TCP.
+  frees     -> reported as finished sending (every worker reports it; vLLM frees when all did).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from connector.config import ConfigError, ConnectorConfig
+from connector.metadata import PullOutcome, RecvDone, StepMetadata
+from connector.transport.base import KVRegion, PullRequest, PullResult, Transport, TransportError
+
+__all__ = ["WorkerHalf", "make_transport", "regions_from_kv_caches"]
+
+logger = logging.getLogger(__name__)
+
+# Poll cadence of the transfer thread (seconds). Pull in flight: start fast, back off to the cap.
+_POLL_MIN_S = 0.0001
+_POLL_MAX_S = 0.002
+_HOLD_POLL_S = 0.0005  # prefill holding blocks: the target side must progress emulated READs
+_IDLE_POLL_S = 0.1
+_START_TIMEOUT_S = 120.0
+
+
+def regions_from_kv_caches(kv_caches: Mapping[str, Any]) -> list[KVRegion]:
+    """One `KVRegion` per KV tensor, dim 0 = block id.
+
+    vLLM (CPU/GPU) gives one tensor per layer, `[num_blocks, kv_heads, block_size, head+head_v]`, all
+    views into one buffer; vllm-ascend gives a tuple per layer (`(k, v)`, MLA `(nope, rope)`). Each
+    block must be one contiguous run of bytes (true for the layouts above; a layout that splits a block
+    would need a region per slice, refused here with the reason). Layers sharing one tensor are
+    registered once.
+    """
+    regions: list[KVRegion] = []
+    seen: set[tuple[int, int, int]] = set()
+    for layer, value in kv_caches.items():
+        tensors = list(value) if isinstance(value, (tuple, list)) else [value]
+        for i, t in enumerate(tensors):
+            name = layer if len(tensors) == 1 else f"{layer}.{i}"
+            shape = tuple(t.shape)
+            if len(shape) < 2:
+                raise ValueError(f"KV tensor {name} has shape {shape}; expected [num_blocks, ...]")
+            elem = t.element_size()
+            block_elems = 1
+            for d in shape[1:]:
+                block_elems *= d
+            if not t[0].is_contiguous():
+                raise ValueError(
+                    f"KV tensor {name} (shape {shape}, strides {tuple(t.stride())}) does not keep a block "
+                    "contiguous; this layout needs one region per slice, which the connector does not build"
+                )
+            key = (t.data_ptr(), shape[0], t.stride(0))
+            if key in seen:
+                continue
+            seen.add(key)
+            regions.append(
+                KVRegion(
+                    name=name,
+                    base_ptr=t.data_ptr(),
+                    block_len=block_elems * elem,
+                    num_blocks=shape[0],
+                    stride=t.stride(0) * elem,
+                )
+            )
+    if not regions:
+        raise ValueError("register_kv_caches got no KV tensors")
+    return regions
+
+
+def make_transport(cfg: ConnectorConfig, *, tp_rank: int, dp_rank: int, tp_size: int) -> Transport:
+    """The transport `cfg.transport` names, built on the transfer thread."""
+    options = dict(cfg.transport_options)
+    if cfg.transport == "nixl":
+        from connector.transport.nixl import NixlTransport
+
+        options.setdefault("agent_name", f"{cfg.instance_id}-tp{tp_rank}-{os.getpid()}")
+        return NixlTransport(pull_timeout_s=cfg.pull_timeout_s, **options)
+    if cfg.transport == "llmdatadist":
+        from connector.ranktable import Role, assign_ranks, find_placement, load_rank_table
+        from connector.transport.llmdatadist import LLMDataDistTransport
+
+        if cfg.role not in ("prefill", "decode"):
+            raise ConfigError("the llmdatadist transport needs kv_role kv_producer or kv_consumer, not kv_both")
+        if not cfg.rank_table or not cfg.server_id:
+            raise ConfigError("the llmdatadist transport needs kv_connector_extra_config.rank_table and server_id")
+        table = load_rank_table(cfg.rank_table)
+        role = Role(cfg.role)
+        tps = (
+            {"prefill_tp": tp_size, "decode_tp": 1} if role is Role.PREFILL else {"prefill_tp": 1, "decode_tp": tp_size}
+        )
+        place = find_placement(assign_ranks(table, **tps), role, cfg.server_id, dp_rank, tp_rank)
+        return LLMDataDistTransport(
+            role=cfg.role,
+            cluster_id=place.cluster_id,
+            device_id=place.device_id,
+            device_ip=place.device_ip,
+            server_id=place.server_id,
+            super_device_id=place.super_device_id,
+            super_pod_id=place.super_pod_id,
+            **options,
+        )
+    raise ConfigError(f"unknown transport {cfg.transport!r}")
+
+
+# ---- messages to the transfer thread ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pull:
+    req_id: str
+    transfer_id: str
+    kv_key: int
+    remote: Mapping[str, Any]
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Holding:
+    count: int
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class _Started:
+    address: dict[str, Any] | None
+    error: BaseException | None
+
+
+class _TransferThread:
+    """Owns the transport. Everything it shares with other threads goes through its two queues."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Transport],
+        regions: Sequence[KVRegion],
+        *,
+        tp_rank: int,
+        corrupt: bool,
+    ) -> None:
+        self._factory = factory
+        self._regions = tuple(regions)
+        self._tp_rank = tp_rank
+        self._corrupt = corrupt
+        self.inbox: queue.SimpleQueue[_Pull | _Holding | _Stop] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[PullOutcome] = queue.SimpleQueue()
+        self._started: queue.SimpleQueue[_Started] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"pdgate-xfer-tp{tp_rank}", daemon=True)
+
+    def start(self, timeout: float = _START_TIMEOUT_S) -> dict[str, Any]:
+        self._thread.start()
+        try:
+            started = self._started.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the KV transport did not start within {timeout:.0f}s") from None
+        if started.error is not None:
+            raise started.error
+        assert started.address is not None
+        return started.address
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.inbox.put(_Stop())
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            transport = self._factory()
+            transport.register(self._regions)
+            address = transport.local_address()
+        except BaseException as exc:
+            self._started.put(_Started(None, exc))
+            return
+        self._started.put(_Started(address, None))
+        inflight: dict[str, _Pull] = {}
+        holding = 0
+        delay = _POLL_MIN_S
+        try:
+            while True:
+                if inflight:
+                    timeout: float | None = delay
+                    delay = min(delay * 2, _POLL_MAX_S)
+                elif holding:
+                    timeout = _HOLD_POLL_S
+                else:
+                    timeout = _IDLE_POLL_S
+                msgs = []
+                try:
+                    msgs.append(self.inbox.get(timeout=timeout))
+                    while True:
+                        msgs.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                for msg in msgs:
+                    if isinstance(msg, _Stop):
+                        return
+                    if isinstance(msg, _Holding):
+                        holding = msg.count
+                    else:
+                        self._submit(transport, msg, inflight)
+                        delay = _POLL_MIN_S
+                for result in transport.poll():
+                    self._finish(result, inflight)
+                served = transport.drain_served()
+                if served and logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("peers finished reading %s", served)
+        finally:
+            transport.close()
+
+    def _submit(self, transport: Transport, job: _Pull, inflight: dict[str, _Pull]) -> None:
+        req = PullRequest(
+            transfer_id=job.transfer_id,
+            kv_key=job.kv_key,
+            remote=job.remote,
+            remote_block_ids=job.remote_block_ids,
+            local_block_ids=job.local_block_ids,
+        )
+        inflight[job.transfer_id] = job
+        try:
+            transport.start_pull(req)
+        except TransportError as exc:
+            self._finish(PullResult.failure(job.transfer_id, exc), inflight)
+
+    def _finish(self, result: PullResult, inflight: dict[str, _Pull]) -> None:
+        job = inflight.pop(result.transfer_id, None)
+        if job is None:
+            logger.warning("transport reported unknown transfer %s", result.transfer_id)
+            return
+        if result.ok and self._corrupt:
+            _xor_blocks(self._regions, job.local_block_ids)
+        err = result.error
+        self.outbox.put(
+            PullOutcome(
+                req_id=job.req_id,
+                transfer_id=job.transfer_id,
+                tp_rank=self._tp_rank,
+                ok=result.ok,
+                code=err.code if err is not None else None,
+                message=str(err) if err is not None else None,
+                nbytes=result.nbytes,
+                nblocks=len(job.local_block_ids) if result.ok else 0,
+                elapsed_s=result.elapsed_s,
+            )
+        )
+
+
+def _xor_blocks(regions: Iterable[KVRegion], block_ids: Iterable[int]) -> None:
+    """TEST ONLY (`corrupt_pulled_bytes`): flip bits of the pulled blocks, in host memory."""
+    import numpy as np
+
+    ids = list(block_ids)
+    for region in regions:
+        for b in ids:
+            buf = (ctypes.c_uint8 * region.block_len).from_address(region.block_addr(b))
+            np.ctypeslib.as_array(buf)[...] ^= 0x5A
+
+
+class WorkerHalf:
+    """See the module docstring. Model-runner thread only (apart from the transfer thread it owns)."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        *,
+        tp_rank: int,
+        transport_factory: Callable[[], Transport],
+    ) -> None:
+        self._cfg = cfg
+        self.tp_rank = tp_rank
+        self._factory = transport_factory
+        self._thread: _TransferThread | None = None
+        self.address: dict[str, Any] | None = None
+        self._inflight: dict[str, str] = {}  # req_id -> transfer_id of a pull still writing
+        self._completions: dict[str, RecvDone] = {}
+        self._holding: set[str] = set()
+        self._frees: set[str] = set()
+        self._outcomes: list[PullOutcome] = []
+        self._load_errors: set[int] = set()
+
+    # ---- set-up -----------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> dict[str, Any]:
+        if self._cfg.corrupt_pulled_bytes:
+            devices = {str(t.device) for v in kv_caches.values() for t in (v if isinstance(v, (tuple, list)) else [v])}
+            if devices != {"cpu"}:
+                raise ConfigError("corrupt_pulled_bytes (test only) works on CPU KV caches only")
+            logger.warning("corrupt_pulled_bytes is on: pulled KV will be XORed (negative-control test mode)")
+        regions = regions_from_kv_caches(kv_caches)
+        if self._thread is not None:
+            raise RuntimeError("register_kv_caches called twice")
+        thread = _TransferThread(self._factory, regions, tp_rank=self.tp_rank, corrupt=self._cfg.corrupt_pulled_bytes)
+        self.address = thread.start()
+        self._thread = thread
+        logger.info(
+            "tp rank %d: %d KV regions registered with %s (%d blocks of %d B per region)",
+            self.tp_rank,
+            len(regions),
+            self.address.get("kind"),
+            regions[0].num_blocks,
+            regions[0].block_len,
+        )
+        return self.address
+
+    # ---- per step ---------------------------------------------------------------------------------
+
+    def on_step(self, step: StepMetadata) -> None:
+        for plan in step.pulls:
+            if self._thread is None or self.tp_rank >= len(plan.sources):
+                why = "no KV caches registered" if self._thread is None else f"no source for tp rank {self.tp_rank}"
+                self._outcomes.append(
+                    PullOutcome(plan.req_id, plan.transfer_id, self.tp_rank, False, "transport_bad_request", why)
+                )
+                continue
+            self._inflight[plan.req_id] = plan.transfer_id
+            self._thread.inbox.put(
+                _Pull(
+                    plan.req_id,
+                    plan.transfer_id,
+                    plan.kv_key,
+                    plan.sources[self.tp_rank],
+                    plan.remote_block_ids,
+                    plan.local_block_ids,
+                )
+            )
+        for done in step.recv_done:
+            self._completions[done.req_id] = done
+        if step.holds or step.frees:
+            self._holding.update(step.holds)
+            self._holding.difference_update(step.frees)
+            self._frees.update(step.frees)
+            if self._thread is not None:
+                self._thread.inbox.put(_Holding(len(self._holding)))
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._drain()
+        recving: set[str] = set()
+        for rid, done in list(self._completions.items()):
+            if rid in self._inflight:
+                continue  # our pull may still write into these blocks; report once it stopped
+            recving.add(rid)
+            if not done.ok:
+                self._load_errors.update(done.local_block_ids)
+            del self._completions[rid]
+        sending, self._frees = self._frees, set()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_outcomes(self) -> list[PullOutcome]:
+        self._drain()
+        out, self._outcomes = self._outcomes, []
+        return out
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+    def _drain(self) -> None:
+        if self._thread is None:
+            return
+        while True:
+            try:
+                oc = self._thread.outbox.get_nowait()
+            except queue.Empty:
+                return
+            if self._inflight.get(oc.req_id) == oc.transfer_id:
+                del self._inflight[oc.req_id]
+            self._outcomes.append(oc)

@@ -1,0 +1,126 @@
+"""connector.config: one parse of kv_connector_extra_config, unknown keys and bad types refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.config import ALLOWED_KEYS, ConfigError, ServerFacts, discover_server, parse_config, role_for_kv_role
+
+FACTS = ServerFacts(kv_role="kv_producer", dp_rank=1, host="10.0.0.5", port=8100, served_model="tiny")
+BASE = {"metaserver_url": "http://10.0.0.2:8300/"}
+
+
+def test_defaults_come_from_the_server() -> None:
+    cfg = parse_config(BASE, FACTS)
+    assert cfg.metaserver_url == "http://10.0.0.2:8300"
+    assert cfg.url == "http://10.0.0.5:8100"
+    assert cfg.instance_id == "prefill-10.0.0.5-8100-dp1"
+    assert cfg.model == "tiny"
+    assert cfg.role == "prefill" and cfg.can_prefill and not cfg.can_decode
+    assert cfg.transport == "nixl"
+    assert cfg.corrupt_pulled_bytes is False
+
+
+def test_explicit_values_win() -> None:
+    cfg = parse_config(
+        {
+            **BASE,
+            "instance_id": "p0",
+            "url": "http://p0.example:9000",
+            "model": "m",
+            "transport": "llmdatadist",
+            "transport_options": {"listen_port": 26000},
+            "lease_s": 20,
+            "heartbeat_s": 2,
+            "pull_timeout_s": 5,
+            "labels": {"zone": "a"},
+            "corrupt_pulled_bytes": True,
+        },
+        FACTS,
+    )
+    assert (cfg.instance_id, cfg.url, cfg.model, cfg.transport) == ("p0", "http://p0.example:9000", "m", "llmdatadist")
+    assert cfg.transport_options == {"listen_port": 26000}
+    assert (cfg.lease_s, cfg.heartbeat_s, cfg.pull_timeout_s) == (20.0, 2.0, 5.0)
+    assert cfg.labels == {"zone": "a"} and cfg.corrupt_pulled_bytes
+
+
+def test_unknown_key_is_named_with_the_allowed_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({**BASE, "metaserver_ulr": "http://x"}, FACTS)
+    msg = str(err.value)
+    assert "metaserver_ulr" in msg
+    for key in ALLOWED_KEYS:
+        assert key in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("lease_s", "10", "a number"),
+        ("lease_s", 0, "positive"),
+        ("heartbeat_s", True, "a number"),
+        ("transport", "tcp", "nixl"),
+        ("metaserver_url", "10.0.0.2:8300", "http://"),
+        ("instance_id", "has space", "URL-safe"),
+        ("labels", {"a": 1}, "string -> string"),
+        ("corrupt_pulled_bytes", "yes", "true or false"),
+        ("free_margin_s", -1, ">= 0"),
+        ("transport_options", ["x"], "object"),
+    ],
+)
+def test_bad_values_name_the_key(key: str, value: object, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({**BASE, key: value}, FACTS)
+    assert f"kv_connector_extra_config.{key}" in str(err.value)
+    assert expected in str(err.value)
+
+
+def test_metaserver_url_is_required() -> None:
+    with pytest.raises(ConfigError, match="metaserver_url is required"):
+        parse_config({}, FACTS)
+
+
+def test_url_is_required_when_it_cannot_be_discovered() -> None:
+    facts = ServerFacts(kv_role="kv_consumer", host=None, port=8100, served_model="tiny")
+    with pytest.raises(ConfigError, match="url is required"):
+        parse_config(BASE, facts)
+    cfg = parse_config({**BASE, "url": "http://d0:8200"}, facts)
+    assert cfg.instance_id == "decode-d0-8200-dp0"
+
+
+def test_heartbeat_must_be_below_the_lease() -> None:
+    with pytest.raises(ConfigError, match="heartbeat_s"):
+        parse_config({**BASE, "lease_s": 5, "heartbeat_s": 5}, FACTS)
+
+
+def test_roles() -> None:
+    assert [role_for_kv_role(r) for r in ("kv_producer", "kv_consumer", "kv_both")] == ["prefill", "decode", "both"]
+    with pytest.raises(ConfigError, match="kv_role"):
+        role_for_kv_role(None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["vllm_cli.py", "serve", "m", "--port", "8100"], {"VLLM_HOST_IP": "127.0.0.1"}, ("127.0.0.1", 8100)),
+        (["vllm_cli.py", "serve", "m", "--port=8101", "--host", "10.1.1.1"], {}, ("10.1.1.1", 8101)),
+        (["vllm_cli.py", "serve", "m", "--host", "0.0.0.0"], {}, (None, 8000)),
+        (["python", "-c", "x"], {}, (None, None)),
+        (["vllm_cli.py", "serve", "m", "--host", "10.1.1.1"], {"VLLM_HOST_IP": "10.2.2.2"}, ("10.2.2.2", 8000)),
+    ],
+)
+def test_discover_server(argv: list[str], env: dict[str, str], expected: tuple[str | None, int | None]) -> None:
+    assert discover_server(argv, env) == expected
+
+
+def test_ipv6_host_is_bracketed() -> None:
+    cfg = parse_config(BASE, ServerFacts(kv_role="kv_both", host="fd00::5", port=8100, served_model="tiny"))
+    assert cfg.url == "http://[fd00::5]:8100"
+    assert cfg.instance_id.startswith("both-")
+
+
+def test_data_parallel_ranks_get_their_own_ids() -> None:
+    facts = ServerFacts(kv_role="kv_consumer", dp_rank=2, dp_size=4, host="h", port=1, served_model="m")
+    assert parse_config({**BASE, "instance_id": "d0"}, facts).instance_id == "d0-dp2"
+    assert parse_config({**BASE, "instance_id": "d0-dp2"}, facts).instance_id == "d0-dp2"
+    assert parse_config(BASE, facts).instance_id == "decode-h-1-dp2"

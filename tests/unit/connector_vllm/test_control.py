@@ -1,0 +1,175 @@
+"""The control thread against a real metaserver over HTTP: registration that survives an absent metaserver,
+claims that wait while a handoff is PENDING, the event feed's liveness, and a clean goodbye."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from connector.config import ConnectorConfig
+from connector.control import ControlThread
+from connector.messages import Claim, Claimed, ClaimFailed, Register, Registered, Result, Terminal, WriteStats
+from metaserver.app import create_app
+from metaserver.client import MetaClient, MetaNotFound
+from metaserver.models import (
+    HandoffCreate,
+    HandoffState,
+    InstanceRegistration,
+    KVLocation,
+    Role,
+    TransportKind,
+)
+from metaserver.settings import MetaSettings
+from tests.support.meta import uid
+from tests.support.ports import free_port, wait_until
+from tests.support.servers import UvicornThread
+
+T = TypeVar("T")
+
+
+def meta(url: str, fn: Callable[[MetaClient], Awaitable[T]]) -> T:
+    async def run() -> T:
+        async with MetaClient(url) as client:
+            return await fn(client)
+
+    return asyncio.run(run())
+
+
+def config(url: str, instance_id: str, role: str = "prefill", **over: Any) -> ConnectorConfig:
+    base: dict[str, Any] = dict(
+        metaserver_url=url,
+        instance_id=instance_id,
+        url="http://127.0.0.1:8100",
+        model="tiny",
+        role=role,
+        lease_s=3.0,
+        heartbeat_s=0.5,
+        feed_wait_s=0.5,
+        ready_wait_s=10.0,
+    )
+    base.update(over)
+    return ConnectorConfig(**base)
+
+
+def registration(cfg: ConnectorConfig) -> InstanceRegistration:
+    return InstanceRegistration(
+        id=cfg.instance_id, role=Role(cfg.role), url=cfg.url, model=cfg.model, lease_s=cfg.lease_s
+    )
+
+
+class Collector:
+    def __init__(self, control: ControlThread) -> None:
+        self.control = control
+        self.results: list[Result] = []
+
+    def wait_for(self, kind: type, timeout: float = 10.0) -> Any:
+        def seen() -> bool:
+            self.results.extend(self.control.drain())
+            return any(isinstance(r, kind) for r in self.results)
+
+        wait_until(seen, timeout=timeout, what=kind.__name__)
+        return next(r for r in self.results if isinstance(r, kind))
+
+
+@pytest.fixture
+def control_and_url(metaserver: UvicornThread) -> Iterator[tuple[ControlThread, ConnectorConfig]]:
+    cfg = config(metaserver.url, uid("ctl"))
+    control = ControlThread(cfg)
+    yield control, cfg
+    control.close()
+
+
+def test_registration_waits_for_an_absent_metaserver_and_goodbye_deregisters(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = config(url, uid("late"))
+    control = ControlThread(cfg)
+    server: UvicornThread | None = None
+    try:
+        control.submit([Register(registration(cfg))])
+        time.sleep(0.5)  # it is retrying against nothing; nothing must be reported yet
+        assert control.drain() == []
+        server = UvicornThread(create_app(MetaSettings(store="memory://")), port=port).start()
+        Collector(control).wait_for(Registered)
+
+        def beat() -> float:
+            return meta(url, lambda c: c.get_instance(cfg.instance_id)).last_heartbeat
+
+        first = beat()
+        wait_until(lambda: beat() > first, what="heartbeat")
+        control.close()
+        with pytest.raises(MetaNotFound):
+            meta(url, lambda c: c.get_instance(cfg.instance_id))
+    finally:
+        control.close()
+        if server is not None:
+            server.stop()
+
+
+def test_claim_waits_while_the_handoff_is_pending(
+    control_and_url: tuple[ControlThread, ConnectorConfig], metaserver: UvicornThread
+) -> None:
+    control, cfg = control_and_url
+    url = metaserver.url
+    prefill = uid("p")
+    meta(url, lambda c: c.register(InstanceRegistration(id=prefill, role=Role.PREFILL, url="http://p:1", model="tiny")))
+    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=prefill)))
+    collector = Collector(control)
+    control.submit([Claim(h.transfer_id)])
+    time.sleep(0.3)
+    assert not [r for r in control.drain() if isinstance(r, (Claimed, ClaimFailed))]  # still PENDING
+    loc = KVLocation(block_ids=[[3, 4]], num_tokens=40, block_size=32, transport=TransportKind.NIXL)
+    meta(url, lambda c: c.mark_ready(h.transfer_id, loc))
+    claimed = collector.wait_for(Claimed)
+    assert claimed.handoff.state is HandoffState.CLAIMED and claimed.handoff.decode_instance_id == cfg.instance_id
+    assert claimed.handoff.location.block_ids == [[3, 4]]
+
+
+def test_claim_of_an_aborted_handoff_fails_as_gone(
+    control_and_url: tuple[ControlThread, ConnectorConfig], metaserver: UvicornThread
+) -> None:
+    control, _ = control_and_url
+    url = metaserver.url
+    prefill = uid("p")
+    meta(url, lambda c: c.register(InstanceRegistration(id=prefill, role=Role.PREFILL, url="http://p:1", model="tiny")))
+    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=prefill)))
+    meta(url, lambda c: c.abort(h.transfer_id, "test"))
+    control.submit([Claim(h.transfer_id)])
+    failed = Collector(control).wait_for(ClaimFailed)
+    assert failed.code == "gone"
+
+
+def test_feed_reports_terminal_states_and_stays_alive(
+    control_and_url: tuple[ControlThread, ConnectorConfig], metaserver: UvicornThread
+) -> None:
+    control, cfg = control_and_url
+    url = metaserver.url
+    collector = Collector(control)
+    control.submit([Register(registration(cfg))])
+    collector.wait_for(Registered)
+    wait_until(lambda: control.feed_ok_at is not None, what="feed")
+    first = control.feed_ok_at
+    assert first is not None
+    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=cfg.instance_id)))
+    meta(url, lambda c: c.abort(h.transfer_id, "client gone"))
+    term = collector.wait_for(Terminal)
+    assert (term.transfer_id, term.state, term.reason) == (h.transfer_id, "ABORTED", "client gone")
+    wait_until(lambda: (control.feed_ok_at or 0) > first, what="the feed to keep polling")
+
+
+def test_stats_are_written_atomically_and_the_last_one_wins(metaserver: UvicornThread, tmp_path: Path) -> None:
+    path = tmp_path / "stats" / "c.json"
+    control = ControlThread(config(metaserver.url, uid("st"), stats_file=str(path)))
+    try:
+        for i in range(20):
+            control.submit([WriteStats({"counters": {"recv_ok": i}})])
+        wait_until(lambda: path.exists() and json.loads(path.read_text())["counters"]["recv_ok"] == 19, what="stats")
+        assert [p.name for p in path.parent.iterdir()] == ["c.json"]  # no temp files left behind
+    finally:
+        control.close()

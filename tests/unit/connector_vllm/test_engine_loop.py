@@ -1,0 +1,299 @@
+"""Both halves together, for real, minus the model: two in-process "engines" (prefill and decode).
+
+Each engine is vLLM's own `Scheduler` with `PDGateConnector` (loaded through `kv_connector_module_path`)
+plus one `PDGateConnector` in the WORKER role over real CPU KV tensors with the real NIXL transport, all
+talking to a real metaserver over HTTP. The test plays the model runner: it drives the worker connector
+through the same hook sequence as vLLM's `KVConnectorModelRunnerMixin` and writes recognisable bytes into
+the prefill's KV blocks where a forward pass would. So a decode that finishes here finished because its
+blocks really arrived through NIXL, and the prefill's blocks were freed because the ledger said DONE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from connector.connector import PDGateConnector
+from metaserver.client import MetaClient
+from metaserver.models import HandoffCreate, HandoffState, Instance
+from tests.support.meta import uid
+from tests.support.servers import UvicornThread
+from tests.unit.connector_vllm.conftest import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    LAYERS,
+    NUM_KV_HEADS,
+    kv_cache_config,
+    make_request,
+    make_scheduler,
+    vllm_config,
+)
+
+T = TypeVar("T")
+NUM_BLOCKS = 128
+
+
+def meta(url: str, fn: Callable[[MetaClient], Awaitable[T]]) -> T:
+    async def run() -> T:
+        async with MetaClient(url) as client:
+            return await fn(client)
+
+    return asyncio.run(run())
+
+
+class Engine:
+    """A vLLM scheduler + one worker connector, stepped by hand like EngineCore's busy loop."""
+
+    def __init__(self, model_dir: Path, metaserver_url: str, kv_role: str, tmp: Path, **extra: Any) -> None:
+        self.role = "decode" if kv_role == "kv_consumer" else "prefill"
+        self.instance_id = uid(kv_role.removeprefix("kv_"))
+        self.stats_file = tmp / f"{self.instance_id}.json"
+        cfg = vllm_config(
+            model_dir,
+            kv_role=kv_role,
+            num_blocks=NUM_BLOCKS,
+            kv_load_failure_policy=extra.pop("policy", "fail"),
+            extra={
+                "metaserver_url": metaserver_url,
+                "url": f"http://127.0.0.1:{18000 + len(self.instance_id)}",
+                "instance_id": self.instance_id,
+                "stats_file": str(self.stats_file),
+                "transport_options": {"ucx_net_devices": "lo"},
+                "feed_wait_s": 1.0,
+                "heartbeat_s": 1.0,
+                **extra,
+            },
+        )
+        self.sched = make_scheduler(cfg, NUM_BLOCKS)
+        self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config(NUM_BLOCKS))
+        assert isinstance(self.worker, PDGateConnector) and isinstance(self.sched.connector, PDGateConnector)
+        shape = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+        self.kv = {name: torch.zeros(shape, dtype=torch.bfloat16) for name in LAYERS}
+        self.worker.register_kv_caches(self.kv)
+        # What EngineCore does after KV init: worker handshake metadata -> scheduler-side connector.
+        hs = self.worker.get_handshake_metadata()
+        self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): hs})
+        self.outputs: dict[str, Any] = {}
+
+    def step(self) -> SchedulerOutput:
+        so = self.sched.schedule()
+        w = self.worker
+        # The worker side of one step, in KVConnectorModelRunnerMixin's order.
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)  # type: ignore[arg-type]
+        w.wait_for_save()
+        sending, recving = w.get_finished(so.finished_req_ids)
+        kv_out = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+            kv_connector_stats=w.get_kv_connector_stats(),
+            kv_connector_worker_meta=w.build_connector_worker_meta(),
+        )
+        w.clear_connector_metadata()
+        # The "forward": prefill tokens write KV, the last one samples a token.
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.sched.requests[rid]
+            self._write_kv(rid)
+            done_prefill = req.num_computed_tokens >= req.num_tokens
+            sampled.append([7] if done_prefill else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+        for eco in self.sched.update_from_output(so, mro).values():
+            for out in eco.outputs:
+                self.outputs[out.request_id] = out
+        return so
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def _write_kv(self, req_id: str) -> None:
+        if self.role == "decode":
+            return
+        for i, block in enumerate(self.block_ids(req_id)):
+            for j, name in enumerate(LAYERS):
+                self.kv[name][block].fill_(float(1 + i + 10 * j))
+
+    def counters(self) -> dict[str, int]:
+        return json.loads(self.stats_file.read_text())["counters"] if self.stats_file.exists() else {}
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def run_until(
+    cond: Callable[[], bool], engines: list[Engine], *, timeout: float = 20.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout}s")
+        for e in engines:
+            e.step()
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def engines(model_dir: Path, metaserver: UvicornThread, tmp_path: Path) -> Iterator[tuple[Engine, Engine]]:
+    p = Engine(model_dir, metaserver.url, "kv_producer", tmp_path)
+    d = Engine(model_dir, metaserver.url, "kv_consumer", tmp_path)
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+
+
+def registered(url: str, instance_id: str) -> Instance | None:
+    async def get(c: MetaClient) -> Instance | None:
+        return next((i for i in await c.list_instances() if i.id == instance_id), None)
+
+    return meta(url, get)
+
+
+def new_handoff(url: str, prefill_id: str, lease_s: float | None = None) -> tuple[str, int]:
+    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=prefill_id, lease_s=lease_s)))
+    return h.transfer_id, h.kv_key
+
+
+def state(url: str, tid: str) -> HandoffState:
+    return meta(url, lambda c: c.get_handoff(tid)).state
+
+
+def test_both_engines_register_with_their_worker_addresses(
+    engines: tuple[Engine, Engine], metaserver: UvicornThread
+) -> None:
+    p, d = engines
+    for engine, role in ((p, "prefill"), (d, "decode")):
+        run_until(lambda e=engine: registered(metaserver.url, e.instance_id) is not None, [], what="registration")
+        inst = registered(metaserver.url, engine.instance_id)
+        assert inst is not None and inst.role.value == role
+        assert (inst.block_size, inst.tp_size, inst.transport.value, inst.model) == (BLOCK_SIZE, 1, "nixl", inst.model)
+        (addr,) = inst.transport_addresses
+        assert addr.tp_rank == 0 and addr.meta["kind"] == "nixl" and addr.meta["agent_metadata"]
+        assert inst.kv_layout.endswith("/L2/H2/D32/B32")
+
+
+def _prefill(p: Engine, url: str, tid: str, kv_key: int, prompt_len: int, rid: str = "p1") -> dict[str, Any]:
+    p.sched.add_request(
+        make_request(rid, prompt_len, {"do_remote_decode": True, "transfer_id": tid, "kv_key": kv_key}, max_tokens=1)
+    )
+    run_until(lambda: rid in p.outputs, [p], what="prefill")
+    out = p.outputs[rid]
+    assert out.finish_reason is not None and out.kv_transfer_params is not None
+    return dict(out.kv_transfer_params)
+
+
+def test_one_prefill_one_decode_over_nixl(engines: tuple[Engine, Engine], metaserver: UvicornThread) -> None:
+    p, d = engines
+    url = metaserver.url
+    run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="prefill registration")
+    tid, kv_key = new_handoff(url, p.instance_id)
+
+    params = _prefill(p, url, tid, kv_key, prompt_len=70)
+    assert params["transfer_id"] == tid and params["kv_key"] == kv_key and params["remote_num_tokens"] == 70
+    p_blocks = p.block_ids("p1")
+    assert params["remote_block_ids"] == p_blocks and len(p_blocks) == 3
+    assert "p1" in p.sched.requests  # held for the decode
+    run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
+
+    # The decode request carries what the router forwards: P's answer.
+    d.sched.add_request(make_request("d1", 70, params, max_tokens=4))
+    d.step()
+    req = d.sched.requests["d1"]
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and req.num_computed_tokens == 70
+    d_blocks = d.block_ids("d1")
+    run_until(lambda: "d1" in d.outputs, [p, d], what="decode")
+    for name in LAYERS:
+        assert torch.equal(d.kv[name][d_blocks], p.kv[name][p_blocks])  # the prefill's bytes, via NIXL
+    assert state(url, tid) is HandoffState.DONE
+    run_until(lambda: "p1" not in p.sched.requests, [p, d], what="prefill blocks freed")
+
+    run_until(
+        lambda: d.counters().get("recv_ok") == 1 and p.counters().get("sends_freed_done") == 1, [p, d], what="stats"
+    )
+    dc, pc = d.counters(), p.counters()
+    assert (dc["tokens_loaded"], dc["blocks_pulled"], dc["recv_failed"]) == (70, 3, 0)
+    assert (pc["sends_held"], pc["ready_recorded"]) == (1, 1)
+
+
+def test_decode_of_an_aborted_handoff_reports_load_errors_and_recomputes(
+    model_dir: Path, metaserver: UvicornThread, tmp_path: Path
+) -> None:
+    p = Engine(model_dir, metaserver.url, "kv_producer", tmp_path)
+    d = Engine(model_dir, metaserver.url, "kv_consumer", tmp_path, policy="recompute")
+    try:
+        url = metaserver.url
+        run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="registration")
+        tid, kv_key = new_handoff(url, p.instance_id)
+        params = _prefill(p, url, tid, kv_key, prompt_len=40)
+        meta(url, lambda c: c.abort(tid, "client went away"))
+        run_until(lambda: "p1" not in p.sched.requests, [p], what="prefill freed on ABORTED")
+
+        d.sched.add_request(make_request("d1", 40, params, max_tokens=2))
+        d.step()
+        assert d.sched.requests["d1"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        computed: list[int] = []
+
+        def recomputed() -> bool:
+            so = d.step()
+            computed.append(so.num_scheduled_tokens.get("d1", 0))
+            return "d1" in d.outputs
+
+        run_until(recomputed, [], what="recompute")
+        # The whole prompt was computed locally (no garbage decoded from blocks that never arrived).
+        assert 40 in computed
+        run_until(lambda: d.counters().get("recv_failed") == 1, [d], what="stats")
+        assert d.counters()["claims_failed"] == 1 and d.counters()["invalid_blocks"] == 2
+        assert p.counters().get("sends_freed_aborted") == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_unclaimed_handoff_expires_and_the_prefill_frees(
+    engines: tuple[Engine, Engine], metaserver: UvicornThread
+) -> None:
+    p, _ = engines
+    url = metaserver.url
+    run_until(lambda: registered(url, p.instance_id) is not None, [p], what="registration")
+    tid, kv_key = new_handoff(url, p.instance_id, lease_s=0.5)
+    _prefill(p, url, tid, kv_key, prompt_len=33)
+    assert "p1" in p.sched.requests
+    run_until(lambda: "p1" not in p.sched.requests, [p], what="free on EXPIRED")
+    assert state(url, tid) is HandoffState.EXPIRED
+    run_until(lambda: p.counters().get("sends_freed_expired") == 1, [p], what="stats")
+
+
+def test_decode_aborted_before_scheduling_frees_the_prefill(
+    engines: tuple[Engine, Engine], metaserver: UvicornThread
+) -> None:
+    p, d = engines
+    url = metaserver.url
+    run_until(lambda: registered(url, p.instance_id) is not None, [p], what="registration")
+    tid, kv_key = new_handoff(url, p.instance_id)
+    params = _prefill(p, url, tid, kv_key, prompt_len=40)
+    run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
+    d.sched.add_request(make_request("d1", 40, params))
+    d.sched.finish_requests("d1", RequestStatus.FINISHED_ABORTED)  # before any schedule()
+    run_until(lambda: "p1" not in p.sched.requests, [p, d], what="prefill freed")
+    assert state(url, tid) is HandoffState.ABORTED

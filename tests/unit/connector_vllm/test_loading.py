@@ -1,0 +1,62 @@
+"""How vLLM finds the connector: module path, plugin entry point, and a cheap `import connector`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+from connector.config import ConfigError
+from connector.connector import PDGateConnector
+from tests.unit.connector_vllm.conftest import kv_cache_config, vllm_config
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_importing_the_package_pulls_in_neither_torch_nor_vllm() -> None:
+    code = (
+        "import sys, connector, connector.plugin\n"
+        "heavy = sorted(m for m in ('torch', 'vllm', 'nixl', 'llm_datadist') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_scheduler_half_and_its_helpers_import_no_device_code() -> None:
+    code = (
+        "import sys\n"
+        "import connector.scheduler, connector.control, connector.registration, connector.worker\n"
+        "heavy = sorted(m for m in ('torch', 'vllm', 'nixl', 'numpy') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+
+
+def test_module_path_resolves_the_class() -> None:
+    cfg = KVTransferConfig(kv_connector="PDGateConnector", kv_connector_module_path="connector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(cfg) is PDGateConnector
+
+
+def test_plugin_entry_point_registers_the_name_idempotently() -> None:
+    (ep,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "pdgate_connector"]
+    register = ep.load()
+    register()
+    register()  # vLLM calls plugins once per process, but twice must not fail either
+    cfg = KVTransferConfig(kv_connector="PDGateConnector", kv_role="kv_consumer")
+    assert KVConnectorFactory.get_connector_class(cfg) is PDGateConnector
+
+
+def test_bad_extra_config_fails_at_construction_with_the_key(model_dir: Path) -> None:
+    cfg = vllm_config(
+        model_dir, kv_role="kv_producer", extra={"metaserver_url": "http://x:1", "url": "http://y:2", "bogus": 1}
+    )
+    with pytest.raises(ConfigError, match="bogus"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())

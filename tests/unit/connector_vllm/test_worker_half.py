@@ -1,0 +1,266 @@
+"""The worker half moving real KV bytes between two CPU KV caches laid out as vLLM lays them out.
+
+Most tests use `tests/fakes/memory_transport.py` (a test double that copies bytes in-process, with
+explicit failure knobs); the last ones build two real `PDGateConnector` WORKER facades through vLLM's
+`KVConnectorFactory` with the real NIXL transport.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+from connector.config import ConfigError, ConnectorConfig
+from connector.connector import PDGateConnector, PDGateConnectorMetadata, PDGateHandshake, PDGateWorkerMeta
+from connector.metadata import PullOutcome, RecvDone, RecvPlan, StepMetadata
+from connector.transport.base import PullTimeout
+from connector.worker import WorkerHalf, regions_from_kv_caches
+from tests.fakes.memory_transport import MemoryTransport
+from tests.unit.connector_vllm.conftest import BLOCK_SIZE, HEAD_SIZE, LAYERS, NUM_KV_HEADS, kv_cache_config, vllm_config
+
+NUM_BLOCKS = 64
+
+
+def kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """Per-layer views over one int8 buffer, `[blocks, kv_heads, block_size, 2*head]` bf16, as vLLM CPU does."""
+    shape = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    per_layer = NUM_BLOCKS * NUM_KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 2
+    buf = torch.zeros(per_layer * len(LAYERS), dtype=torch.int8)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        buf.copy_(torch.randint(-128, 127, buf.shape, generator=g, dtype=torch.int8))
+    return {
+        name: buf[i * per_layer : (i + 1) * per_layer].view(torch.bfloat16).view(shape) for i, name in enumerate(LAYERS)
+    }
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (random bytes read as bf16 include NaNs, which never compare equal)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def cfg(**over: Any) -> ConnectorConfig:
+    base: dict[str, Any] = dict(
+        metaserver_url="http://127.0.0.1:1", instance_id="w", url="http://127.0.0.1:1", model="tiny", role="both"
+    )
+    base.update(over)
+    return ConnectorConfig(**base)
+
+
+class Pair:
+    def __init__(self, make_d: Callable[[], MemoryTransport] | None = None, **d_cfg: Any) -> None:
+        self.p_kv = kv_caches(seed=1)
+        self.d_kv = kv_caches(seed=None)
+        self.p = WorkerHalf(cfg(), tp_rank=0, transport_factory=MemoryTransport)
+        self.d = WorkerHalf(cfg(**d_cfg), tp_rank=0, transport_factory=make_d or MemoryTransport)
+        self.p_addr = self.p.register_kv_caches(self.p_kv)
+        self.d.register_kv_caches(self.d_kv)
+
+    def pull(self, remote: tuple[int, ...], local: tuple[int, ...], req: str = "d1", tid: str = "t1") -> None:
+        self.d.on_step(StepMetadata(pulls=(RecvPlan(req, tid, 9, remote, local, (self.p_addr,)),)))
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def wait_outcomes(worker: WorkerHalf, n: int = 1, timeout: float = 10.0) -> list[PullOutcome]:
+    got: list[PullOutcome] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        got.extend(worker.take_outcomes())
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n} pull outcome(s) did not arrive within {timeout}s (got {got})")
+        time.sleep(0.001)
+    return got
+
+
+def test_regions_follow_vllm_cpu_layout() -> None:
+    kv = kv_caches(seed=None)
+    regions = regions_from_kv_caches(kv)
+    block_len = NUM_KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 2
+    assert [r.name for r in regions] == list(LAYERS)
+    for r, t in zip(regions, kv.values(), strict=True):
+        assert (r.base_ptr, r.block_len, r.stride, r.num_blocks) == (t.data_ptr(), block_len, block_len, NUM_BLOCKS)
+
+
+def test_regions_accept_ascend_tuples_and_register_shared_tensors_once() -> None:
+    k, v = torch.zeros(8, 16, 2, 32), torch.zeros(8, 16, 2, 32)
+    regions = regions_from_kv_caches({"l0": (k, v), "l1": (k, v)})
+    assert [r.name for r in regions] == ["l0.0", "l0.1"]
+    assert regions[0].block_len == 16 * 2 * 32 * 4
+
+
+def test_regions_refuse_a_block_that_is_not_contiguous() -> None:
+    t = torch.zeros(2, 8, 4, 16).transpose(0, 1)  # dim 0 is no longer the outermost stride
+    with pytest.raises(ValueError, match="contiguous"):
+        regions_from_kv_caches({"l0": t})
+
+
+def test_pull_copies_the_blocks_and_reports_after_confirmation(pair: Pair) -> None:
+    pair.pull((3, 4, 5), (10, 11, 12))
+    (oc,) = wait_outcomes(pair.d)
+    block_len = NUM_KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 2
+    assert (oc.ok, oc.req_id, oc.transfer_id, oc.nblocks, oc.nbytes) == (True, "d1", "t1", 3, 3 * block_len * 2)
+    for name in LAYERS:
+        assert same(pair.d_kv[name][10:13], pair.p_kv[name][3:6])
+        assert not pair.d_kv[name][13].any()  # nothing else written
+    # Finished receiving only once the scheduler half confirmed (the ledger's DONE).
+    assert pair.d.get_finished() == (None, None)
+    pair.d.on_step(StepMetadata(recv_done=(RecvDone("d1", True),)))
+    assert pair.d.get_finished() == (None, {"d1"})
+    assert pair.d.take_load_errors() == set()
+
+
+def test_failed_pull_reports_the_blocks_as_load_errors(pair: Pair) -> None:
+    pair.p.close()  # the prefill went away
+    pair.pull((3, 4), (10, 11))
+    (oc,) = wait_outcomes(pair.d)
+    assert not oc.ok and oc.code == "transport_peer_unreachable"
+    pair.d.on_step(StepMetadata(recv_done=(RecvDone("d1", False, (10, 11)),)))
+    assert pair.d.get_finished() == (None, {"d1"})
+    assert pair.d.take_load_errors() == {10, 11}
+    assert pair.d.take_load_errors() == set()
+
+
+def test_bad_block_ids_fail_the_pull_not_the_worker(pair: Pair) -> None:
+    pair.pull((3, NUM_BLOCKS + 1), (10, 11))
+    (oc,) = wait_outcomes(pair.d)
+    assert not oc.ok and oc.code == "transport_bad_request"
+    pair.pull((3,), (10,), req="d2", tid="t2")  # the worker goes on
+    assert wait_outcomes(pair.d)[0].ok
+
+
+def test_a_failure_decided_while_the_pull_runs_waits_for_the_pull_to_stop() -> None:
+    pair = Pair(make_d=lambda: MemoryTransport(complete_after_polls=10**9, pull_timeout_s=0.3))
+    try:
+        pair.pull((3,), (10,))
+        # The scheduler half gave up (its deadline) while our pull may still write into block 10.
+        pair.d.on_step(StepMetadata(recv_done=(RecvDone("d1", False, (10,)),)))
+        assert pair.d.get_finished() == (None, None)
+        (oc,) = wait_outcomes(pair.d)
+        assert oc.code == PullTimeout.code
+        assert pair.d.get_finished() == (None, {"d1"})
+        assert pair.d.take_load_errors() == {10}
+    finally:
+        pair.close()
+
+
+def test_corrupt_pulled_bytes_flips_what_was_pulled() -> None:
+    pair = Pair(corrupt_pulled_bytes=True)
+    try:
+        pair.pull((3,), (10,))
+        assert wait_outcomes(pair.d)[0].ok
+        for name in LAYERS:
+            got = pair.d_kv[name][10].view(torch.uint8)
+            want = pair.p_kv[name][3].view(torch.uint8) ^ 0x5A
+            assert torch.equal(got, want)
+    finally:
+        pair.close()
+
+
+def test_prefill_reports_frees_exactly_once(pair: Pair) -> None:
+    pair.p.on_step(StepMetadata(holds=("p1", "p2")))
+    assert pair.p.get_finished() == (None, None)
+    pair.p.on_step(StepMetadata(frees=("p1",)))
+    assert pair.p.get_finished() == ({"p1"}, None)
+    assert pair.p.get_finished() == (None, None)
+
+
+def test_a_worker_without_a_source_for_its_rank_fails_the_pull(pair: Pair) -> None:
+    rank1 = WorkerHalf(cfg(), tp_rank=1, transport_factory=MemoryTransport)
+    try:
+        rank1.register_kv_caches(kv_caches(seed=None))
+        rank1.on_step(StepMetadata(pulls=(RecvPlan("d1", "t1", 9, (3,), (10,), (pair.p_addr,)),)))
+        (oc,) = rank1.take_outcomes()
+        assert not oc.ok and "tp rank 1" in (oc.message or "")
+    finally:
+        rank1.close()
+
+
+def test_corrupt_mode_is_refused_for_device_memory() -> None:
+    worker = WorkerHalf(cfg(corrupt_pulled_bytes=True), tp_rank=0, transport_factory=MemoryTransport)
+    on_device = {name: torch.empty(NUM_BLOCKS, 2, 32, 64, device="meta") for name in LAYERS}
+    with pytest.raises(ConfigError, match="CPU"):
+        worker.register_kv_caches(on_device)
+
+
+# ---- the facade in the WORKER role, with real NIXL -------------------------------------------------
+
+
+def worker_connector(model_dir: Path, name: str, **extra: Any) -> PDGateConnector:
+    config = vllm_config(
+        model_dir,
+        kv_role="kv_both",
+        extra={
+            "metaserver_url": "http://127.0.0.1:1",
+            "url": "http://127.0.0.1:1",
+            "instance_id": name,
+            "transport_options": {"ucx_net_devices": "lo"},
+            **extra,
+        },
+    )
+    conn = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config(NUM_BLOCKS))
+    assert isinstance(conn, PDGateConnector)
+    return conn
+
+
+def step(conn: PDGateConnector, meta: StepMetadata) -> tuple[Any, Any, set[int], PDGateWorkerMeta | None]:
+    """One engine step as vLLM's model runner drives the worker connector."""
+    conn.bind_connector_metadata(PDGateConnectorMetadata(meta))
+    conn.start_load_kv(None)  # type: ignore[arg-type]
+    conn.wait_for_save()
+    sending, recving = conn.get_finished(set())
+    errors = conn.get_block_ids_with_load_errors()
+    worker_meta = conn.build_connector_worker_meta()
+    conn.clear_connector_metadata()
+    assert worker_meta is None or isinstance(worker_meta, PDGateWorkerMeta)
+    return sending, recving, errors, worker_meta
+
+
+def test_worker_facades_pull_over_nixl(model_dir: Path) -> None:
+    p = worker_connector(model_dir, "nixl-p")
+    d = worker_connector(model_dir, "nixl-d")
+    try:
+        p_kv, d_kv = kv_caches(seed=7), kv_caches(seed=None)
+        p.register_kv_caches(p_kv)
+        d.register_kv_caches(d_kv)
+        hs = p.get_handshake_metadata()
+        assert isinstance(hs, PDGateHandshake) and hs.tp_rank == 0 and hs.address["kind"] == "nixl"
+        step(p, StepMetadata(holds=("p1",)))  # the prefill polls NIXL while it holds blocks
+        plan = RecvPlan("d1", "t1", 9, (1, 2, 3), (20, 21, 22), (hs.address,))
+        outcomes: list[PullOutcome] = []
+        _, recving, _, meta = step(d, StepMetadata(pulls=(plan,)))
+        assert recving is None
+        deadline = time.monotonic() + 20
+        while not outcomes:
+            if meta is not None:
+                outcomes.extend(meta.outcomes)
+            assert time.monotonic() < deadline, "NIXL pull did not finish"
+            step(p, StepMetadata())
+            *_, meta = step(d, StepMetadata())
+        (oc,) = outcomes
+        assert oc.ok, oc.message
+        for name in LAYERS:
+            assert same(d_kv[name][20:23], p_kv[name][1:4])
+        _, recving, errors, _ = step(d, StepMetadata(recv_done=(RecvDone("d1", True),)))
+        assert recving == {"d1"} and errors == set()
+        sending, *_ = step(p, StepMetadata(frees=("p1",)))
+        assert sending == {"p1"}
+    finally:
+        p.shutdown()
+        d.shutdown()
