@@ -5,9 +5,10 @@ vLLM imports this package in every process that builds a `VllmConfig`, the API s
 transport engine. `PDGateConnector` is resolved lazily through the module `__getattr__` below, which
 vLLM's `getattr(module, "PDGateConnector")` triggers only where the class is really needed.
 
-Reading path: `connector.py` (facade) -> `scheduler.py` (pure bookkeeping, engine-core process) and
-`worker.py` (transport owner, worker processes); `metadata.py` is everything that crosses between them,
-`messages.py` what crosses to the control thread (`control.py`, `registration.py`).
+Reading path (README.md has the whole of it, with the config keys and the metrics): `connector.py`
+(facade) -> `scheduler.py` (pure bookkeeping, engine-core process) and `worker.py` (transport owner,
+worker processes); `metadata.py` is everything that crosses between them, `location.py` the KV location
+P records and D checks, `messages.py` what crosses to the control thread (`control.py`, `registration.py`).
 """
 
 from __future__ import annotations

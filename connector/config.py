@@ -3,8 +3,10 @@
 Why a hand-written parser and not `get_from_extra_config` calls spread over the code: every key is read
 here, once, with its type checked, so a typo (`metaserver_ulr`) or a wrong type fails at engine start with
 a sentence naming the key and the allowed ones, instead of silently falling back to a default deep inside
-a worker thread. Nothing here imports vLLM; `facts_from_vllm` in `connector.py` gathers what we need from
-the `VllmConfig` into `ServerFacts`.
+a worker thread. Nothing here imports vLLM; `server_facts` in `connector.py` gathers what we need from
+the `VllmConfig` into `ServerFacts`, and passes the process environment for the two keys that may come
+from it instead (`PDGATE_METASERVER_URL`, `PDGATE_METASERVER_TOKEN`): a secret in
+`--kv-transfer-config` is visible to anyone on the host who can run `ps`, an environment variable is not.
 
 Example (a prefill instance)::
 
@@ -15,13 +17,17 @@ Example (a prefill instance)::
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "ALLOWED_KEYS",
+    "DEFAULT_HCCN_CONF",
+    "ENV_METASERVER_TOKEN",
+    "ENV_METASERVER_URL",
     "ConfigError",
     "ConnectorConfig",
     "ServerFacts",
@@ -31,6 +37,14 @@ __all__ = [
 ]
 
 TRANSPORTS = ("nixl", "llmdatadist")
+
+# Environment fallbacks for keys that should stay off the command line (the key, when set, wins).
+ENV_METASERVER_URL = "PDGATE_METASERVER_URL"
+ENV_METASERVER_TOKEN = "PDGATE_METASERVER_TOKEN"
+_ENV_FALLBACKS = {"metaserver_url": ENV_METASERVER_URL, "metaserver_token": ENV_METASERVER_TOKEN}
+
+# Ascend hosts describe each NPU's RoCE address here (`address_<device id>=<ip>`).
+DEFAULT_HCCN_CONF = "/etc/hccn.conf"
 
 # kv_role (vLLM) -> Role value (metaserver contract).
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
@@ -70,6 +84,10 @@ class ConnectorConfig:
     transport_options: Mapping[str, Any] = field(default_factory=dict)
     rank_table: str | None = None
     server_id: str | None = None
+    device_ips: Mapping[int, str] = field(default_factory=dict)
+    super_device_ids: Mapping[int, int] = field(default_factory=dict)
+    super_pod_id: str | None = None
+    hccn_conf: str = DEFAULT_HCCN_CONF
     lease_s: float = 15.0
     heartbeat_s: float = 5.0
     pull_timeout_s: float = 30.0
@@ -94,15 +112,30 @@ class ConnectorConfig:
 
 # key -> (type tag, help). The help text is what an operator reads in the error message.
 _FIELDS: dict[str, tuple[str, str]] = {
-    "metaserver_url": ("url", "base URL of the metaserver, e.g. http://10.0.0.2:8300 (required)"),
-    "metaserver_token": ("str", "bearer token for the metaserver, if it requires one"),
+    "metaserver_url": (
+        "url",
+        f"base URL of the metaserver, e.g. http://10.0.0.2:8300 (required; default: ${ENV_METASERVER_URL})",
+    ),
+    "metaserver_token": (
+        "str",
+        f"bearer token for the metaserver, if it requires one (default: ${ENV_METASERVER_TOKEN}, "
+        "which keeps it off the command line)",
+    ),
     "instance_id": ("id", "registry id of this instance (default: <role>-<host>-<port>-dp<rank>)"),
     "url": ("url", "base URL the router calls for this server (default: http://<VLLM_HOST_IP>:<--port>)"),
     "model": ("str", "model name to advertise (default: the served model name)"),
     "transport": ("transport", "KV transport: 'nixl' (default) or 'llmdatadist'"),
     "transport_options": ("dict", "extra keyword arguments for the transport, e.g. {'ucx_net_devices': 'lo'}"),
-    "rank_table": ("str", "path of the global rank table (llmdatadist)"),
+    "rank_table": ("str", "path of the global rank table (llmdatadist; optional, wins over device discovery)"),
     "server_id": ("str", "server id to advertise (host identity in a rank table)"),
+    "device_ips": (
+        "ip_table",
+        "llmdatadist without a rank table: IPv4 of each NPU of this host, a list indexed by device id or an "
+        "object {device id: ip} (default: $PDGATE_DEVICE_IP, then hccn_conf)",
+    ),
+    "super_device_ids": ("int_table", "Atlas A3: super device id of each NPU, a list or object like device_ips"),
+    "super_pod_id": ("str", "Atlas A3: the super pod of this host"),
+    "hccn_conf": ("str", f"file with the NPUs' address_<device id>=<ip> lines (default {DEFAULT_HCCN_CONF})"),
     "lease_s": ("pos", "registry lease of this instance in seconds (default 15)"),
     "heartbeat_s": ("pos", "heartbeat interval in seconds (default 5, must be below lease_s)"),
     "pull_timeout_s": ("pos", "deadline of one KV pull in seconds (default 30)"),
@@ -127,8 +160,14 @@ def role_for_kv_role(kv_role: str | None) -> str:
     return _ROLES[kv_role]
 
 
-def parse_config(extra: Mapping[str, Any] | None, facts: ServerFacts) -> ConnectorConfig:
-    """Validate `kv_connector_extra_config` and fill the defaults that depend on the server."""
+def parse_config(
+    extra: Mapping[str, Any] | None, facts: ServerFacts, env: Mapping[str, str] | None = None
+) -> ConnectorConfig:
+    """Validate `kv_connector_extra_config` and fill the defaults that depend on the server.
+
+    `env` (the process environment; none by default, so tests stay hermetic) supplies `metaserver_url`
+    and `metaserver_token` when the extra config does not set them.
+    """
     extra = dict(extra or {})
     unknown = sorted(k for k in extra if k not in _FIELDS)
     if unknown:
@@ -137,10 +176,17 @@ def parse_config(extra: Mapping[str, Any] | None, facts: ServerFacts) -> Connect
             f"allowed keys: {', '.join(ALLOWED_KEYS)}"
         )
     values = {key: _check(key, value) for key, value in extra.items()}
+    for key, var in _ENV_FALLBACKS.items():
+        raw = (env or {}).get(var, "").strip()
+        if key not in values and raw:
+            values[key] = _check(key, raw, where=f"environment variable {var}")
     role = role_for_kv_role(facts.kv_role)
 
     if "metaserver_url" not in values:
-        raise ConfigError("kv_connector_extra_config.metaserver_url is required: " + _FIELDS["metaserver_url"][1])
+        raise ConfigError(
+            f"kv_connector_extra_config.metaserver_url is required (or the environment variable "
+            f"{ENV_METASERVER_URL}): " + _FIELDS["metaserver_url"][1]
+        )
 
     url = values.pop("url", None)
     if url is None:
@@ -210,13 +256,46 @@ def discover_server(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str | 
     return host, port
 
 
+def _device_table(value: Any, *, ip: bool, bad: Callable[[str], ConfigError]) -> dict[int, Any]:
+    """A per-device table: a list indexed by device id (null for a gap) or an object {"<id>": value}."""
+    expected = (
+        "a list of IPv4 addresses indexed by device id, or an object {device id: IPv4}"
+        if ip
+        else "a list of non-negative integers indexed by device id, or an object {device id: integer}"
+    )
+    if isinstance(value, list):
+        items: list[tuple[Any, Any]] = [(i, v) for i, v in enumerate(value) if v is not None]
+    elif isinstance(value, Mapping):
+        items = list(value.items())
+    else:
+        raise bad(expected)
+    out: dict[int, Any] = {}
+    for k, v in items:
+        if isinstance(k, str) and k.isascii() and k.isdigit():
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise bad(expected)
+        if ip:
+            try:
+                if not isinstance(v, str):
+                    raise ValueError(v)
+                out[k] = str(ipaddress.IPv4Address(v))
+            except ValueError:
+                raise bad(expected) from None
+        else:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(expected)
+            out[k] = v
+    return out
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _check(key: str, value: Any) -> Any:
+def _check(key: str, value: Any, *, where: str | None = None) -> Any:
     kind, help_text = _FIELDS[key]
-    where = f"kv_connector_extra_config.{key}"
+    where = where or f"kv_connector_extra_config.{key}"
 
     def bad(expected: str) -> ConfigError:
         return ConfigError(f"{where} must be {expected}, got {value!r} ({help_text})")
@@ -255,6 +334,8 @@ def _check(key: str, value: Any) -> Any:
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise bad("an object with string keys")
         return dict(value)
+    if kind in ("ip_table", "int_table"):
+        return _device_table(value, ip=kind == "ip_table", bad=bad)
     if kind == "labels":
         if not isinstance(value, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()

@@ -40,7 +40,8 @@ from connector.metadata import PullOutcome, StepMetadata
 from connector.registration import build_registration, kv_layout_tag
 from connector.scheduler import EngineFacts, SchedulerHalf
 from connector.stats import PDGatePromMetrics, PDGateStats
-from connector.worker import WorkerHalf, make_transport
+from connector.transport.factory import make_transport
+from connector.worker import WorkerHalf
 
 try:  # a vLLM metrics label for where our cache hits come from (absent in older releases)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -141,7 +142,7 @@ class PDGateConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("PDGateConnector does not support pipeline parallelism (pipeline_parallel_size > 1)")
-        self._cfg: ConnectorConfig = parse_config(kv.kv_connector_extra_config, server_facts(vllm_config))
+        self._cfg: ConnectorConfig = parse_config(kv.kv_connector_extra_config, server_facts(vllm_config), os.environ)
         _setup_logging(self._cfg.log_level)
         self._sched: SchedulerHalf | None = None
         self._control: ControlThread | None = None
@@ -188,11 +189,16 @@ class PDGateConnector(KVConnectorBase_V1):
             cfg = self._cfg
             dp_rank = parallel.data_parallel_rank
             tp_size = parallel.tensor_parallel_size
-            self._worker = WorkerHalf(
+            # The factory runs on the transfer thread once the KV caches are registered, so it can read
+            # which device they are on (`worker.device_index`; llm_datadist initialises there).
+            worker = WorkerHalf(
                 cfg,
                 tp_rank=tp_rank,
-                transport_factory=lambda: make_transport(cfg, tp_rank=tp_rank, dp_rank=dp_rank, tp_size=tp_size),
+                transport_factory=lambda: make_transport(
+                    cfg, tp_rank=tp_rank, dp_rank=dp_rank, tp_size=tp_size, device_index=worker.device_index
+                ),
             )
+            self._worker = worker
 
     # ==== worker side ================================================================================
 

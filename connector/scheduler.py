@@ -3,7 +3,8 @@
 No device imports, no sockets, no clock: vLLM's objects are read duck-typed (`request.request_id`,
 `request.status.name`, `blocks.blocks[0][i].block_hash`), `now` is an argument, and every piece of
 metaserver I/O leaves as a command in `take_commands()` and comes back through `on_result()`. The facade
-(`connector.py`) moves those between this object and the control thread.
+(`connector.py`) moves those between this object and the control thread. The KV location a prefill
+records and a decode checks is built and read in `location.py`; the counters are listed in `counters.py`.
 
 Prefill (a request with `do_remote_decode`):
   request_finished -> hold the blocks, command MarkReady, return the params the router forwards to D.
@@ -27,8 +28,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.blocks import BlockPlanError, TPLayoutError, blocks_for_tokens, plan_pull, tokens_to_load, tp_sources
+from connector.blocks import tokens_to_load
 from connector.config import ConnectorConfig
+from connector.counters import COUNTERS
+from connector.location import EngineFacts, LocationError, addresses_from_workers, location_for, plan_from_location
 from connector.messages import (
     Abort,
     Check,
@@ -55,61 +58,16 @@ from connector.metadata import (
     RecvDone,
     RecvPlan,
     StepMetadata,
-    address_from_model,
-    address_to_model,
     prefill_result_params,
 )
-from metaserver.models import TERMINAL_STATES, InstanceLoad, KVLocation, TransportAddress, TransportKind
+from metaserver.models import TERMINAL_STATES, InstanceLoad, TransportAddress
 
+# COUNTERS (counters.py) and EngineFacts (location.py) are re-exported for older imports.
 __all__ = ["COUNTERS", "EngineFacts", "SchedulerHalf"]
 
 logger = logging.getLogger(__name__)
 
 _KEEP_STATUSES = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
-
-# Every counter the connector keeps, with what it counts. The stats file and the Prometheus metrics
-# export exactly these names.
-COUNTERS: dict[str, str] = {
-    "sends_held": "prefill requests whose blocks were kept for a decode",
-    "sends_freed_done": "held prefills freed because the decode pulled (DONE)",
-    "sends_freed_aborted": "held prefills freed because the handoff was ABORTED",
-    "sends_freed_expired": "held prefills freed because the handoff EXPIRED",
-    "sends_freed_not_found": "held prefills freed because the ledger had no such handoff",
-    "sends_freed_ready_failed": "held prefills freed because the ledger refused READY",
-    "sends_freed_local_deadline": "held prefills freed on the local deadline (metaserver unreachable)",
-    "ready_recorded": "READY records written",
-    "ready_failed": "READY records refused or not written",
-    "prefill_not_kept": "do_remote_decode requests that ended without KV to keep (abort, error, no blocks)",
-    "recv_started": "decode requests that started an asynchronous KV load",
-    "recv_ok": "decode requests whose KV was pulled and confirmed",
-    "recv_failed": "decode requests whose KV load failed (reported as load errors)",
-    "tokens_loaded": "prompt tokens loaded from prefills instead of computed",
-    "blocks_pulled": "KV blocks pulled, summed over TP ranks",
-    "bytes_pulled": "KV bytes pulled, summed over TP ranks",
-    "pulls_failed": "failed pulls, per TP rank",
-    "invalid_blocks": "local blocks reported to vLLM as failed loads",
-    "claims_failed": "claims that did not succeed",
-    "recv_released": "handoffs a decode released without pulling (local cache, ended before scheduled)",
-    "bad_params": "requests with unusable kv_transfer_params",
-    "registrations": "successful registrations with the metaserver",
-}
-
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What this engine is, as the KV location and the registry describe it."""
-
-    instance_id: str
-    engine_id: str | None
-    host: str | None
-    dp_rank: int
-    tp_size: int
-    world_size: int  # workers that each report every finished transfer (vLLM's aggregator count)
-    block_size: int
-    kv_dtype: str
-    kv_layout: str
-    kv_replicated: bool
-    transport: str
 
 
 @dataclass
@@ -170,7 +128,7 @@ class SchedulerHalf:
 
     def set_addresses(self, addresses: Mapping[int, Mapping[str, Any]]) -> list[TransportAddress]:
         """The workers' transport addresses by TP rank (from vLLM's handshake metadata)."""
-        self._addresses = [address_to_model(rank, addr) for rank, addr in sorted(addresses.items())]
+        self._addresses = addresses_from_workers(addresses)
         return list(self._addresses)
 
     @property
@@ -384,20 +342,8 @@ class SchedulerHalf:
             return False, None
         f = self._facts
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        kept = list(block_ids[: blocks_for_tokens(num_tokens, f.block_size)])
-        location = KVLocation(
-            block_ids=[kept],
-            num_tokens=num_tokens,
-            engine_id=f.engine_id,
-            host=f.host,
-            dp_rank=f.dp_rank,
-            tp_size=f.tp_size,
-            block_size=f.block_size,
-            kv_dtype=f.kv_dtype,
-            kv_layout=f.kv_layout,
-            transport=TransportKind(f.transport),
-            transport_addresses=list(self._addresses),
-            remote_request_id=rid,
+        location, kept = location_for(
+            f, block_ids=block_ids, num_tokens=num_tokens, addresses=self._addresses, remote_request_id=rid
         )
         lease = self._cfg.kv_lease_s
         self._holds[pp.transfer_id] = _Hold(rid, pp.transfer_id, now, lease, now + lease + self._cfg.free_margin_s)
@@ -472,45 +418,19 @@ class SchedulerHalf:
         if rec is None or rec.state is not _RecvState.CLAIMING:
             return
         rec.claimed_at = now
-        handoff = result.handoff
-        loc = handoff.location
         try:
-            if loc is None:
-                raise _PlanError("ledger_no_location", "the handoff carries no KV location")
-            f = self._facts
-            if loc.block_size is not None and loc.block_size != f.block_size:
-                raise _PlanError(
-                    "pd_block_size_mismatch", f"prefill block size {loc.block_size} != decode {f.block_size}"
-                )
-            if loc.transport is not None and loc.transport.value != f.transport:
-                raise _PlanError(
-                    "pd_transport_mismatch", f"prefill transport {loc.transport.value} != decode {f.transport}"
-                )
-            if loc.kv_layout and f.kv_layout and loc.kv_layout != f.kv_layout:
-                raise _PlanError(
-                    "pd_kv_layout_mismatch", f"prefill KV layout {loc.kv_layout!r} != decode {f.kv_layout!r}"
-                )
-            if not loc.block_ids:
-                raise _PlanError("ledger_no_blocks", "the handoff lists no blocks")
-            ranks = tp_sources(loc.tp_size, f.tp_size, f.kv_replicated)
-            by_rank = {a.tp_rank: a for a in loc.transport_addresses}
-            missing = [r for r in ranks if r not in by_rank]
-            if missing:
-                raise _PlanError(
-                    "pd_no_transport_address", f"the prefill advertised no transport address for tp rank(s) {missing}"
-                )
-            plan = plan_pull(loc.block_ids[0], rec.local_block_ids, rec.hit_blocks)
-        except (TPLayoutError, BlockPlanError) as exc:
-            self._fail(rec, exc.code, str(exc), abort=True)
-            return
-        except _PlanError as exc:
+            plan = plan_from_location(
+                result.handoff,
+                self._facts,
+                req_id=rec.req_id,
+                local_block_ids=rec.local_block_ids,
+                hit_blocks=rec.hit_blocks,
+            )
+        except LocationError as exc:
             self._fail(rec, exc.code, exc.message, abort=True)
             return
-        sources = tuple(address_from_model(by_rank[r]) for r in ranks)
         rec.state = _RecvState.PULLING
-        self._new_pulls.append(
-            RecvPlan(rec.req_id, rec.transfer_id, handoff.kv_key, plan.remote_block_ids, plan.local_block_ids, sources)
-        )
+        self._new_pulls.append(plan)
 
     def _check_recv_deadlines(self, now: float) -> None:
         for rec in list(self._recv.values()):
@@ -557,10 +477,3 @@ class SchedulerHalf:
         if by:
             self.counters[name] += by
             self.counters_version += 1
-
-
-class _PlanError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message

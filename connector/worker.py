@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,8 +29,9 @@ from typing import Any
 from connector.config import ConfigError, ConnectorConfig
 from connector.metadata import PullOutcome, RecvDone, StepMetadata
 from connector.transport.base import KVRegion, PullRequest, PullResult, Transport, TransportError
+from connector.transport.factory import make_transport  # re-exported: older imports name it here
 
-__all__ = ["WorkerHalf", "make_transport", "regions_from_kv_caches"]
+__all__ = ["WorkerHalf", "kv_device_index", "make_transport", "regions_from_kv_caches"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,39 +88,25 @@ def regions_from_kv_caches(kv_caches: Mapping[str, Any]) -> list[KVRegion]:
     return regions
 
 
-def make_transport(cfg: ConnectorConfig, *, tp_rank: int, dp_rank: int, tp_size: int) -> Transport:
-    """The transport `cfg.transport` names, built on the transfer thread."""
-    options = dict(cfg.transport_options)
-    if cfg.transport == "nixl":
-        from connector.transport.nixl import NixlTransport
+def kv_device_index(kv_caches: Mapping[str, Any]) -> int | None:
+    """Index of the accelerator holding the KV cache (`npu:3` -> 3); None for host memory.
 
-        options.setdefault("agent_name", f"{cfg.instance_id}-tp{tp_rank}-{os.getpid()}")
-        return NixlTransport(pull_timeout_s=cfg.pull_timeout_s, **options)
-    if cfg.transport == "llmdatadist":
-        from connector.ranktable import Role, assign_ranks, find_placement, load_rank_table
-        from connector.transport.llmdatadist import LLMDataDistTransport
-
-        if cfg.role not in ("prefill", "decode"):
-            raise ConfigError("the llmdatadist transport needs kv_role kv_producer or kv_consumer, not kv_both")
-        if not cfg.rank_table or not cfg.server_id:
-            raise ConfigError("the llmdatadist transport needs kv_connector_extra_config.rank_table and server_id")
-        table = load_rank_table(cfg.rank_table)
-        role = Role(cfg.role)
-        tps = (
-            {"prefill_tp": tp_size, "decode_tp": 1} if role is Role.PREFILL else {"prefill_tp": 1, "decode_tp": tp_size}
-        )
-        place = find_placement(assign_ranks(table, **tps), role, cfg.server_id, dp_rank, tp_rank)
-        return LLMDataDistTransport(
-            role=cfg.role,
-            cluster_id=place.cluster_id,
-            device_id=place.device_id,
-            device_ip=place.device_ip,
-            server_id=place.server_id,
-            super_device_id=place.super_device_id,
-            super_pod_id=place.super_pod_id,
-            **options,
-        )
-    raise ConfigError(f"unknown transport {cfg.transport!r}")
+    The llm_datadist transport initialises on this device, so it is read from the tensors themselves
+    rather than from the thread-local "current device" (the transfer thread never set one).
+    """
+    devices = {
+        (t.device.type, t.device.index)
+        for v in kv_caches.values()
+        for t in (v if isinstance(v, (tuple, list)) else [v])
+    }
+    if len(devices) > 1:
+        raise ValueError(f"KV cache tensors span several devices {sorted(devices, key=str)}; expected one")
+    if not devices:
+        return None
+    kind, index = devices.pop()
+    if kind == "cpu":
+        return None
+    return index or 0
 
 
 # ---- messages to the transfer thread ------------------------------------------------------------
@@ -294,6 +280,7 @@ class WorkerHalf:
         self._factory = transport_factory
         self._thread: _TransferThread | None = None
         self.address: dict[str, Any] | None = None
+        self.device_index: int | None = None  # accelerator of the KV cache, known once it is registered
         self._inflight: dict[str, str] = {}  # req_id -> transfer_id of a pull still writing
         self._completions: dict[str, RecvDone] = {}
         self._holding: set[str] = set()
@@ -312,6 +299,7 @@ class WorkerHalf:
         regions = regions_from_kv_caches(kv_caches)
         if self._thread is not None:
             raise RuntimeError("register_kv_caches called twice")
+        self.device_index = kv_device_index(kv_caches)
         thread = _TransferThread(self._factory, regions, tp_rank=self.tp_rank, corrupt=self._cfg.corrupt_pulled_bytes)
         self.address = thread.start()
         self._thread = thread

@@ -7,9 +7,11 @@ tests drive it with ``tests/fakes/fake_llmdatadist.py`` passed as ``llm_datadist
 Shape of the calls:
 
 * ``LLMDataDist(LLMRole.PROMPT|DECODER, cluster_id)``; one cluster per NPU device, the id
-  coming from the global rank table (``connector.ranktable``).
-* ``LLMConfig``: ``device_id``, ``sync_kv_timeout`` (the engine-side deadline of every
-  ``pull_blocks``), ``enable_cache_manager=True``, ``enable_remote_cache_accessible=True``,
+  coming from the global rank table (``connector.ranktable``) when there is one, else derived from
+  the device IP (``connector.devices``; the decode learns the prefill's from its registry address).
+* ``LLMConfig``: ``device_id`` (as this process sees it: ``visible_device_id``), ``sync_kv_timeout``
+  (the engine-side deadline of every ``pull_blocks``), ``enable_cache_manager=True``,
+  ``enable_remote_cache_accessible=True``,
   and ``listen_ip_info="<device_ip>:<port>"`` on the side that is pulled from.
   ``init(config.generate_options())``, then ``cache_manager``.
 * :meth:`register`: regions are grouped by ``block_len``; each group becomes one
@@ -167,6 +169,7 @@ class LLMDataDistTransport(Transport):
         cluster_id: int,
         device_id: int,
         device_ip: str,
+        visible_device_id: int | None = None,
         listen_port: int | None = None,
         server_id: str | None = None,
         super_device_id: int | None = None,
@@ -186,6 +189,9 @@ class LLMDataDistTransport(Transport):
         self.role = role
         self.cluster_id = cluster_id
         self.device_id = device_id
+        # LLMConfig wants the device as this process sees it; with ASCEND_RT_VISIBLE_DEVICES that differs
+        # from the host-level id peers and operators know it by (which is what local_address publishes).
+        self.visible_device_id = device_id if visible_device_id is None else visible_device_id
         self.device_ip = _ipv4(device_ip, "device_ip")
         self.listen_port = (
             listen_port if listen_port is not None else (DEFAULT_LISTEN_PORT if role == "prefill" else None)
@@ -199,7 +205,7 @@ class LLMDataDistTransport(Transport):
 
         lib = self._lib
         config = lib.LLMConfig()
-        config.device_id = device_id
+        config.device_id = self.visible_device_id
         config.sync_kv_timeout = sync_kv_timeout_ms
         config.enable_cache_manager = True
         config.enable_remote_cache_accessible = True
@@ -231,14 +237,16 @@ class LLMDataDistTransport(Transport):
     def from_placement(cls, placement: Any, *, device_id: int | None = None, **kwargs: Any) -> LLMDataDistTransport:
         """Build from a ``connector.ranktable.DevicePlacement``: role, cluster_id, IPs, A3 ids.
 
-        ``device_id`` is the id LLMConfig wants, i.e. the device as this process sees it; it
-        differs from the rank table's physical id when ``ASCEND_RT_VISIBLE_DEVICES`` remaps
-        devices (vllm-ascend passes the local rank), so pass it when that is the case.
+        ``device_id`` is the id LLMConfig wants, i.e. the device as this process sees it; it differs
+        from the rank table's host-level id when ``ASCEND_RT_VISIBLE_DEVICES`` remaps devices
+        (vllm-ascend passes the local rank), so pass it when that is the case. The published address
+        keeps the table's id.
         """
         return cls(
             role=placement.role.value,
             cluster_id=placement.cluster_id,
-            device_id=placement.device_id if device_id is None else device_id,
+            device_id=placement.device_id,
+            visible_device_id=device_id,
             device_ip=placement.device_ip,
             server_id=placement.server_id,
             super_device_id=placement.super_device_id,

@@ -41,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "ASCEND_NEEDS_RANKTABLE",
     "DEFAULT_TINY_MODEL",
     "ENV_FILE_SOURCE",
+    "HCCN_CONF",
     "ConfigError",
     "EngineSpec",
     "engine_argv",
     "engine_env",
+    "hccn_device_ids",
     "kv_transfer_config",
     "main",
     "sim_argv",
@@ -64,10 +65,13 @@ TRANSPORT_OF = {"cpu": "nixl", "ascend": "llmdatadist", "sim": "sim"}
 KV_BUFFER_DEVICE = {"cpu": "cpu", "ascend": "npu"}
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")  # metaserver.models.ID_PATTERN
-# The connector's llm_datadist transport places each worker on an NPU through the global rank table
-# (connector/worker.py make_transport); without one it stops the engine minutes into start-up, so the
-# entrypoint refuses at once. A test keeps this in step with the connector.
-ASCEND_NEEDS_RANKTABLE = True
+# The connector's llm_datadist transport places each worker on an NPU through the global rank table, or
+# without one from the NPU's address that the worker finds itself (connector/devices.py: $PDGATE_DEVICE_IP,
+# then the address_<device id> lines of /etc/hccn.conf, which the compose file mounts from the host). With
+# neither it would stop the engine minutes into start-up, so the entrypoint refuses at once. A test keeps
+# this in step with the connector (connector.transport.factory.make_transport).
+HCCN_CONF = "/etc/hccn.conf"
+_HCCN_ADDRESS = re.compile(r"^\s*address_(\d+)\s*=\s*\S+\s*$", re.MULTILINE)
 
 # Container variable -> the deploy/env/*.env variable that sets it ({ROLE} = PREFILL or DECODE).
 ENV_FILE_SOURCE: dict[str, str] = {
@@ -135,13 +139,22 @@ class EngineSpec:
         return f"http://{_host_in_url(self.advertise_addr)}:{self.port}"
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], *, file_exists: Callable[[str], bool] | None = None) -> EngineSpec:
+    def from_env(
+        cls,
+        env: Mapping[str, str],
+        *,
+        file_exists: Callable[[str], bool] | None = None,
+        read_text: Callable[[str], str | None] | None = None,
+    ) -> EngineSpec:
         """Parse the container environment; raise ConfigError listing every problem found.
 
         `file_exists` decides whether a mounted rank table is present (a non-empty file): the compose
         file mounts /dev/null there when PDGATE_RANKTABLE_PATH is empty, so "absent" is a normal case.
+        `read_text` reads /etc/hccn.conf (None: unreadable); an Ascend engine without a rank table needs
+        NPU addresses from there or from $PDGATE_DEVICE_IP.
         """
         exists = file_exists or _non_empty_file
+        read = read_text or _read_text
         problems: list[str] = []
 
         def get(name: str) -> str:
@@ -233,11 +246,16 @@ class EngineSpec:
         ranktable = get("PDGATE_ENGINE_RANKTABLE") or None
         if ranktable is not None and not exists(ranktable):
             ranktable = None  # /dev/null mounted: no rank table
-        if flavour == "ascend" and ranktable is None and ASCEND_NEEDS_RANKTABLE:
-            bad(
-                "PDGATE_ENGINE_RANKTABLE",
-                "no rank table mounted; the llm_datadist transport needs one (pdgate-ranktable generate)",
-            )
+        if flavour == "ascend" and ranktable is None and not get("PDGATE_DEVICE_IP"):
+            hccn = read(HCCN_CONF)
+            if not hccn_device_ids(hccn or ""):
+                bad(
+                    "PDGATE_ENGINE_RANKTABLE",
+                    f"no rank table mounted, and no NPU addresses to place the llm_datadist transport without "
+                    f"one: {HCCN_CONF} {'has no address_<id>= lines' if hccn else 'is missing'} and "
+                    "PDGATE_DEVICE_IP is unset; configure the NPUs' RoCE addresses (hccn_tool) or generate a "
+                    "rank table (pdgate-ranktable generate)",
+                )
         server_id = get("PDGATE_ENGINE_SERVER_ID") or (advertise if flavour == "ascend" else None)
 
         if flavour == "ascend" and get("HCCL_SOCKET_IFNAME") in ("", "all"):
@@ -292,8 +310,8 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
         "model": spec.served_model_name,
         "transport": spec.transport,
     }
-    if spec.token:
-        extra["metaserver_token"] = spec.token
+    # The metaserver token is not put here, where `ps` shows it: the engine inherits
+    # PDGATE_METASERVER_TOKEN from this container's environment and the connector reads it from there.
     if spec.lease_s is not None:
         extra["lease_s"] = spec.lease_s
         # The connector needs heartbeats well inside the lease (at least two chances to land).
@@ -345,11 +363,14 @@ def engine_argv(spec: EngineSpec, python: str = "python3") -> list[str]:
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:
-    """Variables added to the engine's environment. pdgate-sim takes its metaserver token from
-    PDGATE_SIM_METASERVER_TOKEN, which keeps it off the command line (`ps`, `docker top`)."""
-    if spec.flavour == "sim" and spec.token:
+    """Variables added to the engine's environment. The metaserver token travels there, never on the
+    command line (`ps`, `docker top`): pdgate-sim reads PDGATE_SIM_METASERVER_TOKEN, the vLLM engines'
+    connector PDGATE_METASERVER_TOKEN."""
+    if not spec.token:
+        return {}
+    if spec.flavour == "sim":
         return {"PDGATE_SIM_METASERVER_TOKEN": spec.token}
-    return {}
+    return {"PDGATE_METASERVER_TOKEN": spec.token}
 
 
 def wait_for_metaserver(
@@ -409,6 +430,19 @@ def _is_unspecified(addr: str) -> bool:
         return ipaddress.ip_address(addr).is_unspecified
     except ValueError:
         return False
+
+
+def hccn_device_ids(text: str) -> list[int]:
+    """Devices with an `address_<id>=` line in an hccn.conf (the connector's connector.devices parser
+    validates the addresses; a test checks that both read the same lines)."""
+    return sorted(int(m.group(1)) for m in _HCCN_ADDRESS.finditer(text))
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _non_empty_file(path: str) -> bool:

@@ -57,8 +57,11 @@ def test_cpu_engine_command_is_accepted_by_the_connector(role: str, services: di
     cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert cfg["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
     assert cfg["kv_buffer_device"] == "cpu"
-    # The real connector parses the extra config: unknown keys or wrong types would raise here.
-    parsed = parse_config(cfg["kv_connector_extra_config"], ServerFacts(kv_role=cfg["kv_role"]))
+    # The real connector parses the extra config: unknown keys or wrong types would raise here. The
+    # metaserver token is not on the command line (ps shows it): the engine's environment carries it.
+    assert env["PDGATE_METASERVER_TOKEN"] not in " ".join(argv)
+    engine_environment = env | ec.engine_env(spec)
+    parsed = parse_config(cfg["kv_connector_extra_config"], ServerFacts(kv_role=cfg["kv_role"]), engine_environment)
     addr = env["PDGATE_ENGINE_ADVERTISE_ADDR"]
     assert parsed.url == f"http://{addr}:{port}"
     assert parsed.instance_id == f"{role}-{addr}-{port}" == cfg["engine_id"]
@@ -69,9 +72,18 @@ def test_cpu_engine_command_is_accepted_by_the_connector(role: str, services: di
     assert parsed.role == role
 
 
+HCCN_SAMPLE = "address_0=192.168.100.100\nnetmask_0=255.255.255.0\naddress_1=192.168.101.100\n"
+
+
+def no_hccn(path: str) -> str | None:
+    return None
+
+
 def test_ascend_engine_uses_llmdatadist_and_the_rank_table(services: dict[str, dict[str, str]]) -> None:
     env = services["prefill-ascend"] | {"PDGATE_ENGINE_MODEL": "/models/Qwen3-8B"}
-    spec = ec.EngineSpec.from_env(env, file_exists=lambda path: path == env["PDGATE_ENGINE_RANKTABLE"])
+    spec = ec.EngineSpec.from_env(
+        env, file_exists=lambda path: path == env["PDGATE_ENGINE_RANKTABLE"], read_text=no_hccn
+    )
     argv = ec.engine_argv(spec, "python3")
     assert "--enforce-eager" not in argv and "--dtype" not in argv  # CPU-only flags
     cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
@@ -84,41 +96,78 @@ def test_ascend_engine_uses_llmdatadist_and_the_rank_table(services: dict[str, d
     assert parsed.model == env["PDGATE_ENGINE_SERVED_MODEL_NAME"]
     assert argv[4] == "/models/Qwen3-8B"
 
-    # No rank table mounted (the compose file mounts /dev/null): refused at once, naming the variable.
-    with pytest.raises(ec.ConfigError, match="PDGATE_RANKTABLE_PATH"):
-        ec.EngineSpec.from_env(env, file_exists=lambda path: False)
+    # No rank table mounted (the compose file mounts /dev/null) and no NPU addresses: refused at once,
+    # naming the variable.
+    with pytest.raises(ec.ConfigError, match="PDGATE_RANKTABLE_PATH") as err:
+        ec.EngineSpec.from_env(env, file_exists=lambda path: False, read_text=no_hccn)
+    assert "/etc/hccn.conf is missing" in str(err.value) and "PDGATE_DEVICE_IP" in str(err.value)
+    with pytest.raises(ec.ConfigError, match="has no address_<id>= lines"):
+        ec.EngineSpec.from_env(env, file_exists=lambda path: False, read_text=lambda path: "netmask_0=255.0.0.0\n")
 
 
-def test_rank_table_requirement_is_the_connectors() -> None:
-    """ASCEND_NEEDS_RANKTABLE mirrors connector.worker.make_transport: flip it when the connector can
-    place workers without a rank table (discovering device addresses itself)."""
+@pytest.mark.parametrize("source", ["hccn.conf", "PDGATE_DEVICE_IP"])
+def test_ascend_engine_without_a_rank_table_uses_the_npu_addresses(
+    source: str, services: dict[str, dict[str, str]]
+) -> None:
+    env = services["decode-ascend"] | {"PDGATE_ENGINE_MODEL": "/models/Qwen3-8B"}
+    read = (lambda path: HCCN_SAMPLE if path == ec.HCCN_CONF else None) if source == "hccn.conf" else no_hccn
+    if source == "PDGATE_DEVICE_IP":
+        env = env | {"PDGATE_DEVICE_IP": "0=192.168.100.100"}
+    spec = ec.EngineSpec.from_env(env, file_exists=lambda path: False, read_text=read)
+    assert spec.ranktable is None
+    cfg = json.loads(ec.engine_argv(spec)[ec.engine_argv(spec).index("--kv-transfer-config") + 1])
+    parsed = parse_config(cfg["kv_connector_extra_config"], ServerFacts(kv_role=cfg["kv_role"]))
+    assert parsed.transport == "llmdatadist" and parsed.rank_table is None
+
+
+def test_device_address_requirement_is_the_connectors(tmp_path: Any) -> None:
+    """The entrypoint accepts an Ascend engine without a rank table exactly when the connector can place
+    its workers: both read the address_<id> lines of hccn.conf (and $PDGATE_DEVICE_IP) the same way."""
     from connector.config import ConfigError, ConnectorConfig
-    from connector.worker import make_transport
+    from connector.devices import parse_hccn_conf
+    from connector.transport.factory import make_transport
 
-    cfg = ConnectorConfig(
-        metaserver_url="http://10.77.0.1:8300",
-        instance_id="prefill-10.77.0.11-8100",
-        url="http://10.77.0.11:8100",
-        model="m",
-        role="prefill",
-        transport="llmdatadist",
-        server_id="10.77.0.11",
-    )
-    try:
-        make_transport(cfg, tp_rank=0, dp_rank=0, tp_size=1)
-    except ConfigError as exc:
-        refused = "rank_table" in str(exc)
-    except Exception:  # got past the config check (llm_datadist itself is absent here)
-        refused = False
-    else:
-        refused = False
-    assert refused == ec.ASCEND_NEEDS_RANKTABLE
+    assert ec.hccn_device_ids(HCCN_SAMPLE) == sorted(parse_hccn_conf(HCCN_SAMPLE)) == [0, 1]
+    assert ec.hccn_device_ids("netmask_0=255.0.0.0\n") == sorted(parse_hccn_conf("netmask_0=255.0.0.0\n")) == []
+
+    def connector_accepts(hccn_text: str | None, env: dict[str, str]) -> bool:
+        hccn = tmp_path / "hccn.conf"
+        if hccn_text is None:
+            hccn.unlink(missing_ok=True)
+        else:
+            hccn.write_text(hccn_text)
+        cfg = ConnectorConfig(
+            metaserver_url="http://10.77.0.1:8300",
+            instance_id="prefill-10.77.0.11-8100",
+            url="http://10.77.0.11:8100",
+            model="m",
+            role="prefill",
+            transport="llmdatadist",
+            server_id="10.77.0.11",
+            hccn_conf=str(hccn),
+        )
+        try:
+            make_transport(cfg, tp_rank=0, dp_rank=0, tp_size=1, env=env)
+        except ConfigError:
+            return False
+        except ImportError:  # got past the placement: llm_datadist itself is absent here
+            return True
+        return True
+
+    base = {"PDGATE_ENGINE_FLAVOUR": "ascend"}
+    for hccn_text, env in ((HCCN_SAMPLE, {}), (None, {}), (None, {"PDGATE_DEVICE_IP": "10.1.1.1"})):
+        try:
+            ec.EngineSpec.from_env(base | env, read_text=lambda path, t=hccn_text: t)
+            entrypoint_accepts = True
+        except ec.ConfigError as exc:
+            entrypoint_accepts = not any("PDGATE_ENGINE_RANKTABLE" in p for p in exc.problems)
+        assert entrypoint_accepts == connector_accepts(hccn_text, env), (hccn_text, env)
 
 
-def test_ascend_needs_a_model_a_nic_and_a_rank_table(services: dict[str, dict[str, str]]) -> None:
+def test_ascend_needs_a_model_a_nic_and_a_rank_table_or_npu_addresses(services: dict[str, dict[str, str]]) -> None:
     env = services["decode-ascend"] | {"HCCL_SOCKET_IFNAME": "all"}
     with pytest.raises(ec.ConfigError) as err:
-        ec.EngineSpec.from_env(env)  # /etc/pdgate/ranktable.json does not exist here
+        ec.EngineSpec.from_env(env, read_text=no_hccn)  # /etc/pdgate/ranktable.json does not exist here
     text = str(err.value)
     assert "PDGATE_MODEL" in text and "PDGATE_HOST_NIC" in text and "PDGATE_RANKTABLE_PATH" in text
 

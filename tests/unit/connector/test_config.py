@@ -66,6 +66,12 @@ def test_unknown_key_is_named_with_the_allowed_ones() -> None:
         ("corrupt_pulled_bytes", "yes", "true or false"),
         ("free_margin_s", -1, ">= 0"),
         ("transport_options", ["x"], "object"),
+        ("device_ips", ["10.0.0"], "IPv4"),
+        ("device_ips", [167772161], "IPv4"),
+        ("device_ips", {"x": "10.0.0.1"}, "device id"),
+        ("device_ips", "10.0.0.1", "list"),
+        ("super_device_ids", [-1], "non-negative"),
+        ("super_device_ids", {"0": "7"}, "integer"),
     ],
 )
 def test_bad_values_name_the_key(key: str, value: object, expected: str) -> None:
@@ -78,6 +84,44 @@ def test_bad_values_name_the_key(key: str, value: object, expected: str) -> None
 def test_metaserver_url_is_required() -> None:
     with pytest.raises(ConfigError, match="metaserver_url is required"):
         parse_config({}, FACTS)
+
+
+def test_metaserver_url_and_token_may_come_from_the_environment() -> None:
+    # The token then stays off the vLLM command line (visible to everyone on the host through ps).
+    env = {"PDGATE_METASERVER_URL": "http://10.0.0.3:8300/", "PDGATE_METASERVER_TOKEN": "s3cret"}
+    cfg = parse_config({}, FACTS, env)
+    assert (cfg.metaserver_url, cfg.metaserver_token) == ("http://10.0.0.3:8300", "s3cret")
+    # A key in the extra config wins over the environment.
+    cfg = parse_config({**BASE, "metaserver_token": "from-config"}, FACTS, env)
+    assert (cfg.metaserver_url, cfg.metaserver_token) == ("http://10.0.0.2:8300", "from-config")
+    # Empty variables are unset; without an env mapping nothing is read (tests stay hermetic).
+    assert parse_config(BASE, FACTS, {"PDGATE_METASERVER_TOKEN": " "}).metaserver_token is None
+    assert parse_config(BASE, FACTS).metaserver_token is None
+    with pytest.raises(ConfigError, match="PDGATE_METASERVER_URL"):
+        parse_config({}, FACTS, {"PDGATE_METASERVER_TOKEN": "s3cret"})
+
+
+def test_a_bad_environment_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({}, FACTS, {"PDGATE_METASERVER_URL": "10.0.0.3:8300"})
+    assert "environment variable PDGATE_METASERVER_URL" in str(err.value) and "http://" in str(err.value)
+
+
+def test_device_tables_accept_lists_and_objects() -> None:
+    cfg = parse_config(
+        {
+            **BASE,
+            "device_ips": [None, "192.168.1.2", "192.168.1.3"],
+            "super_device_ids": {"1": 8, "2": 9},
+            "super_pod_id": "pod0",
+            "hccn_conf": "/tmp/hccn.conf",
+        },
+        FACTS,
+    )
+    assert cfg.device_ips == {1: "192.168.1.2", 2: "192.168.1.3"}
+    assert cfg.super_device_ids == {1: 8, 2: 9}
+    assert (cfg.super_pod_id, cfg.hccn_conf) == ("pod0", "/tmp/hccn.conf")
+    assert parse_config(BASE, FACTS).hccn_conf == "/etc/hccn.conf"
 
 
 def test_url_is_required_when_it_cannot_be_discovered() -> None:

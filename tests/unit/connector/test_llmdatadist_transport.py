@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from connector.ranktable import Role, assign_ranks, find_placement, generate, parse_host_spec
+from connector.ranktable import Role, assign_ranks, find_placement
+from connector.ranktable_cli import generate, parse_host_spec
 from connector.transport.base import (
     BadRequest,
     EngineError,

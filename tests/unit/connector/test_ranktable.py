@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
+import connector.ranktable
+import connector.ranktable_cli
 from connector.ranktable import (
-    HostSpec,
     RankTableError,
     Role,
     assign_ranks,
     dump_rank_table,
     find_placement,
-    generate,
     load_rank_table,
     main,
-    parse_host_spec,
     parse_rank_table,
 )
+from connector.ranktable_cli import HostSpec, generate, parse_host_spec
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -397,6 +397,15 @@ def test_host_spec_syntax(bad: str) -> None:
 
 
 # ---------------------------------------------------------------- CLI
+
+
+def test_the_console_script_entry_and_older_imports_still_resolve() -> None:
+    # pyproject: pdgate-ranktable = "connector.ranktable:main"; the CLI itself moved to ranktable_cli.
+    assert connector.ranktable.main(["generate", "--prefill", "10.0.0.1:1.1.1.1", "--decode", "10.0.0.2:1.1.1.2"]) == 0
+    for name in ("HostSpec", "generate", "parse_host_spec"):
+        assert getattr(connector.ranktable, name) is getattr(connector.ranktable_cli, name)
+    with pytest.raises(AttributeError):
+        _ = connector.ranktable.no_such_name
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

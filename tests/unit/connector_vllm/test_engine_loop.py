@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from vllm.v1.request import RequestStatus
 from connector.connector import PDGateConnector
 from metaserver.client import MetaClient
 from metaserver.models import HandoffCreate, HandoffState, Instance
+from tests.fakes import fake_llmdatadist
 from tests.support.meta import uid
 from tests.support.servers import UvicornThread
 from tests.unit.connector_vllm.conftest import (
@@ -56,17 +58,19 @@ def meta(url: str, fn: Callable[[MetaClient], Awaitable[T]]) -> T:
 class Engine:
     """A vLLM scheduler + one worker connector, stepped by hand like EngineCore's busy loop."""
 
-    def __init__(self, model_dir: Path, metaserver_url: str, kv_role: str, tmp: Path, **extra: Any) -> None:
+    def __init__(self, model_dir: Path, metaserver_url: str | None, kv_role: str, tmp: Path, **extra: Any) -> None:
+        """`metaserver_url=None` leaves the key out (the connector then reads $PDGATE_METASERVER_URL)."""
         self.role = "decode" if kv_role == "kv_consumer" else "prefill"
         self.instance_id = uid(kv_role.removeprefix("kv_"))
         self.stats_file = tmp / f"{self.instance_id}.json"
+        if metaserver_url is not None:
+            extra["metaserver_url"] = metaserver_url
         cfg = vllm_config(
             model_dir,
             kv_role=kv_role,
             num_blocks=NUM_BLOCKS,
             kv_load_failure_policy=extra.pop("policy", "fail"),
             extra={
-                "metaserver_url": metaserver_url,
                 "url": f"http://127.0.0.1:{18000 + len(self.instance_id)}",
                 "instance_id": self.instance_id,
                 "stats_file": str(self.stats_file),
@@ -236,6 +240,60 @@ def test_one_prefill_one_decode_over_nixl(engines: tuple[Engine, Engine], metase
     assert (pc["sends_held"], pc["ready_recorded"]) == (1, 1)
 
 
+def test_one_prefill_one_decode_over_llmdatadist_without_a_rank_table(
+    model_dir: Path, metaserver: UvicornThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker finds its NPU's address itself (here: the prefill from its config, the decode from
+    $PDGATE_DEVICE_IP), registers it, and the decode links to the prefill's llm_datadist cluster with the
+    address the handoff's location carries. llm_datadist is the fake (tests/fakes), under its import name."""
+    fake_llmdatadist.reset()
+    monkeypatch.setitem(sys.modules, "llm_datadist", fake_llmdatadist)
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    # The metaserver's URL and token come from the environment, as they do in the engine containers.
+    monkeypatch.setenv("PDGATE_METASERVER_URL", metaserver.url)
+    monkeypatch.setenv("PDGATE_METASERVER_TOKEN", "unused-by-this-metaserver")
+    monkeypatch.setenv("PDGATE_DEVICE_IP", "192.168.200.7")
+    common: dict[str, Any] = {"transport": "llmdatadist", "hccn_conf": str(tmp_path / "absent-hccn.conf")}
+    p = Engine(
+        model_dir,
+        None,
+        "kv_producer",
+        tmp_path,
+        **common,
+        device_ips=["192.168.100.7"],
+        transport_options={"listen_port": 26007},
+    )
+    d = Engine(model_dir, None, "kv_consumer", tmp_path, **common, transport_options={})
+    try:
+        url = metaserver.url
+        run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="prefill registration")
+        inst = registered(url, p.instance_id)
+        assert inst is not None and inst.transport.value == "llmdatadist"
+        (addr,) = inst.transport_addresses
+        assert (addr.device_id, addr.device_ip, addr.cluster_id) == (0, "192.168.100.7", 0xC0A86407)
+        assert addr.meta["listen_port"] == 26007
+
+        tid, kv_key = new_handoff(url, p.instance_id)
+        params = _prefill(p, url, tid, kv_key, prompt_len=50)
+        p_blocks = p.block_ids("p1")
+        run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
+        d.sched.add_request(make_request("d1", 50, params, max_tokens=3))
+        d.step()
+        d_blocks = d.block_ids("d1")
+        run_until(lambda: "d1" in d.outputs, [p, d], what="decode")
+        for name in LAYERS:
+            assert torch.equal(d.kv[name][d_blocks], p.kv[name][p_blocks])  # via llm_datadist pull_blocks
+        assert state(url, tid) is HandoffState.DONE
+        assert ("link_clusters", 0xC0A8C807, (0xC0A86407,)) in fake_llmdatadist.WORLD.calls
+        run_until(lambda: "p1" not in p.sched.requests, [p, d], what="prefill blocks freed")
+        run_until(lambda: d.counters().get("recv_ok") == 1, [p, d], what="stats")
+        assert d.counters()["tokens_loaded"] == 50
+    finally:
+        p.close()
+        d.close()
+        fake_llmdatadist.reset()
+
+
 def test_decode_of_an_aborted_handoff_reports_load_errors_and_recomputes(
     model_dir: Path, metaserver: UvicornThread, tmp_path: Path
 ) -> None:
@@ -264,7 +322,8 @@ def test_decode_of_an_aborted_handoff_reports_load_errors_and_recomputes(
         assert 40 in computed
         run_until(lambda: d.counters().get("recv_failed") == 1, [d], what="stats")
         assert d.counters()["claims_failed"] == 1 and d.counters()["invalid_blocks"] == 2
-        assert p.counters().get("sends_freed_aborted") == 1
+        # The prefill's stats file is written by its own control thread (coalesced): wait for it too.
+        run_until(lambda: p.counters().get("sends_freed_aborted") == 1, [p], what="prefill stats")
     finally:
         p.close()
         d.close()

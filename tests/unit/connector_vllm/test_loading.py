@@ -33,6 +33,7 @@ def test_the_scheduler_half_and_its_helpers_import_no_device_code() -> None:
     code = (
         "import sys\n"
         "import connector.scheduler, connector.control, connector.registration, connector.worker\n"
+        "import connector.location, connector.devices, connector.transport.factory, connector.ranktable\n"
         "heavy = sorted(m for m in ('torch', 'vllm', 'nixl', 'numpy') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )

@@ -1,0 +1,35 @@
+"""Every counter the connector keeps, with what it counts: the one list of its stats names.
+
+The scheduler half bumps them (`scheduler.py`; workers report through it), the stats file carries them
+under "counters", and `stats.py` exports each on vLLM's `/metrics` as `pdgate_connector_<name>_total`.
+A new counter is added here, then bumped where it happens. No imports: readable without vLLM.
+"""
+
+from __future__ import annotations
+
+__all__ = ["COUNTERS"]
+
+COUNTERS: dict[str, str] = {
+    "sends_held": "prefill requests whose blocks were kept for a decode",
+    "sends_freed_done": "held prefills freed because the decode pulled (DONE)",
+    "sends_freed_aborted": "held prefills freed because the handoff was ABORTED",
+    "sends_freed_expired": "held prefills freed because the handoff EXPIRED",
+    "sends_freed_not_found": "held prefills freed because the ledger had no such handoff",
+    "sends_freed_ready_failed": "held prefills freed because the ledger refused READY",
+    "sends_freed_local_deadline": "held prefills freed on the local deadline (metaserver unreachable)",
+    "ready_recorded": "READY records written",
+    "ready_failed": "READY records refused or not written",
+    "prefill_not_kept": "do_remote_decode requests that ended without KV to keep (abort, error, no blocks)",
+    "recv_started": "decode requests that started an asynchronous KV load",
+    "recv_ok": "decode requests whose KV was pulled and confirmed",
+    "recv_failed": "decode requests whose KV load failed (reported as load errors)",
+    "tokens_loaded": "prompt tokens loaded from prefills instead of computed",
+    "blocks_pulled": "KV blocks pulled, summed over TP ranks",
+    "bytes_pulled": "KV bytes pulled, summed over TP ranks",
+    "pulls_failed": "failed pulls, per TP rank",
+    "invalid_blocks": "local blocks reported to vLLM as failed loads",
+    "claims_failed": "claims that did not succeed",
+    "recv_released": "handoffs a decode released without pulling (local cache, ended before scheduled)",
+    "bad_params": "requests with unusable kv_transfer_params",
+    "registrations": "successful registrations with the metaserver",
+}

@@ -1,0 +1,136 @@
+"""The KV location: what a prefill records in the ledger, and what a decode checks before pulling from it.
+
+Both ends of the same record live here so that one reading shows the whole contract between a prefill
+and a decode engine: `location_for` writes the `KVLocation` a prefill marks READY with, and
+`plan_from_location` is the decode's side, which refuses an incompatible location with a typed reason
+(block size, transport, KV layout, TP layout, missing addresses, too few blocks) before a byte moves.
+Pure: `EngineFacts` in, `KVLocation` / `RecvPlan` out. The scheduler half (`scheduler.py`) owns the
+state around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from connector.blocks import BlockPlanError, TPLayoutError, blocks_for_tokens, plan_pull, tp_sources
+from connector.config import ConfigError
+from connector.metadata import RecvPlan, address_from_model, address_to_model
+from metaserver.models import Handoff, KVLocation, TransportAddress, TransportKind
+
+__all__ = ["EngineFacts", "LocationError", "addresses_from_workers", "location_for", "plan_from_location"]
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What this engine is, as the KV location and the registry describe it."""
+
+    instance_id: str
+    engine_id: str | None
+    host: str | None
+    dp_rank: int
+    tp_size: int
+    world_size: int  # workers that each report every finished transfer (vLLM's aggregator count)
+    block_size: int
+    kv_dtype: str
+    kv_layout: str
+    kv_replicated: bool
+    transport: str
+
+
+class LocationError(Exception):
+    """A decode cannot use this location; `code` is the stable reason (metrics, the abort reason)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def addresses_from_workers(addresses: Mapping[int, Mapping[str, Any]]) -> list[TransportAddress]:
+    """The workers' `Transport.local_address()` by TP rank, as the contract's `TransportAddress` list.
+
+    Two ranks with one llm_datadist cluster id would be one cluster to every peer (a rank table with a
+    duplicate, or one `PDGATE_DEVICE_IP` shared by several devices): refused here, at engine start.
+    """
+    models = [address_to_model(rank, addr) for rank, addr in sorted(addresses.items())]
+    seen: dict[int, int] = {}
+    for a in models:
+        if a.cluster_id is None:
+            continue
+        if a.cluster_id in seen:
+            raise ConfigError(
+                f"tp ranks {seen[a.cluster_id]} and {a.tp_rank} share llm_datadist cluster id {a.cluster_id} "
+                f"(device IP {a.device_ip}); every device needs its own IP"
+            )
+        seen[a.cluster_id] = a.tp_rank
+    return models
+
+
+def location_for(
+    facts: EngineFacts,
+    *,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    addresses: Sequence[TransportAddress],
+    remote_request_id: str,
+) -> tuple[KVLocation, list[int]]:
+    """The READY record of a finished prefill, and the blocks it advertises (those holding the prompt)."""
+    kept = list(block_ids[: blocks_for_tokens(num_tokens, facts.block_size)])
+    location = KVLocation(
+        block_ids=[kept],
+        num_tokens=num_tokens,
+        engine_id=facts.engine_id,
+        host=facts.host,
+        dp_rank=facts.dp_rank,
+        tp_size=facts.tp_size,
+        block_size=facts.block_size,
+        kv_dtype=facts.kv_dtype,
+        kv_layout=facts.kv_layout,
+        transport=TransportKind(facts.transport),
+        transport_addresses=list(addresses),
+        remote_request_id=remote_request_id,
+    )
+    return location, kept
+
+
+def plan_from_location(
+    handoff: Handoff,
+    facts: EngineFacts,
+    *,
+    req_id: str,
+    local_block_ids: Sequence[int],
+    hit_blocks: int,
+) -> RecvPlan:
+    """The pull every decode worker runs for a claimed handoff, or `LocationError` saying why not."""
+    loc = handoff.location
+    if loc is None:
+        raise LocationError("ledger_no_location", "the handoff carries no KV location")
+    if loc.block_size is not None and loc.block_size != facts.block_size:
+        raise LocationError(
+            "pd_block_size_mismatch", f"prefill block size {loc.block_size} != decode {facts.block_size}"
+        )
+    if loc.transport is not None and loc.transport.value != facts.transport:
+        raise LocationError(
+            "pd_transport_mismatch", f"prefill transport {loc.transport.value} != decode {facts.transport}"
+        )
+    if loc.kv_layout and facts.kv_layout and loc.kv_layout != facts.kv_layout:
+        raise LocationError(
+            "pd_kv_layout_mismatch", f"prefill KV layout {loc.kv_layout!r} != decode {facts.kv_layout!r}"
+        )
+    if not loc.block_ids:
+        raise LocationError("ledger_no_blocks", "the handoff lists no blocks")
+    try:
+        ranks = tp_sources(loc.tp_size, facts.tp_size, facts.kv_replicated)
+        by_rank = {a.tp_rank: a for a in loc.transport_addresses}
+        missing = [r for r in ranks if r not in by_rank]
+        if missing:
+            raise LocationError(
+                "pd_no_transport_address", f"the prefill advertised no transport address for tp rank(s) {missing}"
+            )
+        plan = plan_pull(loc.block_ids[0], local_block_ids, hit_blocks)
+    except (TPLayoutError, BlockPlanError) as exc:
+        raise LocationError(exc.code, str(exc)) from None
+    sources = tuple(address_from_model(by_rank[r]) for r in ranks)
+    return RecvPlan(req_id, handoff.transfer_id, handoff.kv_key, plan.remote_block_ids, plan.local_block_ids, sources)
