@@ -14,6 +14,7 @@ from metaserver.client import (
     MetaNotFound,
     MetaUnauthorized,
     MetaUnavailable,
+    error_from_answer,
 )
 from metaserver.models import (
     CONTRACT_VERSION,
@@ -74,4 +75,5 @@ __all__ = [
     "Role",
     "TransportAddress",
     "TransportKind",
+    "error_from_answer",
 ]

@@ -51,6 +51,7 @@ __all__ = [
     "MetaNotFound",
     "MetaUnauthorized",
     "MetaUnavailable",
+    "error_from_answer",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -138,9 +139,7 @@ class MetaAPI(Protocol):
     async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff: ...
     async def abort(self, transfer_id: str, reason: str) -> Handoff: ...
     async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff: ...
-    async def events(
-        self, instance_id: str, cursor: str | None = None, wait: float | None = None
-    ) -> HandoffEvents: ...
+    async def events(self, instance_id: str, cursor: str | None = None, wait: float | None = None) -> HandoffEvents: ...
 
 
 class MetaClient:
@@ -184,7 +183,7 @@ class MetaClient:
 
     # -- transport --------------------------------------------------------------------------
 
-    async def _call(
+    async def _call(  # extension point: a subclass may send over another HTTP layer (router/meta.py)
         self,
         method: str,
         path: str,
@@ -260,17 +259,13 @@ class MetaClient:
         return await self._model(Handoff, "POST", f"/v1/handoffs/{transfer_id}/done", body=body)
 
     async def abort(self, transfer_id: str, reason: str) -> Handoff:
-        return await self._model(
-            Handoff, "POST", f"/v1/handoffs/{transfer_id}/abort", body=AbortBody(reason=reason)
-        )
+        return await self._model(Handoff, "POST", f"/v1/handoffs/{transfer_id}/abort", body=AbortBody(reason=reason))
 
     async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff:
         params = {"wait": wait} if wait else None
         return await self._model(Handoff, "GET", f"/v1/handoffs/{transfer_id}", params=params, wait=wait)
 
-    async def events(
-        self, instance_id: str, cursor: str | None = None, wait: float | None = None
-    ) -> HandoffEvents:
+    async def events(self, instance_id: str, cursor: str | None = None, wait: float | None = None) -> HandoffEvents:
         params: dict[str, Any] = {}
         if cursor is not None:
             params["cursor"] = cursor
@@ -286,13 +281,21 @@ class MetaClient:
 
 
 def _error_from(resp: httpx.Response, method: str, path: str) -> MetaError:
-    """Turn an RFC 7807 (or FastAPI `detail`) answer into the typed error for its status."""
-    cls = _BY_STATUS.get(resp.status_code, MetaError)
-    detail = f"metaserver {method} {path} answered {resp.status_code}"
+    return error_from_answer(resp.status_code, resp.content, method, path)
+
+
+def error_from_answer(status: int, content: bytes, method: str, path: str) -> MetaError:
+    """Turn an RFC 7807 (or FastAPI `detail`) answer into the typed error for its status.
+
+    Public so that a subclass of `MetaClient` with another HTTP layer (the router's pooled client)
+    raises exactly the errors this client raises.
+    """
+    cls = _BY_STATUS.get(status, MetaError)
+    detail = f"metaserver {method} {path} answered {status}"
     code: str | None = None
     state: HandoffState | None = None
     try:
-        data = orjson.loads(resp.content)
+        data = orjson.loads(content)
     except orjson.JSONDecodeError:
         data = None
     if isinstance(data, dict):
@@ -304,4 +307,4 @@ def _error_from(resp: httpx.Response, method: str, path: str) -> MetaError:
         raw_state = data.get("current_state")
         if raw_state in HandoffState.__members__:
             state = HandoffState(raw_state)
-    return cls(detail, status=resp.status_code, code=code, current_state=state)
+    return cls(detail, status=status, code=code, current_state=state)

@@ -1,0 +1,621 @@
+"""Benchmark of the router: throughput, latency and router CPU per request in front of 2P2D simulators.
+
+Processes (all real, over loopback): a metaserver (`python -m metaserver`, memory store), 2 prefill and
+2 decode `pdgate-sim`s registered with it, and proxies in front of the same sims:
+  router     `pdgate-router --metaserver URL` (the production shape: ledger in its own service)
+  isolated   the same router in front of canned engines and a canned metaserver (one raw ASGI process
+             that answers at once): the router's own cost, with nothing else competing for the box
+  embedded   `pdgate-router --prefill .. --decode ..` with the metaserver in-process: its CPU also
+             covers serving the engines' ledger calls (READY, claim, DONE: 3 HTTP calls per request)
+  toy        a proxy written like vLLM's toy_proxy_server.py (FastAPI + httpx, P then D), for scale
+and `direct`: no proxy, the client itself creates the handoff, calls P, then D (same engine work).
+With `--pin`, proxies are pinned to CPU 0 with taskset and everything else to the other CPUs (off by
+default: on a shared 2-vCPU VM that added milliseconds of latency at concurrency 1).
+The load generator is a keep-alive HTTP/1.1 client on uvloop (router.upstream.HttpPool).
+
+Router CPU per request = (utime + stime of the proxy process, from /proc/<pid>/stat, after - before) /
+requests. Scenarios: non-streaming (16 tokens) at concurrency 1, 32, 256, 1024 and streaming (32 tokens)
+at 64. `--libs` first measures the candidate HTTP clients, ASGI stacks and JSON libraries alone.
+Prints tables and writes bench/results/router.json.
+
+    .venv/bin/python bench/router.py [--quick] [--libs] [--pin] [--only 1 32] [--modes router direct ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import orjson  # noqa: E402
+
+from tests.support.ports import free_port  # noqa: E402
+from tests.support.servers import wait_http  # noqa: E402
+
+PY = sys.executable
+CLK = os.sysconf("SC_CLK_TCK")
+LOGS = Path(tempfile.mkdtemp(prefix="pdgate-bench-router-"))
+TARGETS = {"cpu_us_nonstream_c32": 400, "cpu_us_stream32": 600, "errors_c1024": 0, "added_p50_ms_c1": 1.0}
+
+# Canned engines and metaserver in one raw ASGI process: isolates the router's own cost.
+CANNED = r"""
+import sys, time, orjson
+port = int(sys.argv[1]); url = f"http://127.0.0.1:{port}"
+KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p1", "remote_block_ids": [[1, 2, 3]],
+      "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "cmpl-x-0", "tp_size": 1}
+HEAD = {"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "sim-model"}
+P_ANS = orjson.dumps({**HEAD, "choices": [{"index": 0, "text": " a", "finish_reason": "length"}],
+                      "kv_transfer_params": KV})
+CHUNK = b"data: " + orjson.dumps({**HEAD, "choices": [{"index": 0, "text": " tok", "finish_reason": None}]}) + b"\n\n"
+def d_ans(n):
+    return orjson.dumps({**HEAD, "choices": [{"index": 0, "text": " tok" * n, "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 40, "completion_tokens": n, "total_tokens": 40 + n}})
+def inst(i, role):
+    return {"id": i, "role": role, "url": url, "model": "sim-model", "lease_s": 10, "registered_at": 0,
+            "last_heartbeat": time.time() + 1e6}
+INSTANCES = orjson.dumps({"instances": [inst("p1", "prefill"), inst("d1", "decode")]})
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        while True:
+            m = await receive()
+            if m["type"] == "lifespan.startup": await send({"type": "lifespan.startup.complete"})
+            elif m["type"] == "lifespan.shutdown": await send({"type": "lifespan.shutdown.complete"}); return
+    body, more = b"", True
+    while more:
+        m = await receive(); body += m.get("body", b""); more = m.get("more_body", False)
+    path, status, out = scope["path"], 200, b"{}"
+    if path == "/v1/handoffs":
+        status = 201
+        out = orjson.dumps({"transfer_id": orjson.loads(body)["transfer_id"], "kv_key": 7, "state": "PENDING",
+                            "prefill_instance_id": "p1", "created_at": 0.0, "updated_at": 0.0, "lease_s": 60.0})
+    elif path == "/v1/instances":
+        out = INSTANCES
+    elif path == "/v1/completions":
+        b = orjson.loads(body)
+        if b["kv_transfer_params"].get("do_remote_decode"):
+            out = P_ANS
+        elif b.get("stream"):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            for _ in range(b["max_tokens"]):
+                await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
+        else:
+            out = d_ans(b["max_tokens"])
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": out})
+import uvicorn
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+"""
+
+TOY_PROXY = """
+import itertools, sys, uuid, httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+P, D = sys.argv[2].split(","), sys.argv[3].split(",")
+app = FastAPI()
+pc, dc = itertools.cycle(httpx.AsyncClient(base_url=u, timeout=None) for u in P), itertools.cycle(
+    httpx.AsyncClient(base_url=u, timeout=None) for u in D)
+@app.post("/v1/completions")
+async def completions(request: Request):
+    req = await request.json()
+    rid = str(uuid.uuid4())
+    p = dict(req, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    p.pop("stream_options", None)
+    r = await next(pc).post("/v1/completions", json=p, headers={"X-Request-Id": rid})
+    r.raise_for_status()
+    req["kv_transfer_params"] = r.json().get("kv_transfer_params")
+    client = next(dc)
+    async def gen():
+        async with client.stream("POST", "/v1/completions", json=req, headers={"X-Request-Id": rid}) as resp:
+            async for chunk in resp.aiter_bytes():
+                yield chunk
+    return StreamingResponse(gen(), media_type="application/json")
+import uvicorn
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+PIN = False  # --pin: measured, pinning the proxy to one CPU of this 2-vCPU box added ms of latency at c=1
+
+
+def pinned(cmd: list[str], cpu: str) -> list[str]:
+    if PIN and cpus() > 1 and shutil.which("taskset"):
+        return ["taskset", "-c", cpu, *cmd]
+    return cmd
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+class Procs:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, cmd: list[str], cpu: str) -> subprocess.Popen[bytes]:
+        log = (LOGS / f"{name}.log").open("wb")
+        proc = subprocess.Popen(pinned(cmd, cpu), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# -- load generation --------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def run_load(
+    url: str, concurrency: int, total: int, stream: bool, tokens: int, direct: dict[str, Any] | None
+) -> dict[str, Any]:
+    from metaserver.models import HandoffCreate
+    from router.meta import PooledMetaClient
+    from router.upstream import HttpPool
+
+    pool = HttpPool(connect_timeout=10)
+    meta = PooledMetaClient(direct["metaserver"], pool=pool, timeout=60) if direct else None
+    headers = [(b"content-type", b"application/json")]
+    lat: list[float] = []
+    ttft: list[float] = []
+    errors: list[str] = []
+    counter = 0
+
+    async def one(i: int) -> None:
+        body = {"model": "sim-model", "prompt": f"benchmark prompt number {i} " * 8, "max_tokens": tokens}
+        if stream:
+            body["stream"] = True
+        t0 = time.perf_counter()
+        first = None
+        try:
+            if direct is None:
+                resp = await pool.request("POST", url + "/v1/completions", headers, orjson.dumps(body), timeout=120)
+            else:
+                assert meta is not None
+                p_url = direct["prefill"][i % len(direct["prefill"])]
+                d_url = direct["decode"][i % len(direct["decode"])]
+                h = await meta.create_handoff(HandoffCreate(prefill_instance_id=direct["prefill_ids"][p_url]))
+                params = {"do_remote_decode": True, "transfer_id": h.transfer_id, "kv_key": h.kv_key}
+                params["metaserver"] = direct["metaserver"]
+                p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
+                pr = await pool.request("POST", p_url + "/v1/completions", headers, orjson.dumps(p_body), timeout=120)
+                kv = orjson.loads(await pr.read(timeout=120))["kv_transfer_params"]
+                kv.update(do_remote_prefill=True, do_remote_decode=False, metaserver=direct["metaserver"])
+                d_body = dict(body, kv_transfer_params=kv)
+                resp = await pool.request("POST", d_url + "/v1/completions", headers, orjson.dumps(d_body), timeout=120)
+            parts = []
+            while (chunk := await resp.next_chunk(120)) is not None:
+                if first is None:
+                    first = time.perf_counter()
+                parts.append(chunk)
+            data = b"".join(parts)
+            if resp.status != 200:
+                errors.append(f"{resp.status}: {data[:200]!r}")
+            elif stream and (b'"error"' in data or not data.rstrip().endswith(b"[DONE]")):
+                errors.append(f"stream: {data[-200:]!r}")
+        except Exception as exc:
+            errors.append(repr(exc))
+            return
+        t1 = time.perf_counter()
+        lat.append(t1 - t0)
+        ttft.append((first or t1) - t0)
+
+    async def worker() -> None:
+        nonlocal counter
+        while counter < total:
+            i = counter
+            counter += 1
+            await one(i)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    await pool.aclose()
+    return {"elapsed": elapsed, "lat": lat, "ttft": ttft, "errors": errors}
+
+
+def load(url: str, concurrency: int, total: int, stream: bool, tokens: int, direct: Any = None) -> dict[str, Any]:
+    import uvloop
+
+    return uvloop.run(run_load(url, concurrency, total, stream, tokens, direct))
+
+
+# -- the stack --------------------------------------------------------------------------------
+
+
+def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
+    meta_port = free_port()
+    meta_url = f"http://127.0.0.1:{meta_port}"
+    other = f"1-{cpus() - 1}" if cpus() > 1 else "0"
+    procs.start(
+        "metaserver",
+        [PY, "-m", "metaserver", "--port", str(meta_port), "--log-level", "warning"],
+        other,
+    )
+    wait_http(meta_url + "/health", timeout=30)
+    sims: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role in ("prefill", "prefill", "decode", "decode"):
+        port = free_port()
+        cmd = [PY, "-m", "router.sim", "--role", role, "--port", str(port), "--metaserver", meta_url]
+        # An overloaded box shows as latency, not as errors or lapsed registrations.
+        cmd += ["--metaserver-timeout-s", "60", "--lease-s", "60"]
+        procs.start(f"sim-{role}-{port}", cmd, other)
+        sims[role].append(f"http://127.0.0.1:{port}")
+    for url in sims["prefill"] + sims["decode"]:
+        wait_http(url + "/v1/models", timeout=30)
+    out: dict[str, Any] = {"metaserver": meta_url, "sims": sims, "proxies": {}}
+    static = [a for u in sims["prefill"] for a in ("--prefill", u)] + [
+        a for u in sims["decode"] for a in ("--decode", u)
+    ]
+    for mode in modes:
+        if mode == "direct":
+            continue
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        base = [PY, "-m", "router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+        base += ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
+        base += ["--metaserver-timeout-s", "60"]
+        if mode == "router":
+            cmd = [*base, "--metaserver", meta_url]
+        elif mode == "isolated":
+            canned_port = free_port()
+            procs.start("canned", [PY, "-c", CANNED, str(canned_port)], other)
+            wait_http(f"http://127.0.0.1:{canned_port}/health", timeout=30)
+            cmd = [*base, "--metaserver", f"http://127.0.0.1:{canned_port}"]
+        elif mode == "embedded":
+            cmd = [*base, *static]
+        elif mode == "toy":
+            cmd = [PY, "-c", TOY_PROXY, str(port), ",".join(sims["prefill"]), ",".join(sims["decode"])]
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+        proc = procs.start(f"proxy-{mode}", cmd, "0")
+        wait_http(url + ("/health" if mode != "toy" else "/docs"), timeout=60)
+        out["proxies"][mode] = (url, proc)
+    from router.pool import static_instance_id
+
+    out["prefill_ids"] = {u: static_instance_id(u) for u in sims["prefill"]}
+    return out
+
+
+SCENARIOS_FULL = [
+    ("nonstream", 1, 400, False, 16),
+    ("nonstream", 32, 3000, False, 16),
+    ("nonstream", 256, 3000, False, 16),
+    ("nonstream", 1024, 4096, False, 16),
+    ("stream32", 64, 2000, True, 32),
+]
+SCENARIOS_QUICK = [
+    ("nonstream", 1, 150, False, 16),
+    ("nonstream", 32, 1000, False, 16),
+    ("nonstream", 256, 1000, False, 16),
+    ("nonstream", 1024, 2048, False, 16),
+    ("stream32", 64, 600, True, 32),
+]
+
+
+def run_scenarios(
+    stack: dict[str, Any], modes: list[str], quick: bool, only: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """Each scenario for each mode. At concurrency 1 the modes alternate in short rounds, so a change in
+    the machine's background load hits them alike (the added-latency comparison depends on it)."""
+    rows = []
+    scenarios = SCENARIOS_QUICK if quick else SCENARIOS_FULL
+    direct = {
+        "metaserver": stack["metaserver"],
+        "prefill": stack["sims"]["prefill"],
+        "decode": stack["sims"]["decode"],
+        "prefill_ids": stack["prefill_ids"],
+    }
+
+    def measure(mode: str, conc: int, total: int, stream: bool, tokens: int) -> dict[str, Any]:
+        url, pid = ("", None) if mode == "direct" else (stack["proxies"][mode][0], stack["proxies"][mode][1].pid)
+        c0 = cpu_seconds(pid) if pid else 0.0
+        res = load(url, conc, total, stream, tokens, direct if mode == "direct" else None)
+        res["cpu"] = cpu_seconds(pid) - c0 if pid else None
+        return res
+
+    for name, conc, total, stream, tokens in scenarios:
+        if only and conc not in only:
+            continue
+        active = [m for m in modes if not (m == "toy" and (conc > 32 or stream))]  # toy: a CPU reference only
+        for mode in active:
+            measure(mode, min(conc, 32), min(200, total), stream, tokens)  # warm-up
+        rounds = 5 if conc == 1 else 1
+        acc: dict[str, dict[str, Any]] = {
+            m: {"lat": [], "ttft": [], "errors": [], "elapsed": 0.0, "cpu": 0.0} for m in active
+        }
+        for _ in range(rounds):
+            for mode in active:
+                res = measure(mode, conc, total // rounds, stream, tokens)
+                a = acc[mode]
+                a["lat"] += res["lat"]
+                a["ttft"] += res["ttft"]
+                a["errors"] += res["errors"]
+                a["elapsed"] += res["elapsed"]
+                a["cpu"] = None if res["cpu"] is None else a["cpu"] + res["cpu"]
+        for mode in active:
+            a = acc[mode]
+            done = (total // rounds) * rounds
+            row = {
+                "scenario": name,
+                "mode": mode,
+                "concurrency": conc,
+                "requests": done,
+                "ok": len(a["lat"]),
+                "errors": len(a["errors"]),
+                "req_s": len(a["lat"]) / a["elapsed"],
+                "p50_ms": pct(a["lat"], 0.5) * 1e3,
+                "p99_ms": pct(a["lat"], 0.99) * 1e3,
+                "ttft_p50_ms": pct(a["ttft"], 0.5) * 1e3,
+                "cpu_us_per_req": a["cpu"] / done * 1e6 if a["cpu"] is not None else None,
+                "first_error": a["errors"][0] if a["errors"] else None,
+            }
+            rows.append(row)
+            print_row(row)
+    return rows
+
+
+HEAD = (
+    f"{'scenario':<10} {'mode':<9} {'conc':>5} {'reqs':>6} {'err':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+    f"{'TTFT ms':>8} {'CPU us/req':>10}"
+)
+
+
+def print_row(r: dict[str, Any]) -> None:
+    cpu = f"{r['cpu_us_per_req']:.0f}" if r["cpu_us_per_req"] is not None else "-"
+    print(
+        f"{r['scenario']:<10} {r['mode']:<9} {r['concurrency']:>5} {r['requests']:>6} {r['errors']:>4} "
+        f"{r['req_s']:>8.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['ttft_p50_ms']:>8.2f} {cpu:>10}",
+        flush=True,
+    )
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def find(mode: str, scenario: str, conc: int) -> dict[str, Any] | None:
+        return next((r for r in rows if (r["mode"], r["scenario"], r["concurrency"]) == (mode, scenario, conc)), None)
+
+    out: dict[str, Any] = {}
+    for mode in ("router", "isolated"):
+        r32, s64 = find(mode, "nonstream", 32), find(mode, "stream32", 64)
+        if r32:
+            out[f"cpu_us_nonstream_c32[{mode}]"] = ("cpu_us_nonstream_c32", r32["cpu_us_per_req"])
+        if s64:
+            out[f"cpu_us_stream32[{mode}]"] = ("cpu_us_stream32", s64["cpu_us_per_req"])
+        r1024 = find(mode, "nonstream", 1024)
+        if r1024:
+            out[f"errors_c1024[{mode}]"] = ("errors_c1024", r1024["errors"])
+    r1, d1 = find("router", "nonstream", 1), find("direct", "nonstream", 1)
+    if r1 and d1:
+        out["added_p50_ms_c1[router-direct]"] = ("added_p50_ms_c1", r1["p50_ms"] - d1["p50_ms"])
+    return {
+        k: {"measured": v, "target": TARGETS[t], "met": v is not None and v <= TARGETS[t]} for k, (t, v) in out.items()
+    }
+
+
+# -- library measurements (--libs) -------------------------------------------------------------
+
+LIB_SERVER = """
+import sys, orjson
+BODY = orjson.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": "hello", "finish_reason": "length"}],
+                     "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]]}})
+kind, port = sys.argv[1], int(sys.argv[2])
+async def raw(scope, receive, send):
+    if scope["type"] != "http":
+        while True:
+            m = await receive()
+            if m["type"] == "lifespan.startup": await send({"type": "lifespan.startup.complete"})
+            elif m["type"] == "lifespan.shutdown": await send({"type": "lifespan.shutdown.complete"}); return
+    body, more = b"", True
+    while more:
+        m = await receive(); body += m.get("body", b""); more = m.get("more_body", False)
+    orjson.loads(body)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": BODY})
+app = raw
+if kind == "starlette":
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+    async def h(request):
+        orjson.loads(await request.body()); return Response(BODY, media_type="application/json")
+    app = Starlette(routes=[Route("/v1/completions", h, methods=["POST"])])
+elif kind == "fastapi":
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+    app = FastAPI()
+    @app.post("/v1/completions")
+    async def h(request: Request):
+        orjson.loads(await request.body()); return Response(BODY, media_type="application/json")
+import uvicorn
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+"""
+
+
+async def client_cpu(kind: str, url: str, n: int, conc: int) -> float:
+    body = orjson.dumps({"model": "m", "prompt": "hello world " * 20, "max_tokens": 16})
+    hdrs = {"content-type": "application/json"}
+    if kind == "httpx":
+        import httpx
+
+        c = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000))
+
+        async def one() -> None:
+            orjson.loads((await c.post(url, content=body, headers=hdrs)).content)
+
+        close: Any = c.aclose
+    elif kind == "aiohttp":
+        import aiohttp
+
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000))
+
+        async def one() -> None:
+            async with s.post(url, data=body, headers=hdrs) as r:
+                orjson.loads(await r.read())
+
+        close = s.close
+    else:
+        from router.upstream import HttpPool
+
+        pool = HttpPool()
+        h = [(b"content-type", b"application/json")]
+
+        async def one() -> None:
+            r = await pool.request("POST", url, h, body)
+            orjson.loads(await r.read())
+
+        close = pool.aclose
+    sem = asyncio.Semaphore(conc)
+
+    async def task() -> None:
+        async with sem:
+            await one()
+
+    for _ in range(100):
+        await one()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    await asyncio.gather(*(task() for _ in range(n)))
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    await close()
+    return ((r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)) / n * 1e6
+
+
+def json_costs() -> dict[str, float]:
+    import json as std
+
+    doc = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello world " * 200}],
+        "max_tokens": 64,
+        "kv_transfer_params": {"remote_block_ids": [list(range(64))], "remote_engine_id": "e"},
+    }
+    raw = orjson.dumps(doc)
+    out = {}
+    for name, dumps, loads in (
+        ("orjson", orjson.dumps, orjson.loads),
+        ("json", lambda o: std.dumps(o).encode(), std.loads),
+    ):
+        t = time.process_time()
+        for _ in range(5000):
+            loads(raw)
+            dumps(doc)
+        out[name] = (time.process_time() - t) / 5000 * 1e6
+    return out
+
+
+def measure_libs() -> dict[str, Any]:
+    import uvloop
+
+    print("\n== libraries (CPU per request/op, concurrency 32) ==")
+    results: dict[str, Any] = {"client_us": {}, "server_us": {}, "json_us": json_costs()}
+    procs = Procs()
+    try:
+        port = free_port()
+        procs.start("lib-raw", [PY, "-c", LIB_SERVER, "raw", str(port)], "0")
+        wait_http(f"http://127.0.0.1:{port}/v1/completions", timeout=20, status=None)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        kinds = ["httpx", "native"]
+        try:
+            import aiohttp  # noqa: F401
+
+            kinds.insert(1, "aiohttp")
+        except ImportError:
+            print("(aiohttp not installed: skipped)")
+        for kind in kinds:
+            us = uvloop.run(client_cpu(kind, url, 1000 if kind == "httpx" else 4000, 32))
+            results["client_us"][kind] = us
+            print(f"client {kind:<8} {us:8.0f} us/request")
+        for kind in ("raw", "starlette", "fastapi"):
+            port = free_port()
+            proc = procs.start(f"lib-{kind}", [PY, "-c", LIB_SERVER, kind, str(port)], "0")
+            surl = f"http://127.0.0.1:{port}/v1/completions"
+            wait_http(surl, timeout=20, status=None)
+            uvloop.run(client_cpu("native", surl, 300, 32))
+            c0 = cpu_seconds(proc.pid)
+            uvloop.run(client_cpu("native", surl, 4000, 32))
+            us = (cpu_seconds(proc.pid) - c0) / 4300 * 1e6
+            results["server_us"][kind] = us
+            print(f"server {kind:<9} {us:8.0f} us/request (uvicorn + uvloop + httptools)")
+        for name, us in results["json_us"].items():
+            print(f"json   {name:<9} {us:8.1f} us per loads+dumps of a 2.6 kB chat body")
+    finally:
+        procs.stop()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer requests per scenario")
+    ap.add_argument("--libs", action="store_true", help="also measure HTTP clients, ASGI stacks, JSON libraries")
+    ap.add_argument("--modes", nargs="+", default=["router", "direct", "isolated", "embedded", "toy"])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router.json"))
+    ap.add_argument("--pin", action="store_true", help="taskset: proxies on CPU 0, everything else on the others")
+    ap.add_argument("--only", nargs="+", type=int, help="run only the scenarios with these concurrencies")
+    args = ap.parse_args()
+    global PIN
+    PIN = args.pin
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+    info = {
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": cpus(),
+        "load_avg_before": os.getloadavg(),
+        "pinning": "proxies on CPU 0, sims/metaserver/client on the others" if PIN and cpus() > 1 else "none",
+    }
+    libs = measure_libs() if args.libs else None
+    procs = Procs()
+    try:
+        stack = start_stack(procs, args.modes)
+        if PIN and cpus() > 1:  # the load generator stays off the proxies' CPU
+            os.sched_setaffinity(0, set(range(1, cpus())))
+        print(f"\n== router benchmark ({'quick' if args.quick else 'full'}), logs in {LOGS} ==")
+        print(HEAD)
+        rows = run_scenarios(stack, args.modes, args.quick, args.only)
+    finally:
+        procs.stop()
+    info["load_avg_after"] = os.getloadavg()
+    v = verdicts(rows)
+    print("\n== targets ==")
+    for k, item in v.items():
+        verdict = "met" if item["met"] else "NOT met"
+        print(f"{k:<34} measured {item['measured']:>10.2f}  target {item['target']:>6}  {verdict}")
+    out = {"info": info, "libs": libs, "rows": rows, "targets": v}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The OpenAI request fields the router reads or rewrites, and the prefill/decode bodies (pure).
+
+The router reads `model`, `stream`, `prompt`/`messages` (for prefix affinity and a token estimate),
+`max_tokens`/`max_completion_tokens`; it rewrites only what the PD protocol needs (vLLM's
+`toy_proxy_server.py` and NIXL's docs): the prefill copy gets `max_tokens=1` (and
+`max_completion_tokens=1` when present), `stream=false`, no `stream_options`, no
+`min_tokens`/`min_completion_tokens`, and our `kv_transfer_params`; the decode copy is the client's body
+with the prefill's `kv_transfer_params`. Every other field passes through untouched.
+
+A completion with several prompts is refused (400): vLLM returns the `kv_transfer_params` of the first
+prompt only, so the others would silently be recomputed on decode. Send one request per prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from router.errors import BadRequest, PrefillFailed
+
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "RequestFacts",
+    "decode_body",
+    "decode_params",
+    "kv_params_from_prefill",
+    "parse_json",
+    "prefill_body",
+    "prefill_params",
+    "request_facts",
+]
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What routing needs to know about one request; computed once, never mutated."""
+
+    endpoint: str
+    model: str | None
+    stream: bool
+    prompt_tokens: int  # estimate: characters / 4, or the length of a token-id prompt
+    max_tokens: int
+    prefix: bytes  # the first `prefix_chars` of the prompt, for prefix affinity
+
+
+class _MultiPrompt(BadRequest):
+    code = "multiple_prompts_unsupported"
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _prompt_text(prompt: Any, limit: int) -> tuple[bytes, int]:
+    """(prefix bytes, estimated tokens) of a completions `prompt`."""
+    if isinstance(prompt, str):
+        return prompt[:limit].encode(), max(1, len(prompt) // 4)
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) for t in prompt[:4]):  # one prompt as token ids
+            return orjson.dumps(prompt[:limit]), len(prompt)
+        if len(prompt) > 1:
+            raise _MultiPrompt(
+                f"a completion with {len(prompt)} prompts is not supported through prefill/decode "
+                "disaggregation (vLLM returns kv_transfer_params for the first prompt only); "
+                "send one request per prompt"
+            )
+        if len(prompt) == 1:
+            return _prompt_text(prompt[0], limit)
+    return b"", 1
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _chat_text(messages: Any, limit: int) -> tuple[bytes, int]:
+    """(prefix bytes, estimated tokens) of chat `messages`: role and text of every message in order,
+    so two conversations share a prefix exactly when their first messages agree."""
+    if not isinstance(messages, list):
+        return b"", 1
+    parts: list[str] = []
+    size = 0
+    chars = 0
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        text = _content_text(msg.get("content"))
+        chars += len(text)
+        if size < limit:
+            piece = f"{msg.get('role', '')}\x1f{text}\x1e"
+            parts.append(piece)
+            size += len(piece)
+    return "".join(parts)[:limit].encode(), max(1, chars // 4)
+
+
+def request_facts(body: dict[str, Any], endpoint: str, prefix_chars: int) -> RequestFacts:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    if endpoint == CHAT:
+        prefix, tokens = _chat_text(body.get("messages"), prefix_chars)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        prefix, tokens = _prompt_text(body.get("prompt"), prefix_chars)
+        max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        max_tokens = _DEFAULT_MAX_TOKENS
+    return RequestFacts(endpoint, model, stream, tokens, max_tokens, prefix)
+
+
+def prefill_params(transfer_id: str, kv_key: int, metaserver: str | None) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": transfer_id,
+        "kv_key": kv_key,
+    }
+    if metaserver:
+        params["metaserver"] = metaserver
+    return params
+
+
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
+    p = dict(body)
+    p["max_tokens"] = 1
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p["stream"] = False
+    p.pop("stream_options", None)
+    p.pop("min_tokens", None)
+    p.pop("min_completion_tokens", None)
+    p["kv_transfer_params"] = kv_params
+    return orjson.dumps(p)
+
+
+def kv_params_from_prefill(raw: bytes) -> dict[str, Any]:
+    """The `kv_transfer_params` of a prefill's answer; a prefill that sent none failed (never decode
+    without the KV: that would silently recompute the prompt)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise PrefillFailed(f"prefill answered invalid JSON: {exc}") from exc
+    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    if not isinstance(params, dict) or not params:
+        raise PrefillFailed(
+            "prefill answered without kv_transfer_params (is the engine started with a KV connector as producer?)"
+        )
+    return params
+
+
+def decode_params(
+    from_prefill: dict[str, Any], transfer_id: str, kv_key: int, metaserver: str | None
+) -> dict[str, Any]:
+    params = dict(from_prefill)
+    params["do_remote_prefill"] = True
+    params["do_remote_decode"] = False
+    params["transfer_id"] = transfer_id
+    params.setdefault("kv_key", kv_key)
+    if metaserver:
+        params.setdefault("metaserver", metaserver)
+    return params
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
+    d = dict(body)
+    d["kv_transfer_params"] = kv_params
+    return orjson.dumps(d)

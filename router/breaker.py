@@ -1,0 +1,105 @@
+"""A circuit breaker per instance: closed -> open -> half-open -> closed (pure; the clock is an argument).
+
+Why per instance and passive: active health checks run every few seconds, while a dead engine fails
+every request sent to it in between. After `failures` consecutive failures the breaker opens and the
+instance gets no traffic for `open_s`; then one probe request is let through (half-open); `successes`
+good probes close it, one failure opens it again. Outcomes are recorded per side (a prefill error never
+counts against a decode), and a decode counts as a success only when its stream ended cleanly.
+
+Every state change goes through `_move`, the one place that calls `on_transition` (logs, gauge).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["BreakerConfig", "BreakerState", "CircuitBreaker"]
+
+
+class BreakerState(str, Enum):
+    CLOSED = "closed"  # traffic flows; consecutive failures are counted
+    OPEN = "open"  # no traffic until `open_s` has passed
+    HALF_OPEN = "half_open"  # one probe at a time decides
+
+    @property
+    def gauge(self) -> int:
+        return _GAUGE[self]
+
+
+_GAUGE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    failures: int = 5
+    open_s: float = 10.0
+    successes: int = 1
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        config: BreakerConfig | None = None,
+        on_transition: Callable[[BreakerState, BreakerState], None] | None = None,
+    ) -> None:
+        self.config = config or BreakerConfig()
+        self._on_transition = on_transition
+        self._state = BreakerState.CLOSED
+        self._failures = 0
+        self._successes = 0
+        self._opened_at = 0.0
+        self._probing = False
+
+    def state(self, now: float) -> BreakerState:
+        """The state at `now` (an open breaker whose wait is over reads as half-open)."""
+        if self._state is BreakerState.OPEN and now >= self._opened_at + self.config.open_s:
+            self._move(BreakerState.HALF_OPEN)
+        return self._state
+
+    def can_pass(self, now: float) -> bool:
+        st = self.state(now)
+        if st is BreakerState.CLOSED:
+            return True
+        return st is BreakerState.HALF_OPEN and not self._probing
+
+    def on_dispatch(self, now: float) -> None:
+        """A request was sent: in half-open it is the probe, and no other passes until it ends."""
+        if self.state(now) is BreakerState.HALF_OPEN:
+            self._probing = True
+
+    def record_success(self, now: float) -> None:
+        st = self.state(now)
+        if st is BreakerState.HALF_OPEN:
+            self._probing = False
+            self._successes += 1
+            if self._successes >= self.config.successes:
+                self._move(BreakerState.CLOSED)
+        elif st is BreakerState.CLOSED:
+            self._failures = 0
+
+    def record_failure(self, now: float) -> None:
+        st = self.state(now)
+        if st is BreakerState.HALF_OPEN:
+            self._probing = False
+            self._open(now)
+        elif st is BreakerState.CLOSED:
+            self._failures += 1
+            if self._failures >= self.config.failures:
+                self._open(now)
+
+    def _open(self, now: float) -> None:
+        self._opened_at = now
+        self._move(BreakerState.OPEN)
+
+    def _move(self, to: BreakerState) -> None:
+        before = self._state
+        if before is to:
+            return
+        self._state = to
+        self._failures = 0
+        self._successes = 0
+        self._probing = False
+        if self._on_transition is not None:
+            self._on_transition(before, to)

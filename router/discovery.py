@@ -1,0 +1,162 @@
+"""Background I/O that keeps the pool current: registry refresh, static instances, active health checks.
+
+Why background: the registry is read every `refresh_interval_s`, never per request, so a slow or
+unreachable metaserver never adds latency to a request (the last snapshot stays in use). Static
+instances (`--prefill URL`, `--decode URL`) learn their model from `GET /v1/models` unless `--model`
+names it; their other compatibility fields are unknown, i.e. wildcards. An instance that is both in
+the registry and static is taken from the registry (it says more).
+
+Health: every `health_interval_s`, `GET /health` of each distinct URL (DP ranks share one); an instance
+that fails it gets no new work until a probe passes again. This catches an engine whose API server is
+wedged while its connector still heartbeats, and a static instance that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import orjson
+
+from metaserver.client import MetaAPI, MetaError
+from metaserver.models import Role
+from router.metrics import RouterMetrics
+from router.pairing import InstanceView
+from router.pool import Pool, static_instance_id
+from router.settings import RouterSettings
+from router.upstream import Upstream, UpstreamError
+
+__all__ = ["Discovery"]
+
+log = logging.getLogger(__name__)
+
+
+class Discovery:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        pool: Pool,
+        meta: Callable[[], MetaAPI],
+        upstream: Callable[[], Upstream],
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._s = settings
+        self._pool = pool
+        self._meta = meta
+        self._upstream = upstream
+        self._m = metrics
+        self._clock = clock
+        roles: dict[str, Role] = {}
+        for url in settings.prefill:
+            roles[url] = Role.PREFILL
+        for url in settings.decode:
+            roles[url] = Role.BOTH if roles.get(url) is Role.PREFILL else Role.DECODE
+        self._static_roles = roles
+        self._static_models: dict[str, str | None] = {url: settings.model for url in roles}
+        self._registry: list[InstanceView] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.registry_error: str | None = None
+
+    # -- one round of each --------------------------------------------------------------------
+
+    async def refresh_once(self) -> None:
+        try:
+            instances = await self._meta().list_instances()
+        except MetaError as exc:
+            if self.registry_error is None:
+                log.warning("registry refresh failed (keeping the last snapshot): %s", exc.detail)
+            self.registry_error = exc.detail
+        else:
+            self.registry_error = None
+            self._registry = [InstanceView.from_instance(i) for i in instances]
+        await self._learn_static_models()
+        self._install()
+
+    def _install(self) -> None:
+        registry_urls = {v.url for v in self._registry}
+        views = list(self._registry)
+        for url, role in self._static_roles.items():
+            if url in registry_urls:
+                continue
+            views.append(
+                InstanceView(
+                    id=static_instance_id(url),
+                    role=role,
+                    url=url,
+                    model=self._static_models.get(url),
+                    block_size=self._s.block_size,
+                    static=True,
+                )
+            )
+        self._pool.replace(views)
+        for (role_name, status), n in self._pool.counts(self._clock()).items():
+            self._m.instances.labels(role_name, status).set(n)
+
+    async def _learn_static_models(self) -> None:
+        unknown = [url for url, model in self._static_models.items() if model is None]
+        if unknown:
+            models = await asyncio.gather(*(self._fetch_model(url) for url in unknown))
+            for url, model in zip(unknown, models, strict=True):
+                if model is not None:
+                    log.info("static instance %s serves model %s", url, model)
+                    self._static_models[url] = model
+
+    async def _fetch_model(self, url: str) -> str | None:
+        try:
+            resp = await self._upstream().request("GET", url + "/v1/models", [], b"", timeout=self._s.health_timeout_s)
+            data = await resp.read(timeout=self._s.health_timeout_s, limit=1 << 20)
+            if resp.status != 200:
+                return None
+            first = orjson.loads(data)["data"][0]["id"]
+            return first if isinstance(first, str) else None
+        except (UpstreamError, orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            return None
+
+    async def health_once(self) -> None:
+        urls = self._pool.urls()
+        if not urls:
+            return
+        results = await asyncio.gather(*(self._probe(url) for url in urls))
+        for url, reason in zip(urls, results, strict=True):
+            ok = reason is None
+            self._m.health_checks.labels("ok" if ok else "failed").inc()
+            self._pool.set_health(url, ok, reason or "")
+            if not ok:
+                log.warning("health check of %s failed: %s", url, reason)
+
+    async def _probe(self, url: str) -> str | None:
+        timeout = self._s.health_timeout_s
+        try:
+            resp = await self._upstream().request("GET", url + "/health", [], b"", timeout=timeout)
+            await resp.read(timeout=timeout, limit=1 << 20)
+        except UpstreamError as exc:
+            return str(exc)
+        return None if resp.status == 200 else f"GET /health answered {resp.status}"
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._loop(self.refresh_once, self._s.refresh_interval_s), name="pdgate-refresh"),
+            asyncio.create_task(self._loop(self.health_once, self._s.health_interval_s), name="pdgate-health"),
+        ]
+
+    async def _loop(self, step: Callable[[], object], interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await step()  # type: ignore[misc]
+            except Exception:
+                log.exception("background step %s failed", getattr(step, "__name__", step))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []

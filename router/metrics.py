@@ -1,0 +1,93 @@
+"""Every Prometheus metric of the router, defined once (prefix `pdgate_router_`).
+
+One `RouterMetrics` per app, on its own `CollectorRegistry` (tests build several apps in one process).
+Phases of a request, each its own histogram so each gets buckets that fit it:
+  overhead   time the router itself spent before the first byte reached the client (total minus the
+             waits below): what a PD router adds to TTFT
+  handoff    recording the handoff in the metaserver (create)
+  prefill    prefill request sent -> prefill answer read
+  decode_ttft decode request sent -> first body byte from decode (covers the KV pull on decode)
+  e2e        request received -> last byte sent
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from router.breaker import BreakerState
+
+__all__ = ["LABEL_CODE", "LABEL_INSTANCE", "LABEL_ROLE", "LABEL_SIDE", "RouterMetrics"]
+
+LABEL_CODE = "code"
+LABEL_INSTANCE = "instance"
+LABEL_ROLE = "role"
+LABEL_SIDE = "side"
+
+_FAST = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_SLOW = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdgate_router_requests", "Requests finished, by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.errors = Counter("pdgate_router_errors", "Typed errors sent to clients, by code", [LABEL_CODE], registry=r)
+        self.retries = Counter(
+            "pdgate_router_retries", "Retries on another instance, by side", [LABEL_SIDE], registry=r
+        )
+        self.aborts = Counter(
+            "pdgate_router_handoff_aborts", "Handoffs the router aborted, by reason", ["reason"], registry=r
+        )
+        self.overhead = Histogram(
+            "pdgate_router_overhead_seconds", "Router's own time before the first byte", buckets=_FAST, registry=r
+        )
+        self.handoff = Histogram(
+            "pdgate_router_handoff_seconds", "Creating the handoff in the metaserver", buckets=_FAST, registry=r
+        )
+        self.prefill = Histogram(
+            "pdgate_router_prefill_seconds", "Prefill request to answer", buckets=_SLOW, registry=r
+        )
+        self.decode_ttft = Histogram(
+            "pdgate_router_decode_ttft_seconds", "Decode request to its first byte", buckets=_SLOW, registry=r
+        )
+        self.e2e = Histogram(
+            "pdgate_router_e2e_seconds", "Request received to last byte sent", buckets=_SLOW, registry=r
+        )
+        self.inflight = Gauge("pdgate_router_inflight", "Requests in flight in the router", registry=r)
+        self.instance_inflight = Gauge(
+            "pdgate_router_instance_inflight",
+            "Requests in flight per instance (DP rank)",
+            [LABEL_INSTANCE, LABEL_ROLE],
+            registry=r,
+        )
+        self.breaker_state = Gauge(
+            "pdgate_router_breaker_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open",
+            [LABEL_INSTANCE],
+            registry=r,
+        )
+        self.instances = Gauge(
+            "pdgate_router_instances", "Instances known, by role and availability", [LABEL_ROLE, "status"], registry=r
+        )
+        self.health_checks = Counter(
+            "pdgate_router_health_checks", "Active health checks, by outcome", ["outcome"], registry=r
+        )
+        self._error_children: dict[str, Counter] = {}
+
+    def error(self, code: str) -> None:
+        child = self._error_children.get(code)
+        if child is None:
+            child = self._error_children[code] = self.errors.labels(code)
+        child.inc()
+
+    def set_breaker(self, instance_id: str, state: BreakerState) -> None:
+        self.breaker_state.labels(instance_id).set(state.gauge)
+
+    def set_instance_inflight(self, instance_id: str, role: str, value: int) -> None:
+        self.instance_inflight.labels(instance_id, role).set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

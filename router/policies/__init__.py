@@ -1,0 +1,73 @@
+"""Instance-selection policies: pure functions of a candidate list, the request and an rng.
+
+A policy gets the *eligible* candidates (the pool filtered out draining, unhealthy, breaker-open and
+incompatible instances before), the request's facts and a `Random`; it returns an index or None. It
+never records anything: the caller counts the request against the instance it dispatches to. Each
+policy lives in its own module; `POLICIES` maps names (the `--prefill-policy`/`--decode-policy`
+values) to classes, and `make_policy` builds one.
+
+Load, the same for every policy that looks at it: the larger of the router's own in-flight requests
+to the instance and the running+waiting figures the instance last reported to the registry (other
+router replicas' traffic shows only there), plus in-flight tokens / `TOKEN_UNIT`, so a few long
+prompts weigh like many short ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from random import Random
+from typing import Any, ClassVar, Protocol
+
+from router.bodies import RequestFacts
+
+__all__ = ["POLICIES", "TOKEN_UNIT", "Candidate", "Policy", "load_of", "make_policy"]
+
+TOKEN_UNIT = 2048
+
+
+class Candidate(Protocol):
+    """A read-only view of one instance's identity and load (the pool's trackers satisfy it)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def requests(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def reported(self) -> int: ...
+
+
+def load_of(c: Candidate) -> float:
+    own = c.requests
+    reported = c.reported
+    return (own if own > reported else reported) + c.tokens / TOKEN_UNIT
+
+
+class Policy(Protocol):
+    name: ClassVar[str]
+
+    def choose(self, candidates: Sequence[Candidate], req: RequestFacts, rng: Random) -> int | None: ...
+
+
+def _registry() -> dict[str, type[Any]]:
+    from router.policies.least_load import LeastLoad
+    from router.policies.power_of_two import PowerOfTwo
+    from router.policies.prefix_affinity import PrefixAffinity
+    from router.policies.round_robin import RoundRobin
+
+    return {cls.name: cls for cls in (RoundRobin, LeastLoad, PowerOfTwo, PrefixAffinity)}
+
+
+POLICIES: dict[str, type[Any]] = _registry()
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """Build the policy `name`; options a policy does not take are ignored (one settings object feeds all)."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    accepted = getattr(cls, "OPTIONS", ())
+    policy: Policy = cls(**{k: v for k, v in options.items() if k in accepted})
+    return policy

@@ -1,0 +1,74 @@
+"""prefix_affinity: prompts that start alike go to the same instance, so its prefix cache hits.
+
+The key is a hash of the prompt's first `prefix_chars` characters (chat: roles and texts of the
+messages in order, not only the first message, which is often a shared system prompt). Instances are
+ranked by rendezvous (highest-random-weight) hashing of (key, instance id): adding or removing an
+instance moves only the keys it wins or held, and every router replica ranks alike (the hash is
+keyed by content, not by the process). Load bound: the first instance in rank order whose load is
+at most `load_factor` x (mean load + 1) wins, so a hot prefix spills to its second-ranked instance
+instead of piling up. A request with no prompt text falls back to the least loaded instance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from functools import lru_cache
+from random import Random
+from typing import ClassVar
+
+from router.bodies import RequestFacts
+from router.policies import Candidate, load_of
+from router.policies.least_load import LeastLoad
+
+__all__ = ["PrefixAffinity", "rank"]
+
+_MASK = (1 << 64) - 1
+
+
+def _h64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@lru_cache(maxsize=4096)
+def _id_hash(instance_id: str) -> int:
+    return _h64(instance_id.encode())
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: spreads (key xor id) over 64 bits."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+    return x ^ (x >> 31)
+
+
+def rank(key: bytes, ids: Sequence[str]) -> list[int]:
+    """Indices of `ids` from most to least preferred for `key` (rendezvous order)."""
+    k = _h64(key)
+    weights = [_mix(k ^ _id_hash(i)) for i in ids]
+    return sorted(range(len(ids)), key=weights.__getitem__, reverse=True)
+
+
+class PrefixAffinity:
+    name: ClassVar[str] = "prefix_affinity"
+    OPTIONS: ClassVar[tuple[str, ...]] = ("load_factor",)
+
+    def __init__(self, load_factor: float = 1.25) -> None:
+        if load_factor < 1.0:
+            raise ValueError("load_factor must be >= 1")
+        self.load_factor = load_factor
+        self._fallback = LeastLoad()
+
+    def choose(self, candidates: Sequence[Candidate], req: RequestFacts, rng: Random) -> int | None:
+        n = len(candidates)
+        if n <= 1:
+            return 0 if n else None
+        if not req.prefix:
+            return self._fallback.choose(candidates, req, rng)
+        loads = [load_of(c) for c in candidates]
+        bound = self.load_factor * (sum(loads) / n + 1.0)
+        order = rank(req.prefix, [c.id for c in candidates])
+        for i in order:
+            if loads[i] <= bound:
+                return i
+        return order[0]  # pragma: no cover - the least loaded is always under the bound

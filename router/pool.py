@@ -1,0 +1,219 @@
+"""The router's view of its instances: a snapshot of frozen `InstanceView`s plus live per-instance state.
+
+The snapshot is replaced as a whole by the background refresh (registry and static instances), never
+rebuilt per request; a `Tracker` per instance id survives refreshes and holds what changes per request:
+in-flight requests and tokens (the load the policies read), the circuit breaker and the last active
+health check. One record per DP rank, so load and breakers are per rank.
+
+Eligible = not draining, model known, last health check passed, breaker lets a request through, and
+(for a prefill) at least one eligible decode can take its KV. Which decodes can take which prefill's KV
+is computed once per change of the instances' compatibility fields, not per request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from urllib.parse import urlsplit
+
+from metaserver.models import Role
+from router.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from router.pairing import InstanceView, explain, incompatibility
+
+__all__ = ["InstanceView", "Pool", "Tracker", "static_instance_id"]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:\-]")
+
+
+def static_instance_id(url: str) -> str:
+    """The instance id of a static (flag-given) instance: derived from its URL, so that `pdgate-sim`
+    started without --instance-id records the same id in the ledger as the router gives it."""
+    parts = urlsplit(url)
+    host = parts.hostname or "localhost"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return _UNSAFE.sub("-", f"{host}-{port}")[:128].lstrip("-._:") or "instance"
+
+
+class Tracker:
+    """Live state of one instance; satisfies `router.policies.Candidate`."""
+
+    __slots__ = ("breaker", "health_reason", "healthy", "id", "requests", "tokens", "view")
+
+    def __init__(self, view: InstanceView, breaker: CircuitBreaker) -> None:
+        self.id = view.id
+        self.view = view
+        self.requests = 0
+        self.tokens = 0
+        self.breaker = breaker
+        self.healthy = True
+        self.health_reason = ""
+
+    @property
+    def reported(self) -> int:
+        return self.view.reported
+
+    def unavailable(self, now: float) -> str | None:
+        """Why this instance takes no new work now, or None."""
+        v = self.view
+        if v.draining:
+            return "is draining"
+        if v.model is None:
+            return "has not told its model yet (GET /v1/models)"
+        if not self.healthy:
+            return f"failed its health check ({self.health_reason})"
+        if not self.breaker.can_pass(now):
+            return f"has its circuit breaker {self.breaker.state(now).value}"
+        return None
+
+
+class Pool:
+    def __init__(
+        self,
+        breaker: BreakerConfig | None = None,
+        on_breaker: Callable[[str, BreakerState], None] | None = None,
+        on_inflight: Callable[[Tracker], None] | None = None,
+    ) -> None:
+        self._breaker_cfg = breaker or BreakerConfig()
+        self._on_breaker = on_breaker
+        self._on_inflight = on_inflight
+        self.trackers: dict[str, Tracker] = {}
+        self.prefills: dict[str, list[Tracker]] = {}  # model -> prefill-capable trackers
+        self.decodes: dict[str, list[Tracker]] = {}  # model -> decode-capable trackers
+        self._compatible: dict[str, list[Tracker]] = {}  # prefill id -> decodes that can take its KV
+        self._fingerprint: tuple[object, ...] = ()
+        self.views: tuple[InstanceView, ...] = ()
+
+    # -- refresh ----------------------------------------------------------------------------
+
+    def replace(self, views: Iterable[InstanceView]) -> None:
+        """Install a new snapshot. Trackers of ids still present keep their counts and breakers."""
+        views = tuple(sorted(views, key=lambda v: v.id))
+        trackers: dict[str, Tracker] = {}
+        for v in views:
+            tr = self.trackers.get(v.id)
+            if tr is None:
+                tr = Tracker(v, CircuitBreaker(self._breaker_cfg, self._transition_cb(v.id)))
+            else:
+                tr.view = v
+            trackers[v.id] = tr
+        for gone in self.trackers.keys() - trackers.keys():
+            old = self.trackers[gone]
+            old.requests = 0
+            old.tokens = 0
+            if self._on_inflight is not None:
+                self._on_inflight(old)
+        self.trackers = trackers
+        self.views = views
+        fingerprint = tuple((v.id, v.role, v.draining, v.compat_key) for v in views)
+        if fingerprint != self._fingerprint:  # same ids and fields: the lists already hold these trackers
+            self._fingerprint = fingerprint
+            self._rebuild()
+
+    def _transition_cb(self, instance_id: str) -> Callable[[BreakerState, BreakerState], None]:
+        def cb(before: BreakerState, to: BreakerState) -> None:
+            if self._on_breaker is not None:
+                self._on_breaker(instance_id, to)
+
+        return cb
+
+    def _rebuild(self) -> None:
+        prefills: dict[str, list[Tracker]] = {}
+        decodes: dict[str, list[Tracker]] = {}
+        for tr in self.trackers.values():
+            v = tr.view
+            if v.model is None:
+                continue
+            if v.role.can_prefill():
+                prefills.setdefault(v.model, []).append(tr)
+            if v.role.can_decode():
+                decodes.setdefault(v.model, []).append(tr)
+        compatible: dict[str, list[Tracker]] = {}
+        for model, ps in prefills.items():
+            ds = decodes.get(model, [])
+            for p in ps:
+                compatible[p.id] = [d for d in ds if incompatibility(p.view, d.view) is None]
+        self.prefills = prefills
+        self.decodes = decodes
+        self._compatible = compatible
+
+    # -- selection --------------------------------------------------------------------------
+
+    def prefill_candidates(self, model: str, now: float, exclude: Sequence[str] = ()) -> list[Tracker]:
+        out = []
+        for p in self.prefills.get(model, ()):
+            if p.id in exclude or p.unavailable(now) is not None:
+                continue
+            for d in self._compatible.get(p.id, ()):
+                if d.unavailable(now) is None:
+                    out.append(p)
+                    break
+        return out
+
+    def decode_candidates(self, prefill: Tracker, now: float, exclude: Sequence[str] = ()) -> list[Tracker]:
+        """Decodes that can take `prefill`'s KV now. A prefill that left the snapshot while its request
+        was in flight (its lease lapsed under load, or it was drained) still has its KV: pair it afresh."""
+        compatible = self._compatible.get(prefill.id)
+        if compatible is None or self.trackers.get(prefill.id) is not prefill:
+            model = prefill.view.model
+            pool = self.decodes.get(model, ()) if model is not None else ()
+            compatible = [d for d in pool if incompatibility(prefill.view, d.view) is None]
+        return [d for d in compatible if d.id not in exclude and d.unavailable(now) is None]
+
+    def models(self, now: float) -> list[str]:
+        """Models that have at least one eligible, compatible prefill/decode pair now."""
+        return sorted(m for m in self.prefills if self.prefill_candidates(m, now))
+
+    def known_models(self) -> list[str]:
+        return sorted(set(self.prefills) | set(self.decodes))
+
+    def explain(self, model: str, now: float) -> str:
+        views = [tr.view for tr in self.trackers.values()]
+        down = [(tr.view, why) for tr in self.trackers.values() if (why := tr.unavailable(now)) is not None]
+        return explain(
+            model,
+            [v for v in views if v.role.can_prefill() and not v.draining],
+            [v for v in views if v.role.can_decode() and not v.draining],
+            down,
+        )
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def begin(self, tr: Tracker, tokens: int, now: float) -> None:
+        tr.requests += 1
+        tr.tokens += tokens
+        tr.breaker.on_dispatch(now)
+        if self._on_inflight is not None:
+            self._on_inflight(tr)
+
+    def end(self, tr: Tracker, tokens: int) -> None:
+        if tr.requests > 0:
+            tr.requests -= 1
+            tr.tokens = max(0, tr.tokens - tokens)
+        if self._on_inflight is not None:
+            self._on_inflight(tr)
+
+    def record(self, tr: Tracker, ok: bool, now: float) -> None:
+        if ok:
+            tr.breaker.record_success(now)
+        else:
+            tr.breaker.record_failure(now)
+
+    def set_health(self, url: str, ok: bool, reason: str = "") -> None:
+        for tr in self.trackers.values():
+            if tr.view.url == url:
+                tr.healthy = ok
+                tr.health_reason = reason
+
+    def urls(self) -> list[str]:
+        return sorted({v.url for v in self.views})
+
+    def counts(self, now: float) -> dict[tuple[str, str], int]:
+        """(role, available|unavailable) -> number of instances, for the gauge."""
+        out: dict[tuple[str, str], int] = {}
+        for tr in self.trackers.values():
+            key = (tr.view.role.value, "available" if tr.unavailable(now) is None else "unavailable")
+            out[key] = out.get(key, 0) + 1
+        for role in Role:
+            for status in ("available", "unavailable"):
+                out.setdefault((role.value, status), 0)
+        return out

@@ -1,0 +1,191 @@
+"""RouterSettings: the one settings object of the router, read once at start-up.
+
+Every field is an environment variable `PDGATE_ROUTER_<FIELD>` and a CLI flag `--<field-with-dashes>`
+(a flag wins). `build_parser` derives the flags from the fields, so `pdgate-router --help` documents
+each with its env var and default and a new field cannot be left out of the CLI. List fields are
+repeatable flags (`--prefill URL --prefill URL`) or comma-separated env values.
+
+The embedded metaserver (no `--metaserver`) takes `--store` and `--admin-token` from here and its
+other knobs from its own `PDGATE_*` variables (see `pdgate-metaserver --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+__all__ = ["ENV_PREFIX", "POLICY_NAMES", "RouterSettings", "build_parser", "parse_cli", "settings_parser"]
+
+ENV_PREFIX = "PDGATE_ROUTER_"
+POLICY_NAMES = ("round_robin", "least_load", "power_of_two", "prefix_affinity")
+PolicyName = Literal["round_robin", "least_load", "power_of_two", "prefix_affinity"]
+UrlList = Annotated[list[str], NoDecode]
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+
+    # -- where instances come from ----------------------------------------------------------
+    metaserver: str | None = Field(
+        None,
+        description="metaserver base URL; when unset the router runs one in-process on --store and serves "
+        "its /v1/instances and /v1/handoffs routes on this port",
+    )
+    metaserver_token: str | None = Field(None, description="admin token the router sends to --metaserver")
+    metaserver_timeout_s: float = Field(5.0, gt=0, description="timeout of one call to --metaserver")
+    advertise_metaserver: str | None = Field(
+        None,
+        description="metaserver URL the engines can reach, sent to them in kv_transfer_params "
+        "(default: --metaserver, or this router's own URL when embedded and --host is not a wildcard)",
+    )
+    store: str = Field("memory://", description="store of the embedded metaserver: memory:// or redis://...")
+    admin_token: str | None = Field(None, description="token that protects the embedded metaserver's write routes")
+    prefill: UrlList = Field(default_factory=list, description="static prefill instance base URL (repeatable)")
+    decode: UrlList = Field(default_factory=list, description="static decode instance base URL (repeatable)")
+    model: str | None = Field(
+        None, description="model of the static instances (default: learned from their GET /v1/models)"
+    )
+    block_size: int | None = Field(None, ge=1, description="KV block size of the static instances (unset: any)")
+    refresh_interval_s: float = Field(1.0, gt=0, description="how often the registry snapshot is refreshed")
+
+    # -- routing ----------------------------------------------------------------------------
+    prefill_policy: PolicyName = Field("prefix_affinity", description="how a prefill instance is chosen")
+    decode_policy: PolicyName = Field("least_load", description="how a decode instance is chosen")
+    prefix_chars: int = Field(256, ge=1, description="prefix_affinity: prompt characters hashed for affinity")
+    prefix_load_factor: float = Field(
+        1.25, ge=1.0, description="prefix_affinity: skip an instance above this multiple of the mean load"
+    )
+
+    # -- clients ----------------------------------------------------------------------------
+    api_key: UrlList = Field(
+        default_factory=list, description="client API key accepted as 'Authorization: Bearer KEY' (repeatable)"
+    )
+    upstream_api_key: str | None = Field(
+        None,
+        description="key sent to engines as 'Authorization: Bearer KEY' (default: the client's header, "
+        "when the router checks no keys itself)",
+    )
+    max_inflight: int = Field(4096, ge=1, description="requests in flight beyond which clients get 429")
+    max_body_bytes: int = Field(32 << 20, ge=1024, description="larger request bodies get 413")
+
+    # -- failures ---------------------------------------------------------------------------
+    prefill_retries: int = Field(2, ge=0, description="retries of a failed prefill on another instance")
+    decode_retries: int = Field(2, ge=0, description="retries of a decode that failed before its first byte")
+    retry_backoff_s: float = Field(0.01, ge=0, description="first retry delay (doubles, jittered)")
+    retry_backoff_max_s: float = Field(0.5, ge=0, description="largest retry delay")
+    connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout to engines")
+    prefill_timeout_s: float = Field(600.0, gt=0, description="prefill: longest silence before giving up")
+    decode_timeout_s: float = Field(600.0, gt=0, description="decode: longest wait for the first byte")
+    stream_idle_timeout_s: float = Field(600.0, gt=0, description="decode: longest silence between stream chunks")
+    handoff_lease_s: float | None = Field(
+        None, gt=0, description="lease of the PENDING handoff the router creates (default: the metaserver's)"
+    )
+    health_interval_s: float = Field(5.0, gt=0, description="how often each instance's GET /health is probed")
+    health_timeout_s: float = Field(2.0, gt=0, description="timeout of one health probe")
+    breaker_failures: int = Field(5, ge=1, description="consecutive failures that open an instance's breaker")
+    breaker_open_s: float = Field(10.0, gt=0, description="how long an open breaker rejects before a probe")
+    breaker_successes: int = Field(1, ge=1, description="successful probes that close a half-open breaker")
+
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    access_log: bool = Field(False, description="uvicorn access log (one line per request)")
+
+    @field_validator("prefill", "decode", "api_key", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not (url.startswith("http://") or url.startswith("https://")):
+                raise ValueError(f"instance URL must start with http:// or https://: {url!r}")
+        return [u.rstrip("/") for u in v]
+
+    @field_validator("metaserver", "advertise_metaserver")
+    @classmethod
+    def _base_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        if not (v.startswith("http://") or v.startswith("https://")):
+            raise ValueError(f"URL must start with http:// or https://: {v!r}")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _backoff(self) -> RouterSettings:
+        if self.retry_backoff_max_s < self.retry_backoff_s:
+            raise ValueError("retry_backoff_max_s must be >= retry_backoff_s")
+        return self
+
+    @property
+    def embedded(self) -> bool:
+        return self.metaserver is None
+
+    def engine_metaserver_url(self, bound_port: int | None = None) -> str | None:
+        """The metaserver URL engines are told about, if one is known."""
+        if self.advertise_metaserver:
+            return self.advertise_metaserver
+        if self.metaserver:
+            return self.metaserver
+        if self.host in ("0.0.0.0", "::", ""):
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{bound_port or self.port}"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return settings_parser(
+        RouterSettings,
+        prog="pdgate-router",
+        description="pdgate router: OpenAI-compatible front door for prefill/decode disaggregated vLLM.",
+        env_prefix=ENV_PREFIX,
+    )
+
+
+def settings_parser(
+    cls: type[BaseSettings], *, prog: str, description: str, env_prefix: str
+) -> argparse.ArgumentParser:
+    """argparse flags derived from a settings class: one flag per field, help = description + env + default."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=f"{description} Every flag can also be set as an environment variable {env_prefix}<NAME>; "
+        "a flag wins.",
+    )
+    for name, field in cls.model_fields.items():
+        help_text = f"{field.description} [env {env_prefix}{name.upper()}]"
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+        annotation = field.annotation
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(annotation) is list:
+            kwargs["action"] = "append"
+            kwargs["metavar"] = "URL" if name in ("prefill", "decode") else "KEY"
+        elif get_origin(annotation) is Literal:
+            kwargs["choices"] = list(get_args(annotation))
+        else:
+            kwargs["metavar"] = name.upper()
+        default = field.get_default(call_default_factory=True)
+        if default not in (None, []) and not isinstance(default, bool):
+            help_text += f" (default: {getattr(default, 'value', default)})"
+        kwargs["help"] = help_text
+        parser.add_argument(_flag(name), **kwargs)
+    return parser
+
+
+def parse_cli(argv: Sequence[str] | None = None) -> RouterSettings:
+    """Flags given on the command line override the environment, which overrides the defaults."""
+    args = vars(build_parser().parse_args(argv))
+    return RouterSettings(**args)

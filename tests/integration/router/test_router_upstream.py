@@ -1,0 +1,170 @@
+"""upstream.py over real sockets: keep-alive reuse, the stale keep-alive retry, chunked streams,
+timeouts and cancellation (both close the connection, which is how an engine learns to abort)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from router.upstream import ConnectFailed, ConnectionClosed, HttpPool, PoolTransport, ReadTimeout
+from tests.support.ports import free_port
+from tests.support.servers import UvicornThread
+
+JSON = [(b"content-type", b"application/json")]
+
+
+class Echo:
+    """A raw ASGI app that records client ports (connections) and disconnects."""
+
+    def __init__(self) -> None:
+        self.ports: list[int] = []
+        self.disconnects = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        self.ports.append(scope["client"][1])
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        path = scope["path"]
+        if path == "/hang":
+            if (await receive())["type"] == "http.disconnect":
+                self.disconnects += 1
+            return
+        if path == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            for i in range(50):
+                await send({"type": "http.response.body", "body": b"%d," % i * 2000, "more_body": True})
+            await send({"type": "http.response.body", "body": b"end", "more_body": False})
+            return
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"x-echo", b"yes")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def echo() -> Iterator[tuple[str, Echo]]:
+    app = Echo()
+    with UvicornThread(app) as server:
+        yield server.url, app
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[HttpPool]:
+    p = HttpPool(connect_timeout=2)
+    yield p
+    await p.aclose()
+
+
+async def test_keep_alive_reuses_one_connection(pool: HttpPool, echo: tuple[str, Echo]) -> None:
+    url, app = echo
+    app.ports.clear()
+    for i in range(5):
+        resp = await pool.request("POST", url + "/x", JSON, b'{"n": %d}' % i)
+        assert resp.status == 201 and resp.header(b"x-echo") == b"yes"
+        assert await resp.read() == b'{"n": %d}' % i
+    assert len(set(app.ports)) == 1
+
+
+async def test_chunked_body_streams_in_pieces(pool: HttpPool, echo: tuple[str, Echo]) -> None:
+    url, _ = echo
+    resp = await pool.request("GET", url + "/stream", [], b"")
+    parts = []
+    while (chunk := await resp.next_chunk(5)) is not None:
+        parts.append(chunk)
+    data = b"".join(parts)
+    assert data.endswith(b"end") and len(data) == sum(len(b"%d," % i * 2000) for i in range(50)) + 3
+
+
+async def wait_for(check: Any) -> None:
+    for _ in range(1000):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise TimeoutError("condition not reached")
+
+
+async def test_timeout_and_cancellation_close_the_connection(pool: HttpPool, echo: tuple[str, Echo]) -> None:
+    url, app = echo
+    before = app.disconnects
+    with pytest.raises(ReadTimeout):
+        await pool.request("POST", url + "/hang", JSON, b"{}", timeout=0.2)
+    await wait_for(lambda: app.disconnects == before + 1)
+    seen = len(app.ports)
+    task = asyncio.create_task(pool.request("POST", url + "/hang", JSON, b"{}"))
+    await wait_for(lambda: len(app.ports) == seen + 1)  # the request reached the server
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: app.disconnects == before + 2)
+
+
+async def test_connect_failure_is_typed(pool: HttpPool) -> None:
+    with pytest.raises(ConnectFailed):
+        await pool.request("GET", f"http://127.0.0.1:{free_port()}/", [], b"")
+
+
+async def serve_raw(handler: Any) -> tuple[asyncio.AbstractServer, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+async def test_a_keep_alive_connection_closed_by_the_server_is_retried_once(pool: HttpPool) -> None:
+    """First connection: answer one request, then close on the next without answering (the idle-timeout
+    race). The pool must resend that request on a fresh connection."""
+    conns = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        conns += 1
+        first = conns == 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(OK)
+        await writer.drain()
+        if first:
+            await reader.readuntil(b"\r\n\r\n")  # the second request arrives ...
+        writer.close()  # ... and the connection closes without an answer
+
+    server, url = await serve_raw(handler)
+    async with server:
+        for _ in range(2):
+            resp = await pool.request("GET", url + "/", [], b"")
+            assert await resp.read() == b"ok"
+    assert conns == 2
+
+
+async def test_a_truncated_body_is_an_error_not_a_short_answer(pool: HttpPool) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly a part")
+        await writer.drain()
+        writer.close()
+
+    server, url = await serve_raw(handler)
+    async with server:
+        resp = await pool.request("GET", url + "/", [], b"")
+        with pytest.raises(ConnectionClosed):
+            await resp.read()
+
+
+async def test_pool_transport_serves_httpx_clients(pool: HttpPool, echo: tuple[str, Echo]) -> None:
+    url, _ = echo
+    async with httpx.AsyncClient(transport=PoolTransport(pool), base_url=url) as client:
+        resp = await client.post("/x", json={"a": 1})
+        assert resp.status_code == 201 and resp.json() == {"a": 1}
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/hang", json={}, timeout=0.2)
+    async with httpx.AsyncClient(transport=PoolTransport(pool)) as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"http://127.0.0.1:{free_port()}/")

@@ -1,0 +1,54 @@
+"""errors.py: every typed error renders as OpenAI error JSON with its code in a header, or as SSE."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from router.errors import (
+    ERROR_HEADER,
+    DecodeFailed,
+    KVExpired,
+    MetaserverUnavailable,
+    NoCompatiblePair,
+    Overloaded,
+    PrefillFailed,
+    UpstreamRejected,
+    UpstreamTimeout,
+    sse_error,
+)
+
+
+@pytest.mark.parametrize(
+    ("err", "status", "code"),
+    [
+        (PrefillFailed("x"), 502, "pd_prefill_failed"),
+        (DecodeFailed("x"), 502, "pd_decode_failed"),
+        (KVExpired("x"), 504, "pd_kv_expired"),
+        (NoCompatiblePair("x"), 503, "pd_no_compatible_pair"),
+        (Overloaded("x"), 429, "pd_overloaded"),
+        (UpstreamTimeout("x"), 504, "pd_upstream_timeout"),
+        (MetaserverUnavailable("x"), 503, "pd_metaserver_unavailable"),
+    ],
+)
+def test_openai_shape_and_header(err, status: int, code: str) -> None:
+    assert err.status == status and err.code == code
+    body = orjson.loads(err.body())
+    assert body == {"error": {"message": "x", "type": err.type, "code": code, "param": None}}
+    assert (ERROR_HEADER, code.encode()) in err.headers()
+
+
+def test_overloaded_says_when_to_retry() -> None:
+    assert (b"retry-after", b"3") in Overloaded("busy", retry_after_s=3).headers()
+
+
+def test_sse_error_is_one_error_event_then_done() -> None:
+    raw = sse_error(DecodeFailed("broke"))
+    events = raw.split(b"\n\n")
+    assert events[0].startswith(b"data: ") and events[1] == b"data: [DONE]" and events[2] == b""
+    assert orjson.loads(events[0][6:])["error"]["code"] == "pd_decode_failed"
+
+
+def test_upstream_rejection_relays_the_engine_body() -> None:
+    err = UpstreamRejected(400, b'{"error": "too long"}', b"application/json")
+    assert err.body() == b'{"error": "too long"}' and err.headers() == [(b"content-type", b"application/json")]
