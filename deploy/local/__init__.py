@@ -1,0 +1,5 @@
+"""pdgate on one machine: a tiny model, real vLLM prefill and decode engines, the router.
+
+`launcher.py` is the `pdgate-local` command; `stack.py` is the reusable `LocalStack` that the launcher,
+the end-to-end tests and `bench/e2e.py` share, so all three start exactly the same processes.
+"""

@@ -1,0 +1,176 @@
+"""Session fixtures of the end-to-end tests: one baseline vLLM and one PD stack, started once.
+
+A vLLM engine takes 45-75 s to start on two cores, so the suite starts as few as it can: the baseline
+single instance boots while the 1P1D stack boots; the 2P1D test adds a second prefill to the running
+stack; the negative control swaps the decode for a corrupting one at the very end (the stack is
+stopped afterwards so nothing later sees it); only the Redis-store test starts a stack of its own.
+
+The tests need the vLLM venv (`deploy/local/vllm_env.py` finds it: $PDGATE_VLLM_VENV or
+<repo>/.venv-vllm). A missing venv fails the tests; it never skips them. Set PDGATE_E2E_RUN_DIR to
+keep every process log in a known folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from deploy.local.stack import LocalStack, SingleInstance, StackConfig, ensure_model
+from deploy.local.vllm_env import VllmEnv, find_vllm_env
+from deploy.local.vllm_instance import ServeFlags
+from tests.e2e.pdclient import MAX_TOKENS, Answer, chat, complete, openai_client
+
+
+def _log(msg: str) -> None:
+    print(f"[e2e] {msg}", flush=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> VllmEnv:
+    env = find_vllm_env()
+    problems = env.problems()
+    if problems:
+        pytest.fail(
+            f"the vLLM venv {env.venv} is not ready ({'; '.join(problems)}): create it with "
+            "`python3 -m deploy.local.vllm_env` or point PDGATE_VLLM_VENV at one",
+            pytrace=False,
+        )
+    return env
+
+
+@pytest.fixture(scope="session")
+def e2e_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    chosen = os.environ.get("PDGATE_E2E_RUN_DIR")
+    path = Path(chosen) if chosen else tmp_path_factory.mktemp("e2e-run")
+    path.mkdir(parents=True, exist_ok=True)
+    _log(f"process logs under {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(e2e_run_dir: Path, vllm_env: VllmEnv) -> Path:
+    """Built fresh for the session: the build itself is part of what is tested (offline, reproducible)."""
+    return ensure_model(e2e_run_dir / "model", vllm_env, _log)
+
+
+class Baseline:
+    """The connector-less single instance, asked once per distinct request (answers are cached)."""
+
+    def __init__(self, instance: SingleInstance) -> None:
+        self.instance = instance
+        self.client = openai_client(instance.openai_base_url)
+        self._cache: dict[object, Answer] = {}
+        self._waited = False
+
+    def _ready(self) -> None:
+        if not self._waited:
+            self.instance.wait()
+            self._waited = True
+
+    def complete(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> Answer:
+        key = ("completion", tuple(prompt), max_tokens)
+        if key not in self._cache:
+            self._ready()
+            self._cache[key] = complete(self.client, prompt, max_tokens=max_tokens)
+        return self._cache[key]
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int = MAX_TOKENS) -> Answer:
+        key = ("chat", tuple((m["role"], m["content"]) for m in messages), max_tokens)
+        if key not in self._cache:
+            self._ready()
+            self._cache[key] = chat(self.client, messages, max_tokens=max_tokens)
+        return self._cache[key]
+
+
+class Stacks:
+    """Starts the main 1P1D stack on first use; lets a test stop it to free the cores and memory."""
+
+    def __init__(self, run_dir: Path, model_dir: Path, env: VllmEnv) -> None:
+        self.run_dir = run_dir
+        self.model_dir = model_dir
+        self.env = env
+        self._main: LocalStack | None = None
+        self.started: list[LocalStack] = []
+
+    def config(self, name: str, **overrides: object) -> StackConfig:
+        from deploy.local.procs import free_port
+
+        base: dict[str, object] = {
+            "n_prefill": 1,
+            "n_decode": 1,
+            "port": free_port(),
+            "model_dir": self.model_dir,
+            "run_dir": self.run_dir / name,
+            "venv": self.env.venv,
+            "install": False,
+        }
+        base.update(overrides)
+        return StackConfig(**base)  # type: ignore[arg-type]
+
+    def start(self, name: str, **overrides: object) -> LocalStack:
+        stack = LocalStack(self.config(name, **overrides), log=lambda m: _log(f"{name}: {m}"))
+        self.started.append(stack)
+        return stack.start()
+
+    def main(self) -> LocalStack:
+        if self._main is None:
+            self._main = self.start("main")
+        return self._main
+
+    def stop_main(self) -> None:
+        if self._main is not None:
+            self._main.stop()
+            self._main = None
+
+    def stop_all(self) -> None:
+        for stack in self.started:
+            stack.stop()
+
+
+@pytest.fixture(scope="session")
+def _baseline_instance(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[SingleInstance]:
+    """Launched, not waited for: it boots while the PD stack boots."""
+    instance = SingleInstance(
+        model_dir=model_dir,
+        run_dir=e2e_run_dir / "single",
+        venv=vllm_env.venv,
+        install=False,
+        cpu="1",
+        flags=ServeFlags(model_dir=model_dir),
+        log=_log,
+    ).launch()
+    try:
+        yield instance
+    finally:
+        instance.stop()
+
+
+@pytest.fixture(scope="session")
+def baseline(_baseline_instance: SingleInstance) -> Baseline:
+    return Baseline(_baseline_instance)
+
+
+@pytest.fixture(scope="session")
+def stacks(
+    e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv, _baseline_instance: SingleInstance
+) -> Iterator[Stacks]:
+    pool = Stacks(e2e_run_dir, model_dir, vllm_env)
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture
+def pd_stack(stacks: Stacks) -> LocalStack:
+    """The main PD stack (1P1D until the 2P1D test adds a prefill)."""
+    return stacks.main()
+
+
+@pytest.fixture
+def router_client(pd_stack: LocalStack) -> OpenAI:
+    return openai_client(pd_stack.openai_base_url)

@@ -1,0 +1,263 @@
+"""What the end-to-end tests send and read: OpenAI requests with exact token-id prompts, and the
+observables that prove where KV came from (connector counters, vLLM's /metrics, the ledger).
+
+Every request asks vLLM for `return_token_ids`, so outputs are compared as token ids (exact), and
+`ignore_eos`, so every answer has the same length whatever the random model prefers.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+from openai import OpenAI
+
+from deploy.local.tiny_model import MODEL_NAME
+from metaserver.models import Handoff
+
+__all__ = [
+    "MAX_TOKENS",
+    "Answer",
+    "Engine",
+    "chat",
+    "chat_messages",
+    "complete",
+    "delta",
+    "engine_counters",
+    "get_handoff",
+    "metric",
+    "observe",
+    "openai_client",
+    "prompt_ids",
+    "scrape",
+    "wait_for",
+]
+
+MAX_TOKENS = 12
+VOCAB = 2048
+FIRST_ORDINARY_TOKEN = 3  # 0-2 are <|bos|> <|eos|> <|pad|>
+_EXTRA = {"return_token_ids": True, "ignore_eos": True}
+
+_WORDS = (
+    "the quick brown fox jumps over lazy dog prefill decode cache block token layer head attention model "
+    "server request response hello world alpha beta gamma delta river mountain ocean forest city road"
+).split()
+
+
+def openai_client(base_url: str, *, timeout: float = 300.0) -> OpenAI:
+    return OpenAI(base_url=base_url, api_key="pdgate-e2e", max_retries=0, timeout=timeout)
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    """A reproducible prompt of exactly `length` ordinary token ids, distinct per seed."""
+    rng = random.Random(f"prompt-{length}-{seed}")
+    return [rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB) for _ in range(length)]
+
+
+def chat_messages(n_words: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(f"chat-{n_words}-{seed}")
+    text = " ".join(rng.choice(_WORDS) for _ in range(n_words))
+    return [{"role": "system", "content": f"run {seed}"}, {"role": "user", "content": text}]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One response, reduced to what the tests compare and what proves the KV path."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    headers: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def same_output(self, other: Answer) -> bool:
+        return self.token_ids == other.token_ids and self.text == other.text
+
+
+def _usage_fields(usage: Any) -> tuple[int | None, int | None]:
+    if usage is None:
+        return None, None
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    return usage.prompt_tokens, cached
+
+
+def _token_ids(choice: Any) -> list[int]:
+    ids = getattr(choice, "token_ids", None)
+    if ids is None and getattr(choice, "model_extra", None):
+        ids = choice.model_extra.get("token_ids")
+    if ids is None:
+        raise AssertionError(f"the response carries no token_ids (return_token_ids was requested): {choice!r}")
+    return list(ids)
+
+
+def complete(client: OpenAI, prompt: Sequence[int], *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> Answer:
+    """/v1/completions with a token-id prompt; streaming answers are joined chunk by chunk."""
+    raw = client.completions.with_raw_response.create(
+        model=MODEL_NAME,
+        prompt=list(prompt),
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=stream,
+        stream_options={"include_usage": True} if stream else None,
+        extra_body=_EXTRA,
+    )
+    headers = {k.lower(): v for k, v in raw.headers.items()}
+    if not stream:
+        resp = raw.parse()
+        choice = resp.choices[0]
+        prompt_tokens, cached = _usage_fields(resp.usage)
+        return Answer(tuple(_token_ids(choice)), choice.text, prompt_tokens, cached, choice.finish_reason, headers)
+    ids: list[int] = []
+    text: list[str] = []
+    usage = None
+    finish = None
+    for chunk in raw.parse():
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            ids += _token_ids(choice)
+            text.append(choice.text)
+            finish = choice.finish_reason or finish
+    prompt_tokens, cached = _usage_fields(usage)
+    return Answer(tuple(ids), "".join(text), prompt_tokens, cached, finish, headers)
+
+
+def chat(
+    client: OpenAI, messages: list[dict[str, str]], *, stream: bool = False, max_tokens: int = MAX_TOKENS
+) -> Answer:
+    """/v1/chat/completions; streaming answers are joined chunk by chunk."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL_NAME,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=stream,
+        stream_options={"include_usage": True} if stream else None,
+        extra_body=_EXTRA,
+    )
+    headers = {k.lower(): v for k, v in raw.headers.items()}
+    if not stream:
+        resp = raw.parse()
+        choice = resp.choices[0]
+        prompt_tokens, cached = _usage_fields(resp.usage)
+        content = choice.message.content or ""
+        return Answer(tuple(_token_ids(choice)), content, prompt_tokens, cached, choice.finish_reason, headers)
+    ids: list[int] = []
+    text: list[str] = []
+    usage = None
+    finish = None
+    for chunk in raw.parse():
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            extra = choice.model_extra or {}
+            if extra.get("token_ids"):
+                ids += list(extra["token_ids"])
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    prompt_tokens, cached = _usage_fields(usage)
+    return Answer(tuple(ids), "".join(text), prompt_tokens, cached, finish, headers)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def scrape(base_url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a Prometheus text page as (name, labels, value)."""
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        text = client.get(base_url + "/metrics").raise_for_status().text
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            samples.append((m.group(1), labels, float(m.group(3))))
+    return samples
+
+
+def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of the samples of `name` (optionally matching `labels`)."""
+    want = labels or {}
+    found = [v for n, lab, v in scrape(base_url) if n == name and all(lab.get(k) == x for k, x in want.items())]
+    if not found:
+        raise AssertionError(f"{base_url}/metrics has no sample {name}{labels or ''}")
+    return sum(found)
+
+
+def engine_counters(base_url: str) -> dict[str, float]:
+    """What a vLLM engine says about KV: connector counters, prompt tokens by source, usage, finishes.
+
+    Keys: the connector's counter names (`blocks_pulled`, ...), `tokens_<source>` for vLLM's
+    prompt_tokens_by_source, `finished_<reason>` (vLLM counts no client abort there), `kv_usage`,
+    `running`, `generated` (tokens generated).
+    """
+    out: dict[str, float] = {}
+    for name, labels, value in scrape(base_url):
+        key = None
+        if name.startswith("pdgate_connector_") and name.endswith("_total"):
+            key = name[len("pdgate_connector_") : -len("_total")]
+        elif name == "vllm:prompt_tokens_by_source_total":
+            key = "tokens_" + labels.get("source", "?")
+        elif name == "vllm:request_success_total":
+            key = "finished_" + labels.get("finished_reason", "?")
+        elif name == "vllm:kv_cache_usage_perc":
+            key = "kv_usage"
+        elif name == "vllm:num_requests_running":
+            key = "running"
+        elif name == "vllm:generation_tokens_total":
+            key = "generated"
+        if key is not None:
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+class Engine(Protocol):
+    """An engine to observe: a LocalStack InstanceHandle, or one found in a launcher's run dir."""
+
+    @property
+    def url(self) -> str: ...
+
+    def read_stats(self) -> dict[str, Any]: ...
+
+
+def observe(instance: Engine) -> dict[str, float]:
+    """`engine_counters` of an engine of the stack, with the connector's counters taken from its stats
+    file (written by the connector's own thread, so it is current even while the engine is idle and
+    has no step to report increments to vLLM on), plus `holding` and `receiving`."""
+    out = engine_counters(instance.url)
+    stats = instance.read_stats()
+    for name, value in stats.get("counters", {}).items():
+        out[name] = float(value)
+    for name in ("holding", "receiving"):
+        if name in stats:
+            out[name] = float(stats[name])
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}
+
+
+def get_handoff(metaserver_url: str, transfer_id: str) -> Handoff:
+    """The ledger record of one request (the router answers with its transfer id as X-Request-Id)."""
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        resp = client.get(f"{metaserver_url}/v1/handoffs/{transfer_id}")
+    if resp.status_code != 200:
+        raise AssertionError(f"GET /v1/handoffs/{transfer_id} answered {resp.status_code}: {resp.text}")
+    return Handoff.model_validate(resp.json())
+
+
+def wait_for(check: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.1) -> None:
+    """Poll until `check()` holds; fail naming `what` (a deadline for the test, not a timing claim)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for: {what}")
+        time.sleep(interval)
