@@ -1,0 +1,82 @@
+"""Registry rules, as pure functions over `Instance` records.
+
+Why pure: both stores apply the same rules (the Redis store in `register.lua`/`heartbeat.lua`), and the
+lease arithmetic is where "an instance that stopped heartbeating disappears by itself" is decided; it is
+tested here with an explicit `now`, no sleeping.
+"""
+
+from __future__ import annotations
+
+from metaserver.models import Instance, InstanceLoad, InstanceRegistration, InstanceState, Role
+
+__all__ = ["RegistrationInvalid", "is_live", "matches", "new_instance", "renew", "start_drain", "validate"]
+
+
+class RegistrationInvalid(ValueError):
+    """A registration that the model accepts field by field but that makes no sense as a whole."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {detail}")
+
+
+def validate(reg: InstanceRegistration) -> None:
+    """Cross-field checks the pydantic model cannot express alone; raises RegistrationInvalid."""
+    seen: set[int] = set()
+    for i, addr in enumerate(reg.transport_addresses):
+        if addr.tp_rank in seen:
+            raise RegistrationInvalid(
+                f"transport_addresses[{i}].tp_rank", f"tp_rank {addr.tp_rank} appears twice; one address per TP rank"
+            )
+        seen.add(addr.tp_rank)
+
+
+def is_live(inst: Instance, now: float) -> bool:
+    """An instance counts until its heartbeat lease lapses; after that it is unknown (404, not listed)."""
+    return now <= inst.last_heartbeat + inst.lease_s
+
+
+def new_instance(
+    reg: InstanceRegistration, *, now: float, default_lease_s: float, existing: Instance | None = None
+) -> Instance:
+    """The record stored for a registration.
+
+    Registering again while the previous record is live is an update: it keeps `registered_at` and a
+    DRAINING state (an operator's drain survives a connector's periodic re-registration). A lapsed
+    record counts as absent.
+    """
+    live = existing is not None and is_live(existing, now)
+    data = reg.model_dump()
+    data.update(
+        lease_s=reg.lease_s if reg.lease_s is not None else default_lease_s,
+        registered_at=existing.registered_at if live and existing else now,
+        last_heartbeat=now,
+        state=existing.state if live and existing else InstanceState.READY,
+    )
+    return Instance.model_validate(data)
+
+
+def renew(inst: Instance, *, now: float, load: InstanceLoad | None) -> Instance:
+    """A heartbeat: the lease restarts at `now`; load is replaced when the body carries one."""
+    update: dict[str, object] = {"last_heartbeat": now}
+    if load is not None:
+        update["load"] = load
+    return inst.model_copy(update=update)
+
+
+def start_drain(inst: Instance) -> Instance:
+    """DRAINING instances stay listed (their work finishes) but the router gives them nothing new."""
+    return inst.model_copy(update={"state": InstanceState.DRAINING})
+
+
+def matches(inst: Instance, *, role: Role | None, model: str | None, state: InstanceState | None) -> bool:
+    """Listing filters. `role=prefill` (or decode) also returns `both` instances: they can serve it."""
+    if role is Role.PREFILL and not inst.role.can_prefill():
+        return False
+    if role is Role.DECODE and not inst.role.can_decode():
+        return False
+    if role is Role.BOTH and inst.role is not Role.BOTH:
+        return False
+    if model is not None and inst.model != model:
+        return False
+    return state is None or inst.state is state

@@ -1,0 +1,208 @@
+"""MetaService: the metaserver's operations on top of a store, shared by the HTTP routes and in-process use.
+
+Why a layer between routes and store: the same operations serve `api.py` (over HTTP) and
+`local.LocalMetaClient` (the router's embedded mode, no HTTP hop), with the same validation, the same
+errors (`errors.py`, subclasses of the client's typed errors) and the same metrics. The clock and the
+id factory are injected so tests can drive them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from metaserver import registry
+from metaserver.errors import (
+    HandoffNotFound,
+    InstanceNotFound,
+    InvalidInput,
+    from_illegal,
+)
+from metaserver.ledger import IllegalTransition
+from metaserver.logs import subject
+from metaserver.metrics import MetaMetrics
+from metaserver.models import (
+    Handoff,
+    HandoffCreate,
+    HandoffEvents,
+    HandoffState,
+    HeartbeatResponse,
+    Instance,
+    InstanceLoad,
+    InstanceRegistration,
+    InstanceState,
+    KVLocation,
+    RegisterResponse,
+    Role,
+    is_valid_id,
+)
+from metaserver.settings import MetaSettings
+from metaserver.store.base import Moved, Store
+
+__all__ = ["MetaService", "check_id"]
+
+log = logging.getLogger(__name__)
+
+
+def check_id(value: str, what: str) -> str:
+    """Ids arrive in URL paths too; refuse what could not have been registered (and could forge keys)."""
+    if not is_valid_id(value):
+        raise InvalidInput(
+            f"path.{what}: {value!r} is not a valid id (1-128 of A-Z a-z 0-9 . _ : -, starting alphanumeric)"
+        )
+    return value
+
+
+class MetaService:
+    def __init__(
+        self,
+        store: Store,
+        settings: MetaSettings,
+        metrics: MetaMetrics | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        new_transfer_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics or MetaMetrics()
+        self.clock = clock
+        self._new_transfer_id = new_transfer_id
+
+    # -- registry ----------------------------------------------------------------------------
+    async def register(self, reg: InstanceRegistration) -> RegisterResponse:
+        subject.set(reg.id)
+        try:
+            registry.validate(reg)
+        except registry.RegistrationInvalid as exc:
+            raise InvalidInput(f"body.{exc}") from exc
+        now = self.clock()
+        inst = registry.new_instance(reg, now=now, default_lease_s=self.settings.instance_lease_s)
+        inst = await self.store.register(inst, now=now)
+        log.info("instance %s registered (%s, %s, %s)", inst.id, inst.role.value, inst.model, inst.url)
+        return RegisterResponse(lease_s=inst.lease_s, instance=inst)
+
+    async def heartbeat(self, instance_id: str, load: InstanceLoad | None = None) -> HeartbeatResponse:
+        check_id(instance_id, "instance_id")
+        inst = await self.store.heartbeat(instance_id, load, now=self.clock())
+        if inst is None:
+            raise InstanceNotFound(f"instance {instance_id} is not registered (or its lease lapsed): register again")
+        return HeartbeatResponse(lease_s=inst.lease_s, state=inst.state)
+
+    async def drain(self, instance_id: str) -> Instance:
+        check_id(instance_id, "instance_id")
+        inst = await self.store.drain(instance_id, now=self.clock())
+        if inst is None:
+            raise InstanceNotFound(f"instance {instance_id} is not registered")
+        log.info("instance %s draining", instance_id)
+        return inst
+
+    async def deregister(self, instance_id: str) -> None:
+        check_id(instance_id, "instance_id")
+        if not await self.store.deregister(instance_id):
+            raise InstanceNotFound(f"instance {instance_id} is not registered")
+        log.info("instance %s deregistered", instance_id)
+
+    async def list_instances(
+        self, *, role: Role | None = None, model: str | None = None, state: InstanceState | None = None
+    ) -> list[Instance]:
+        found = await self.store.list_instances(now=self.clock())
+        return [i for i in found if registry.matches(i, role=role, model=model, state=state)]
+
+    async def get_instance(self, instance_id: str) -> Instance:
+        check_id(instance_id, "instance_id")
+        inst = await self.store.get_instance(instance_id, now=self.clock())
+        if inst is None:
+            raise InstanceNotFound(f"instance {instance_id} is not registered")
+        return inst
+
+    # -- handoff ledger ----------------------------------------------------------------------
+    async def create_handoff(self, body: HandoffCreate) -> Handoff:
+        tid = body.transfer_id or self._new_transfer_id()
+        subject.set(tid)
+        s = self.settings
+        rec = await self.store.create_handoff(
+            body, transfer_id=tid, now=self.clock(), pending_lease_s=s.pending_lease_s, ready_lease_s=s.ready_lease_s
+        )
+        self.metrics.handoffs_created.inc()
+        log.debug("handoff created for prefill %s, kv_key %d", rec.prefill_instance_id, rec.kv_key)
+        return rec
+
+    def _moved(self, moved: Moved) -> Handoff:
+        rec = moved.handoff
+        if moved.before is not rec.state:
+            self.metrics.transitions.labels(moved.before.value, rec.state.value).inc()
+        log.debug("handoff %s -> %s", moved.before.value, rec.state.value)
+        return rec
+
+    async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
+        subject.set(check_id(transfer_id, "transfer_id"))
+        try:
+            return self._moved(await self.store.mark_ready(transfer_id, location, now=self.clock()))
+        except IllegalTransition as exc:
+            raise from_illegal(exc, transfer_id) from None
+
+    async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
+        subject.set(check_id(transfer_id, "transfer_id"))
+        check_id(decode_instance_id, "decode_instance_id")
+        lease = lease_s if lease_s is not None else self.settings.claim_lease_s
+        try:
+            return self._moved(await self.store.claim(transfer_id, decode_instance_id, now=self.clock(), lease_s=lease))
+        except IllegalTransition as exc:
+            raise from_illegal(exc, transfer_id) from None
+
+    async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
+        subject.set(check_id(transfer_id, "transfer_id"))
+        try:
+            return self._moved(await self.store.done(transfer_id, decode_instance_id, now=self.clock()))
+        except IllegalTransition as exc:
+            raise from_illegal(exc, transfer_id) from None
+
+    async def abort(self, transfer_id: str, reason: str) -> Handoff:
+        subject.set(check_id(transfer_id, "transfer_id"))
+        try:
+            rec = self._moved(await self.store.abort(transfer_id, reason, now=self.clock()))
+        except IllegalTransition as exc:
+            raise from_illegal(exc, transfer_id) from None
+        log.info("handoff aborted: %s", reason)
+        return rec
+
+    async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff:
+        subject.set(check_id(transfer_id, "transfer_id"))
+        timeout = min(max(wait or 0.0, 0.0), self.settings.max_wait_s)
+        if timeout > 0:
+            rec = await self.store.wait_handoff(transfer_id, timeout=timeout)
+        else:
+            rec = await self.store.get_handoff(transfer_id)
+        if rec is None:
+            raise HandoffNotFound(f"handoff {transfer_id} not found")
+        return rec
+
+    async def events(self, instance_id: str, cursor: str | None = None, wait: float | None = None) -> HandoffEvents:
+        check_id(instance_id, "instance_id")
+        if cursor is not None and (not cursor or len(cursor) > 64):
+            raise InvalidInput(f"query.cursor: {cursor!r} is not a cursor of this feed")
+        timeout = min(max(wait or 0.0, 0.0), self.settings.max_wait_s)
+        return await self.store.read_events(instance_id, cursor, wait=timeout)
+
+    # -- maintenance -------------------------------------------------------------------------
+    async def expire_due(self) -> list[Moved]:
+        """One sweeper step (see sweeper.py): move every lapsed lease, count and log it."""
+        moved = await self.store.expire_due(now=self.clock())
+        for m in moved:
+            rec = m.handoff
+            self.metrics.lease_expiries.labels(m.before.value, rec.state.value).inc()
+            self.metrics.transitions.labels(m.before.value, rec.state.value).inc()
+            token = subject.set(rec.transfer_id)
+            if rec.state is HandoffState.EXPIRED:
+                log.info("handoff expired: %s (prefill %s)", rec.reason, rec.prefill_instance_id)
+            else:
+                log.info("claim by a decode lapsed; handoff READY again (claims so far: %d)", rec.claims)
+            subject.reset(token)
+        return moved
+
+    async def health(self) -> dict[str, object]:
+        await self.store.ping()
+        return {"status": "ok", "store": self.store.url.split("://", 1)[0]}

@@ -1,0 +1,91 @@
+"""MetaSettings: the one settings object of the metaserver, read once at start-up.
+
+Every field is settable as an environment variable `PDGATE_<FIELD>` (e.g. `PDGATE_STORE`) and as a
+CLI flag `--<field-with-dashes>` (e.g. `--store`); a flag wins over the environment. `parse_cli` builds
+the flags from the fields, so `pdgate-metaserver --help` documents each one with its env var and
+default, and a new field cannot be forgotten in the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["ENV_PREFIX", "MetaSettings", "build_parser", "parse_cli"]
+
+ENV_PREFIX = "PDGATE_"
+
+
+class MetaSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8300, ge=0, le=65535, description="port to listen on (0: any free port)")
+    store: str = Field(
+        "memory://",
+        description="store URL: memory:// (embedded, one process) or redis://host:port/db[?prefix=NAME] "
+        "(production; several metaserver replicas share it)",
+    )
+    admin_token: str | None = Field(
+        None, description="when set, every write needs 'Authorization: Bearer TOKEN' (401 otherwise)"
+    )
+    auth_reads: bool = Field(False, description="also require the admin token on reads")
+    instance_lease_s: float = Field(10.0, gt=0, description="heartbeat lease of an instance that names none")
+    pending_lease_s: float = Field(60.0, gt=0, description="how long a handoff may stay PENDING (prefill running)")
+    ready_lease_s: float = Field(30.0, gt=0, description="how long a READY handoff waits for a claim")
+    claim_lease_s: float = Field(10.0, gt=0, description="claim lease when the claimer names none")
+    max_claims: int = Field(
+        3, ge=1, description="claims whose lease may lapse back to READY; the last lapse expires the handoff"
+    )
+    terminal_ttl_s: float = Field(600.0, gt=0, description="how long DONE/ABORTED/EXPIRED records stay readable")
+    events_maxlen: int = Field(
+        10000,
+        ge=10,
+        description="events kept per prefill instance (approximate trim); a slower reader misses older ones",
+    )
+    events_ttl_s: float = Field(3600.0, gt=0, description="an event feed with no new event for this long is dropped")
+    sweep_interval_s: float = Field(0.1, gt=0, le=10, description="how often the sweeper expires lapsed leases")
+    max_wait_s: float = Field(60.0, gt=0, description="cap on ?wait= of long-polls")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    access_log: bool = Field(False, description="uvicorn access log (one line per request)")
+    fast_path: bool = Field(
+        True, description="serve the hot ledger routes with a lean ASGI handler in front of FastAPI (same answers)"
+    )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdgate-metaserver",
+        description="pdgate metaserver: instance registry and KV handoff ledger. "
+        f"Every flag can also be set as an environment variable {ENV_PREFIX}<NAME>; a flag wins.",
+    )
+    for name, field in MetaSettings.model_fields.items():
+        env = ENV_PREFIX + name.upper()
+        help_text = f"{field.description} [env {env}]"
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if field.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = name.upper()
+        if name == "log_level":
+            kwargs["choices"] = ["critical", "error", "warning", "info", "debug"]
+            kwargs.pop("metavar")
+        if field.default is not None:
+            kwargs["help"] = f"{help_text} (default: {field.default})"
+        parser.add_argument(_flag(name), **kwargs)
+    return parser
+
+
+def parse_cli(argv: Sequence[str] | None = None) -> MetaSettings:
+    """Flags given on the command line override the environment, which overrides the defaults."""
+    args = vars(build_parser().parse_args(argv))
+    return MetaSettings(**args)
