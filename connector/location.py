@@ -19,7 +19,7 @@ from connector.config import ConfigError
 from connector.metadata import RecvPlan, address_from_model, address_to_model
 from metaserver.models import Handoff, KVLocation, TransportAddress, TransportKind
 
-__all__ = ["EngineFacts", "LocationError", "addresses_from_workers", "location_for", "plan_from_location"]
+__all__ = ["EngineFacts", "LocationError", "addresses_from_workers", "location_for", "plan_for", "plan_from_location"]
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,30 @@ def plan_from_location(
     hit_blocks: int,
 ) -> RecvPlan:
     """The pull every decode worker runs for a claimed handoff, or `LocationError` saying why not."""
-    loc = handoff.location
-    if loc is None:
+    if handoff.location is None:
         raise LocationError("ledger_no_location", "the handoff carries no KV location")
+    return plan_for(
+        handoff.location,
+        facts,
+        transfer_id=handoff.transfer_id,
+        kv_key=handoff.kv_key,
+        req_id=req_id,
+        local_block_ids=local_block_ids,
+        hit_blocks=hit_blocks,
+    )
+
+
+def plan_for(
+    loc: KVLocation,
+    facts: EngineFacts,
+    *,
+    transfer_id: str,
+    kv_key: int,
+    req_id: str,
+    local_block_ids: Sequence[int],
+    hit_blocks: int,
+) -> RecvPlan:
+    """The pull for one location: the ledger's (claimed), or the prefill's copy in the params (early)."""
     if loc.block_size is not None and loc.block_size != facts.block_size:
         raise LocationError(
             "pd_block_size_mismatch", f"prefill block size {loc.block_size} != decode {facts.block_size}"
@@ -133,4 +154,4 @@ def plan_from_location(
     except (TPLayoutError, BlockPlanError) as exc:
         raise LocationError(exc.code, str(exc)) from None
     sources = tuple(address_from_model(by_rank[r]) for r in ranks)
-    return RecvPlan(req_id, handoff.transfer_id, handoff.kv_key, plan.remote_block_ids, plan.local_block_ids, sources)
+    return RecvPlan(req_id, transfer_id, kv_key, plan.remote_block_ids, plan.local_block_ids, sources)

@@ -17,7 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from metaserver.models import MAX_KV_KEY, TransportAddress, is_valid_id
+from pydantic import ValidationError
+
+from metaserver.models import MAX_KV_KEY, KVLocation, TransportAddress, is_valid_id
 
 __all__ = [
     "DecodeParams",
@@ -76,6 +78,9 @@ class DecodeParams:
     remote_num_tokens: int | None = None
     remote_block_ids: tuple[int, ...] | None = None
     prefill_instance_id: str | None = None
+    # The prefill's own copy of the READY record (`remote_location`), so the pull can start before the
+    # claim answers. Unreadable -> None: the decode then waits for the ledger's copy, as before.
+    location: KVLocation | None = None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> DecodeParams:
@@ -96,7 +101,14 @@ class DecodeParams:
         pid = params.get("prefill_instance_id")
         if pid is not None and not (isinstance(pid, str) and is_valid_id(pid)):
             raise InvalidTransferParams(f"kv_transfer_params.prefill_instance_id must be an id, got {pid!r}")
-        return cls(tid, kv_key, num_tokens, block_ids, pid)
+        location = None
+        raw_location = params.get("remote_location")
+        if isinstance(raw_location, Mapping):
+            try:
+                location = KVLocation.model_validate(raw_location)
+            except ValidationError:
+                location = None
+        return cls(tid, kv_key, num_tokens, block_ids, pid, location)
 
 
 def prefill_result_params(
@@ -108,12 +120,15 @@ def prefill_result_params(
     engine_id: str | None,
     prefill_instance_id: str,
     remote_request_id: str,
+    location: KVLocation | None = None,
 ) -> dict[str, Any]:
     """The `kv_transfer_params` a prefill returns; the router forwards them verbatim to the decode.
 
     `do_remote_prefill`/`do_remote_decode` keep vLLM's meaning (the scheduler adds
     `remote_prefill_cached_tokens` when `do_remote_prefill` is set). The decode trusts the ledger's
     location over these fields; they are here for the router, logs and `get_num_new_matched_tokens`.
+    `remote_location` is the READY record itself: the decode may start pulling from it while its claim
+    is in flight, and uses the data only once the claim succeeded and the ledger's record matches it.
     """
     out: dict[str, Any] = {
         "transfer_id": transfer_id,
@@ -127,6 +142,8 @@ def prefill_result_params(
     }
     if kv_key is not None:
         out["kv_key"] = kv_key
+    if location is not None:
+        out["remote_location"] = location.model_dump(mode="json", exclude_none=True)
     return out
 
 

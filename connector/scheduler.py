@@ -14,10 +14,28 @@ Prefill (a request with `do_remote_decode`):
 
 Decode (a request with `do_remote_prefill`):
   get_num_new_matched_tokens -> (prompt tokens to load, async); update_state_after_alloc -> command
-  Claim; Claimed -> a RecvPlan for the workers; every worker's PullOutcome ok -> command Done; the ledger
-  confirms -> the workers report the request as finished receiving. Any failure (claim, layout, pull,
-  confirmation, deadline) -> the workers report it finished with its blocks as load errors (vLLM then
-  fails or recomputes it, per `kv_load_failure_policy`) and the handoff is aborted so P frees at once.
+  Claim, and, when the params carry the prefill's location (`remote_location`), a RecvPlan for the
+  workers at once (the pull runs while the claim is in flight); otherwise Claimed -> the RecvPlan.
+  Claimed (ledger location equal to the one pulled from) + every worker's PullOutcome ok -> the workers
+  report the request as finished receiving, and command Done goes out without being waited for. Any
+  failure (claim, layout, location mismatch, pull, deadline) -> the workers report it finished with its
+  blocks as load errors (vLLM then fails or recomputes it, per `kv_load_failure_policy`) and the handoff
+  is aborted so P frees at once.
+
+Why the pulled data may be used without waiting for DONE (or for the claim before the pull starts):
+  P holds a transfer's blocks from `request_finished` (before its answer reaches the router, hence
+  before D sees the params) until the ledger record is terminal (DONE, ABORTED, EXPIRED), or until its
+  local deadline (lease + margin, tens of seconds, with the metaserver unreachable). Terminal states are
+  final, so a successful claim at ledger time t_c proves the record was live, and the blocks held, for
+  the whole read up to t_c. After t_c the record is CLAIMED by us: it cannot expire before the claim
+  lease lapses (a lapse returns it to READY, still live), and DONE is ours to write. It can still be
+  ABORTED: by us (we then fail the load anyway), by P shutting down (its memory goes with it, so the
+  read fails), or by the router, which aborts only when it has given up on this decode's answer (client
+  gone, decode failed or timed out), so nothing computed from these blocks reaches a client. Hence: a
+  pull that D observed finished within the claim lease, measured from when D sent the claim (t_c is
+  later), read held blocks. Past that bound, D falls back to waiting for DONE (a refusal with the
+  record gone is a load error, as before). The ledger stays the authority on where the KV is: the
+  early plan is used only if the claimed record yields the very same plan.
 """
 
 from __future__ import annotations
@@ -31,7 +49,14 @@ from typing import Any
 from connector.blocks import tokens_to_load
 from connector.config import ConnectorConfig
 from connector.counters import COUNTERS
-from connector.location import EngineFacts, LocationError, addresses_from_workers, location_for, plan_from_location
+from connector.location import (
+    EngineFacts,
+    LocationError,
+    addresses_from_workers,
+    location_for,
+    plan_for,
+    plan_from_location,
+)
 from connector.messages import (
     Abort,
     Check,
@@ -82,9 +107,10 @@ class _Hold:
 
 
 class _RecvState(enum.Enum):
-    CLAIMING = "claiming"
-    PULLING = "pulling"
-    CONFIRMING = "confirming"
+    CLAIMING = "claiming"  # no pull yet: waiting for the claim (and the ledger's location)
+    PULLING = "pulling"  # the workers are pulling (claimed or not yet)
+    PULLED = "pulled"  # every worker pulled; waiting for the claim
+    CONFIRMING = "confirming"  # claimed and pulled, but past the claim lease: waiting for DONE
 
 
 @dataclass
@@ -97,10 +123,29 @@ class _Recv:
     deadline: float
     state: _RecvState = _RecvState.CLAIMING
     outcomes: dict[int, PullOutcome] = field(default_factory=dict)
-    # Monotonic stamps of each phase, for the one log line per transfer.
+    early: RecvPlan | None = None  # the plan started from the params' location, before the claim
+    claimed: bool = False
+    claim_lease_s: float = 0.0
+    # Monotonic stamps of each phase, for the one log line per transfer. `started_at` is also when the
+    # claim was sent (the ledger's claim time is later), the base of the claim-lease bound.
     started_at: float = 0.0
     claimed_at: float | None = None
+    pull_started_at: float | None = None
     pulled_at: float | None = None
+
+
+def plan_from_params(location: Any, facts: EngineFacts, dp: DecodeParams, rec: _Recv) -> RecvPlan:
+    """The early pull, from the prefill's copy of its READY record (checked against the ledger later)."""
+    assert dp.kv_key is not None
+    return plan_for(
+        location,
+        facts,
+        transfer_id=dp.transfer_id,
+        kv_key=dp.kv_key,
+        req_id=rec.req_id,
+        local_block_ids=rec.local_block_ids,
+        hit_blocks=rec.hit_blocks,
+    )
 
 
 class SchedulerHalf:
@@ -190,9 +235,20 @@ class SchedulerHalf:
             self._count_failure(len(local))
             return
         deadline = now + self._cfg.ready_wait_s + self._cfg.pull_timeout_s + self._cfg.free_margin_s
-        self._recv[rid] = _Recv(rid, dp.transfer_id, local, hit, num_external_tokens, deadline, started_at=now)
+        rec = _Recv(rid, dp.transfer_id, local, hit, num_external_tokens, deadline, started_at=now)
+        self._recv[rid] = rec
         self._recv_by_tid[dp.transfer_id] = rid
         self._commands.append(Claim(dp.transfer_id))
+        if dp.location is not None and dp.kv_key is not None:
+            try:
+                rec.early = plan_from_params(dp.location, self._facts, dp, rec)
+            except LocationError as exc:
+                # Only a hint: the claimed record decides (and fails the load if it is this same location).
+                logger.debug("transfer %s: no early pull (%s): %s", dp.transfer_id, exc.code, exc.message)
+            else:
+                rec.state = _RecvState.PULLING
+                rec.pull_started_at = now
+                self._new_pulls.append(rec.early)
         logger.debug("transfer %s: decode %s claims, %d local blocks (%d cached)", dp.transfer_id, rid, len(local), hit)
 
     def request_finished(
@@ -246,9 +302,11 @@ class SchedulerHalf:
                 first = failed[0]
                 self._fail(rec, first.code or "pull_failed", f"tp rank {first.tp_rank}: {first.message}", abort=True)
             else:
-                rec.state = _RecvState.CONFIRMING
                 rec.pulled_at = now
-                self._commands.append(Done(rec.transfer_id))
+                if rec.claimed:
+                    self._pulled_and_claimed(rec, now)
+                else:
+                    rec.state = _RecvState.PULLED
 
     def on_result(self, result: Result, *, now: float) -> None:
         """A control-thread answer."""
@@ -278,7 +336,7 @@ class SchedulerHalf:
         elif isinstance(result, ClaimFailed):
             self._bump("claims_failed")
             rec = self._recv_for(result.transfer_id)
-            if rec is not None and rec.state is _RecvState.CLAIMING:
+            if rec is not None and not rec.claimed:
                 terminal = result.code in ("gone", "not_found")
                 self._fail(rec, result.code, result.message, abort=not terminal)
         elif isinstance(result, DoneResult):
@@ -360,6 +418,7 @@ class SchedulerHalf:
             engine_id=f.engine_id,
             prefill_instance_id=f.instance_id,
             remote_request_id=rid,
+            location=location,
         )
 
     def _free_hold(self, transfer_id: str, reason: str) -> None:
@@ -415,7 +474,7 @@ class SchedulerHalf:
 
     def _on_claimed(self, result: Claimed, now: float) -> None:
         rec = self._recv_for(result.transfer_id)
-        if rec is None or rec.state is not _RecvState.CLAIMING:
+        if rec is None or rec.claimed:
             return
         rec.claimed_at = now
         try:
@@ -429,8 +488,32 @@ class SchedulerHalf:
         except LocationError as exc:
             self._fail(rec, exc.code, exc.message, abort=True)
             return
-        rec.state = _RecvState.PULLING
-        self._new_pulls.append(plan)
+        rec.claimed = True
+        rec.claim_lease_s = result.handoff.lease_s
+        if rec.early is None:
+            rec.state = _RecvState.PULLING
+            rec.pull_started_at = now
+            self._new_pulls.append(plan)
+            return
+        if plan != rec.early:
+            self._fail(
+                rec,
+                "pd_location_mismatch",
+                "the ledger's KV location differs from the one in kv_transfer_params (pulled from the latter)",
+                abort=True,
+            )
+            return
+        if rec.state is _RecvState.PULLED:
+            self._pulled_and_claimed(rec, now)
+
+    def _pulled_and_claimed(self, rec: _Recv, now: float) -> None:
+        """Report the load now if the pull ended within the claim lease; else wait for DONE (see top)."""
+        self._commands.append(Done(rec.transfer_id))
+        # Half the lease: room for the metaserver's clock running at another rate than ours.
+        if now - rec.started_at < rec.claim_lease_s / 2:
+            self._complete_ok(rec, now)
+        else:
+            rec.state = _RecvState.CONFIRMING
 
     def _check_recv_deadlines(self, now: float) -> None:
         for rec in list(self._recv.values()):
@@ -438,8 +521,11 @@ class SchedulerHalf:
                 self._fail(rec, "pd_kv_timeout", f"KV load still {rec.state.value} at its deadline", abort=True)
 
     def _complete_ok(self, rec: _Recv, now: float) -> None:
+        # claim: until the claim's answer; pull: from the plan to every worker's outcome (it overlaps the
+        # claim when it started early); confirm: from the later of the two to the report.
         claimed = rec.claimed_at if rec.claimed_at is not None else now
         pulled = rec.pulled_at if rec.pulled_at is not None else now
+        pull_from = rec.pull_started_at if rec.pull_started_at is not None else claimed
         pull_s = max((o.elapsed_s for o in rec.outcomes.values()), default=0.0)
         logger.info(
             "transfer %s: %s loaded %d tokens in %.1f ms (claim %.1f, pull %.1f [transport %.1f], confirm %.1f)",
@@ -448,9 +534,9 @@ class SchedulerHalf:
             rec.num_tokens,
             (now - rec.started_at) * 1e3,
             (claimed - rec.started_at) * 1e3,
-            (pulled - claimed) * 1e3,
+            max(pulled - pull_from, 0.0) * 1e3,
             pull_s * 1e3,
-            (now - pulled) * 1e3,
+            max(now - max(claimed, pulled), 0.0) * 1e3,
         )
         self._drop_recv(rec)
         self._new_done.append(RecvDone(rec.req_id, True))

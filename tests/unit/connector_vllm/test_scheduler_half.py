@@ -6,6 +6,7 @@ result messages it would produce. `now` is passed explicitly, so leases and dead
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -162,7 +163,7 @@ def test_bad_decode_params_still_take_the_async_path_and_fail_visibly() -> None:
 # ---- decode: the happy path ---------------------------------------------------------------------
 
 
-def test_decode_claims_plans_confirms_and_reports() -> None:
+def test_decode_claims_plans_pulls_and_reports_without_waiting_for_done() -> None:
     h = half()
     req = make_request("d1", 70, d_params("t-1", num_tokens=70))
     n, _ = h.get_num_new_matched_tokens(req, 32)
@@ -179,13 +180,31 @@ def test_decode_claims_plans_confirms_and_reports() -> None:
     assert plan.remote_block_ids == (41, 42) and plan.local_block_ids == (12, 13)  # the cached one is skipped
     assert plan.sources == ({"kind": "nixl", "agent_name": "p-tp0"},)
 
-    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nbytes=4096, nblocks=2)], now=0.0)
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nbytes=4096, nblocks=2)], now=0.3)
+    # Pulled well within the claim lease: the prefill held the blocks throughout (scheduler.py), so the
+    # load is reported at once and DONE is recorded behind it.
     assert h.take_commands() == [Done("t-1")]
-    assert h.build([], now=0.3).recv_done == ()  # not reported before the ledger confirmed
-    h.on_result(DoneResult("t-1", True), now=0.4)
-    assert h.build([], now=0.4).recv_done == (RecvDone("d1", True),)
+    assert h.build([], now=0.3).recv_done == (RecvDone("d1", True),)
+    h.on_result(DoneResult("t-1", False, "gone", "late"), now=0.4)  # too late to matter: ignored
+    assert h.build([], now=0.4).recv_done == ()
     c = h.counters
     assert (c["recv_ok"], c["tokens_loaded"], c["blocks_pulled"], c["bytes_pulled"]) == (1, 38, 2, 4096)
+    assert c["recv_failed"] == 0
+
+
+def test_a_pull_that_ends_late_in_the_claim_lease_waits_for_done() -> None:
+    h = half()
+    req = make_request("d1", 40, d_params())
+    h.update_state_after_alloc(req, make_blocks([1, 2]), 40, now=0.0)
+    h.take_commands()
+    h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.1)
+    assert len(h.build([], now=0.1).pulls) == 1
+    # The handoff's claim lease is 30 s; past half of it the record may have lapsed: ask the ledger.
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=15.5)
+    assert h.take_commands() == [Done("t-1")]
+    assert h.build([], now=15.6).recv_done == ()  # not reported before the ledger confirmed
+    h.on_result(DoneResult("t-1", True), now=15.7)
+    assert h.build([], now=15.7).recv_done == (RecvDone("d1", True),)
 
 
 def test_preempted_decode_does_not_pull_twice() -> None:
@@ -212,6 +231,88 @@ def test_decode_needs_every_worker_before_confirming() -> None:
     assert h.take_commands() == []
     h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.0)
     assert h.take_commands() == [Done("t-1")]
+
+
+# ---- decode: the early pull (from the params' location, while the claim is in flight) ------------
+
+
+def _early_params(tid: str = "t-1", location: Any = None, **extra: Any) -> dict[str, Any]:
+    loc = location if location is not None else handoff(tid, [7, 8], num_tokens=40).location
+    dumped = loc.model_dump(mode="json", exclude_none=True) if isinstance(loc, KVLocation) else loc
+    return d_params(tid, num_tokens=40, kv_key=9, remote_location=dumped, **extra)
+
+
+def test_early_pull_starts_before_the_claim_and_reports_once_claimed() -> None:
+    h = half()
+    req = make_request("d1", 40, _early_params())
+    h.update_state_after_alloc(req, make_blocks([1, 2]), 40, now=0.0)
+    assert h.take_commands() == [Claim("t-1")]
+    (plan,) = h.build([], now=0.0).pulls
+    assert (plan.kv_key, plan.remote_block_ids, plan.local_block_ids) == (9, (7, 8), (1, 2))
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.01)
+    assert h.take_commands() == []
+    assert h.build([], now=0.01).recv_done == ()  # pulled, but not yet ours: never used unclaimed
+    h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.02)
+    step = h.build([], now=0.02)
+    assert step.pulls == ()  # the ledger agreed with the params: no second pull
+    assert step.recv_done == (RecvDone("d1", True),)
+    assert h.take_commands() == [Done("t-1")]
+    assert h.counters["recv_ok"] == 1
+
+
+def test_early_pull_claimed_before_it_finished_reports_when_it_does() -> None:
+    h = half()
+    h.update_state_after_alloc(make_request("d1", 40, _early_params()), make_blocks([1, 2]), 40, now=0.0)
+    h.take_commands()
+    assert len(h.build([], now=0.0).pulls) == 1
+    h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.01)
+    assert h.build([], now=0.01).recv_done == ()
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.02)
+    assert h.build([], now=0.02).recv_done == (RecvDone("d1", True),)
+    assert h.take_commands() == [Done("t-1")]
+
+
+def test_early_pull_from_a_location_the_ledger_contradicts_fails() -> None:
+    h = half()
+    h.update_state_after_alloc(make_request("d1", 40, _early_params()), make_blocks([1, 2]), 40, now=0.0)
+    h.take_commands()
+    h.build([], now=0.0)
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.01)
+    h.on_result(Claimed("t-1", handoff("t-1", [17, 18], num_tokens=40)), now=0.02)
+    step = h.build([], now=0.02)
+    assert step.pulls == () and step.recv_done == (RecvDone("d1", False, (1, 2)),)
+    (abort,) = h.take_commands()
+    assert isinstance(abort, Abort) and "pd_location_mismatch" in abort.reason
+
+
+def test_early_pull_whose_claim_fails_is_a_load_error() -> None:
+    h = half()
+    h.update_state_after_alloc(make_request("d1", 40, _early_params()), make_blocks([1, 2]), 40, now=0.0)
+    h.take_commands()
+    h.build([], now=0.0)
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.01)
+    h.on_result(ClaimFailed("t-1", "gone", "handoff is ABORTED"), now=0.02)
+    assert h.build([], now=0.02).recv_done == (RecvDone("d1", False, (1, 2)),)
+    assert h.take_commands() == []
+    assert h.counters["recv_ok"] == 0 and h.counters["recv_failed"] == 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        _early_params(location={"block_ids": "nope"}),  # unreadable: ignored
+        _early_params(location=handoff("t-1", [7, 8], num_tokens=40, block_size=16).location),  # unusable
+        d_params("t-1", num_tokens=40, remote_location=handoff("t-1", [7], num_tokens=40).location.model_dump()),
+    ],
+    ids=["unreadable", "incompatible", "no-kv-key"],
+)
+def test_without_a_usable_params_location_the_pull_waits_for_the_claim(params: dict[str, Any]) -> None:
+    h = half()
+    h.update_state_after_alloc(make_request("d1", 40, params), make_blocks([1, 2]), 40, now=0.0)
+    assert h.take_commands() == [Claim("t-1")]
+    assert h.build([], now=0.0).pulls == ()
+    h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.01)
+    assert len(h.build([], now=0.01).pulls) == 1
 
 
 # ---- decode: failures ---------------------------------------------------------------------------
@@ -286,10 +387,10 @@ def test_ledger_refusing_done_means_the_kv_may_be_gone() -> None:
     h = half()
     _claimed(h)
     h.build([], now=0.0)
-    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.0)
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=20.0)  # past half the lease
     h.take_commands()
-    h.on_result(DoneResult("t-1", False, "gone", "handoff is EXPIRED"), now=1.0)
-    assert h.build([], now=1.0).recv_done == (RecvDone("d1", False, (1, 2)),)
+    h.on_result(DoneResult("t-1", False, "gone", "handoff is EXPIRED"), now=21.0)
+    assert h.build([], now=21.0).recv_done == (RecvDone("d1", False, (1, 2)),)
     assert h.take_commands() == []  # already terminal: nothing to abort
 
 
@@ -356,10 +457,14 @@ def test_finished_prefill_is_held_and_answers_with_the_location() -> None:
         "remote_num_tokens": 70,
         "remote_request_id": "p1",
         "prefill_instance_id": "node-a",
+        "remote_location": params["remote_location"],
     }
     (cmd,) = h.take_commands()
     assert isinstance(cmd, MarkReady) and cmd.transfer_id == "t-7"
     loc = cmd.location
+    # The params carry the READY record itself (for the decode's early pull), as JSON.
+    assert KVLocation.model_validate(params["remote_location"]) == loc
+    json.dumps(params)
     assert (loc.block_ids, loc.num_tokens, loc.block_size, loc.kv_layout) == ([[4, 5, 6]], 70, BLOCK_SIZE, LAYOUT)
     assert loc.transport_addresses[0].meta["agent_name"] == "a-tp0"
     assert h.build(["p1"], now=0.0).holds == ("p1",)
