@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
-import os
 from collections.abc import Callable
 from functools import partial
 from random import Random
@@ -33,27 +31,16 @@ from time import perf_counter
 from typing import Any
 
 from metaserver.client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
-from metaserver.models import HandoffCreate
-from router.bodies import (
-    decode_body,
-    decode_params,
-    kv_params_from_prefill,
-    parse_json,
-    prefill_body,
-    prefill_params,
-    request_facts,
-)
+from router.attempts import Attempts
+from router.bodies import decode_body, decode_params, parse_json, request_facts
 from router.errors import (
     BadRequest,
     DecodeFailed,
-    KVExpired,
-    MetaserverUnavailable,
     ModelNotFound,
     NoCompatiblePair,
     Overloaded,
     PayloadTooLarge,
     PDError,
-    PrefillFailed,
     RouterError,
     Unauthorized,
     UpstreamRejected,
@@ -62,72 +49,20 @@ from router.errors import (
 from router.logs import transfer_id as log_transfer_id
 from router.metrics import RouterMetrics
 from router.policies import Policy
-from router.pool import Pool, Tracker
-from router.retry import Verdict, backoff, verdict
+from router.pool import Pool
+from router.request_flow import _MAX_ANSWER, _Flow, mint_transfer_id
 from router.settings import RouterSettings
 from router.streaming import relay_stream, send_body, send_error
-from router.upstream import ReadTimeout, Upstream, UpstreamError, UpstreamResponse
+from router.upstream import ReadTimeout, Upstream, UpstreamError
 
 __all__ = ["Proxy", "mint_transfer_id"]
 
 log = logging.getLogger(__name__)
 
 _FORWARD = frozenset({b"traceparent", b"tracestate"})
-_MAX_ANSWER = 64 << 20
 
 
-_PROCESS = os.urandom(8).hex()
-_SEQ = itertools.count(1)
-
-
-def mint_transfer_id() -> str:
-    """URL-safe and unique, valid as a metaserver id: 'pd-' + 64 random bits drawn once per process + a
-    counter. Unique across router replicas and restarts without a random draw (a syscall) per request."""
-    return f"pd-{_PROCESS}-{next(_SEQ):x}"
-
-
-class _Retry(Exception):
-    """One attempt failed in a way another instance may not: carries the error to raise if none is left."""
-
-    def __init__(self, error: RouterError) -> None:
-        self.error = error
-
-
-class _Flow:
-    """Per-request state shared by the steps and the disconnect watcher."""
-
-    __slots__ = (
-        "abort_reason",
-        "client_auth",
-        "disconnected",
-        "extra",
-        "finished",
-        "kv_key",
-        "live",
-        "prefill",
-        "rid",
-        "started",
-        "tid",
-    )
-
-    def __init__(self, tid: str, rid: bytes, client_auth: bytes | None, extra: list[tuple[bytes, bytes]]) -> None:
-        self.tid = tid
-        self.rid = rid
-        self.client_auth = client_auth
-        self.extra = extra
-        self.kv_key = 0
-        self.live: str | None = None  # transfer id of a handoff that must be aborted if we fail
-        self.prefill: Tracker | None = None
-        self.abort_reason = "failed"
-        self.disconnected = False
-        self.finished = False
-        self.started = False  # the response's status line went out
-
-    def end(self) -> None:
-        self.finished = True
-
-
-class Proxy:
+class Proxy(Attempts):
     """The ASGI handler of POST /v1/completions and POST /v1/chat/completions."""
 
     def __init__(
@@ -327,195 +262,6 @@ class Proxy:
             raise NoCompatiblePair("no prefill or decode instance is registered")
         raise BadRequest(f"'model' is required: this router serves {', '.join(known)}")
 
-    def _headers(self, flow: _Flow, tr: Tracker) -> list[tuple[bytes, bytes]]:
-        h = [(b"content-type", b"application/json"), (b"x-request-id", flow.rid)]
-        v = tr.view
-        if v.dp_size > 1:
-            h.append((b"x-data-parallel-rank", str(v.dp_rank).encode()))
-        if self._upstream_auth is not None:
-            h.append((b"authorization", self._upstream_auth))
-        elif flow.client_auth is not None and not self._keys:
-            h.append((b"authorization", flow.client_auth))
-        if flow.extra:
-            h.extend(flow.extra)
-        return h
-
-    async def _sleep_before_retry(self, attempt: int) -> None:
-        base, cap = self._backoff
-        if base > 0:
-            await asyncio.sleep(backoff(attempt, base, cap, self._rng))
-
-    # -- prefill --------------------------------------------------------------------------------
-
-    async def _prefill_phase(self, flow: _Flow, endpoint: str, body: dict[str, Any], facts: Any, model: str) -> dict:
-        tried: list[str] = []
-        last: RouterError | None = None
-        for attempt in range(self._p_attempts):
-            now = self._clock()
-            cands = self._pool.prefill_candidates(model, now, tried)
-            if not cands:
-                if last is not None:
-                    raise last
-                raise NoCompatiblePair(self._pool.explain(model, now))
-            p = cands[self._p_policy.choose(cands, facts, self._rng) or 0]
-            tried.append(p.id)
-            if attempt:
-                self._retry_children["prefill"].inc()
-                flow.tid = mint_transfer_id()
-                log_transfer_id.set(flow.tid)
-            await self._create_handoff(flow, p)
-            try:
-                kv = await self._prefill_once(flow, p, endpoint, body, facts)
-            except _Retry as r:
-                last = r.error
-                self._abort(flow, "prefill_failed")
-                log.warning("prefill %s failed (attempt %d/%d): %s", p.id, attempt + 1, self._p_attempts, last.message)
-                if attempt + 1 < self._p_attempts:
-                    await self._sleep_before_retry(attempt)
-                continue
-            except UpstreamRejected:
-                flow.abort_reason = "prefill_rejected"
-                raise
-            flow.prefill = p
-            return kv
-        assert last is not None
-        raise last
-
-    async def _create_handoff(self, flow: _Flow, p: Tracker) -> None:
-        t = perf_counter()
-        try:
-            h = await self._meta().create_handoff(
-                HandoffCreate(
-                    prefill_instance_id=p.id,
-                    transfer_id=flow.tid,
-                    lease_s=self._lease,
-                    request_id=flow.rid[:512].decode("latin-1"),
-                )
-            )
-        except MetaError as exc:
-            raise MetaserverUnavailable(f"cannot record the handoff: {exc.detail}") from exc
-        flow.kv_key = h.kv_key
-        flow.live = flow.tid
-        self._m.handoff.observe(perf_counter() - t)
-
-    async def _prefill_once(self, flow: _Flow, p: Tracker, endpoint: str, body: dict[str, Any], facts: Any) -> dict:
-        payload = prefill_body(body, prefill_params(flow.tid, flow.kv_key, self._engine_meta))
-        tokens = facts.prompt_tokens
-        self._pool.begin(p, tokens, self._clock())
-        ok: bool | None = None
-        resp: UpstreamResponse | None = None
-        t = perf_counter()
-        try:
-            resp = await self._upstream().request(
-                "POST", p.view.url + endpoint, self._headers(flow, p), payload, timeout=self._p_timeout
-            )
-            data = await resp.read(timeout=self._p_timeout, limit=_MAX_ANSWER)
-            v = verdict(resp.status)
-            if v == Verdict.OK:
-                try:
-                    kv = kv_params_from_prefill(data)
-                except PrefillFailed as exc:
-                    ok = False
-                    raise _Retry(PrefillFailed(f"prefill {p.id}: {exc.message}")) from exc
-                ok = True
-                return kv
-            if v == Verdict.REJECTED:
-                ok = True  # the request's fault, not the instance's
-                raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
-            ok = False
-            raise _Retry(PrefillFailed(f"prefill {p.id} answered {resp.status}: {_snippet(data)}"))
-        except ReadTimeout as exc:
-            ok = False
-            raise _Retry(UpstreamTimeout(f"prefill {p.id} sent nothing for {self._p_timeout:g} s")) from exc
-        except UpstreamError as exc:
-            ok = False
-            raise _Retry(PrefillFailed(f"prefill {p.id} failed: {exc}")) from exc
-        finally:
-            if resp is not None:
-                resp.close()
-            self._pool.end(p, tokens)
-            if ok is not None:
-                self._pool.record(p, ok, self._clock())
-            self._m.prefill.observe(perf_counter() - t)
-
-    # -- decode ---------------------------------------------------------------------------------
-
-    async def _decode_phase(
-        self, flow: _Flow, endpoint: str, payload: bytes, facts: Any
-    ) -> tuple[Tracker, UpstreamResponse, bytes | None]:
-        assert flow.prefill is not None
-        tried: list[str] = []
-        last: RouterError | None = None
-        for attempt in range(self._d_attempts):
-            now = self._clock()
-            cands = self._pool.decode_candidates(flow.prefill, now, tried)
-            if not cands:
-                flow.abort_reason = "decode_failed"
-                if last is not None:
-                    raise last
-                raise NoCompatiblePair(
-                    f"no available decode can take the KV of {flow.prefill.id}: "
-                    + self._pool.explain(flow.prefill.view.model or "?", now)
-                )
-            d = cands[self._d_policy.choose(cands, facts, self._rng) or 0]
-            tried.append(d.id)
-            if attempt:
-                self._retry_children["decode"].inc()
-            try:
-                return await self._decode_once(flow, d, endpoint, payload, facts)
-            except _Retry as r:
-                last = r.error
-                log.warning("decode %s failed (attempt %d/%d): %s", d.id, attempt + 1, self._d_attempts, last.message)
-                if attempt + 1 < self._d_attempts:
-                    await self._sleep_before_retry(attempt)
-        flow.abort_reason = "decode_failed"
-        assert last is not None
-        raise last
-
-    async def _decode_once(
-        self, flow: _Flow, d: Tracker, endpoint: str, payload: bytes, facts: Any
-    ) -> tuple[Tracker, UpstreamResponse, bytes | None]:
-        tokens = facts.prompt_tokens + facts.max_tokens
-        self._pool.begin(d, tokens, self._clock())
-        ok: bool | None = None
-        keep = False
-        resp: UpstreamResponse | None = None
-        t = perf_counter()
-        try:
-            resp = await self._upstream().request(
-                "POST", d.view.url + endpoint, self._headers(flow, d), payload, timeout=self._d_timeout
-            )
-            v = verdict(resp.status)
-            if v == Verdict.OK:
-                first = await resp.next_chunk(self._d_timeout) if facts.stream else None
-                self._m.decode_ttft.observe(perf_counter() - t)
-                keep = True
-                return d, resp, first
-            data = await resp.read(timeout=self._d_timeout, limit=_MAX_ANSWER)
-            if resp.status == 410:
-                ok = True
-                flow.abort_reason = "kv_expired"
-                raise KVExpired(f"the KV of transfer {flow.tid} expired before decode {d.id} could claim it")
-            if v == Verdict.REJECTED:
-                ok = True
-                flow.abort_reason = "decode_rejected"
-                raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
-            ok = False
-            raise _Retry(DecodeFailed(f"decode {d.id} answered {resp.status}: {_snippet(data)}"))
-        except ReadTimeout as exc:
-            ok = False
-            raise _Retry(UpstreamTimeout(f"decode {d.id} sent nothing for {self._d_timeout:g} s")) from exc
-        except UpstreamError as exc:
-            ok = False
-            raise _Retry(DecodeFailed(f"decode {d.id} failed before its first byte: {exc}")) from exc
-        finally:
-            if not keep:
-                if resp is not None:
-                    resp.close()
-                self._pool.end(d, tokens)
-                if ok is not None:
-                    self._pool.record(d, ok, self._clock())
-
     # -- aborts ---------------------------------------------------------------------------------
 
     def _abort(self, flow: _Flow, reason: str) -> None:
@@ -567,8 +313,3 @@ async def _read_body(receive: Callable, limit: int) -> bytes:
         if not msg.get("more_body", False):
             break
     return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _snippet(data: bytes, n: int = 300) -> str:
-    text = data[:n].decode("utf-8", "replace")
-    return text + ("..." if len(data) > n else "")

@@ -1,0 +1,190 @@
+"""pdgate-sim's ledger side: registry records per DP rank, heartbeats, and the PD handoff steps.
+
+A mixin of `SimApp`: prefill records READY, decode claims then marks DONE, and a mismatch between the
+params and the handoff is counted and aborted (see `router.sim`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from metaserver.client import MetaConflict, MetaError, MetaGone, MetaNotFound
+from metaserver.models import InstanceLoad, InstanceRegistration, KVLocation, Role
+from router.meta import PooledMetaClient
+from router.sim_settings import Script, SimSettings, _Stats
+from router.sim_wire import _Reject
+from router.upstream import HttpPool
+
+log = logging.getLogger("router.sim")
+
+
+class SimLedger:
+    """Registry and handoff ledger calls of `SimApp` (state lives on the app)."""
+
+    s: SimSettings
+    url: str
+    base_id: str
+    role: Role
+    script: Script
+    stats: _Stats
+    _next_block: int
+    _http: HttpPool | None
+    _clients: dict[str, PooledMetaClient]
+    _registered: set[int]
+
+    def record_id(self, rank: int) -> str:
+        return self.base_id if self.s.dp_size == 1 else f"{self.base_id}.dp{rank}"
+
+    def _meta(self, url: str) -> PooledMetaClient:
+        client = self._clients.get(url)
+        if client is None:
+            assert self._http is not None
+            client = PooledMetaClient(
+                url, pool=self._http, token=self.s.metaserver_token, timeout=self.s.metaserver_timeout_s
+            )
+            self._clients[url] = client
+        return client
+
+    def registration(self, rank: int) -> InstanceRegistration:
+        s = self.s
+        return InstanceRegistration(
+            id=self.record_id(rank),
+            role=self.role,
+            url=self.url,
+            model=s.model,
+            dp_rank=rank,
+            dp_size=s.dp_size,
+            tp_size=s.tp_size,
+            block_size=s.block_size,
+            kv_dtype=s.kv_dtype,
+            kv_layout=s.kv_layout,
+            kv_replicated=s.kv_replicated,
+            transport=s.transport,
+            engine_id=self.record_id(rank),
+            lease_s=s.lease_s,
+        )
+
+    async def _register_all(self) -> None:
+        """Register every rank not registered yet; a metaserver that is not up yet is retried later."""
+        assert self.s.metaserver
+        meta = self._meta(self.s.metaserver)
+        for rank in range(self.s.dp_size):
+            if rank in self._registered:
+                continue
+            try:
+                await meta.register(self.registration(rank))
+                self._registered.add(rank)
+            except MetaError as exc:
+                log.warning("registering %s failed (will retry): %s", self.record_id(rank), exc.detail)
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.s.metaserver
+        meta = self._meta(self.s.metaserver)
+        while True:
+            pending = len(self._registered) < self.s.dp_size
+            await asyncio.sleep(0.2 if pending else self.s.lease_s / 3)
+            await self._register_all()
+            for rank in sorted(self._registered):
+                load = InstanceLoad(running=self.stats.inflight[rank])
+                try:
+                    await meta.heartbeat(self.record_id(rank), load)
+                except MetaNotFound:  # our lease lapsed (e.g. the metaserver restarted): register again
+                    self._registered.discard(rank)
+                except MetaError as exc:
+                    log.warning("heartbeat of %s failed: %s", self.record_id(rank), exc.detail)
+
+    async def _prefill(
+        self, kv: dict[str, Any], rank: int, prompt_tokens: int, meta_url: str | None, tid: str | None, rid: str
+    ) -> dict[str, Any] | None:
+        n_blocks = max(1, -(-prompt_tokens // self.s.block_size))
+        blocks = list(range(self._next_block, self._next_block + n_blocks))
+        self._next_block += n_blocks
+        engine_id = self.record_id(rank)
+        remote_rid = f"cmpl-{rid or tid or 'sim'}-0-{self._next_block:08x}"
+        if meta_url and tid:
+            location = KVLocation(
+                block_ids=[blocks],
+                num_tokens=prompt_tokens,
+                engine_id=engine_id,
+                host=self.s.host,
+                dp_rank=rank,
+                tp_size=self.s.tp_size,
+                block_size=self.s.block_size,
+                kv_dtype=self.s.kv_dtype,
+                kv_layout=self.s.kv_layout,
+                transport=self.s.transport,
+                remote_request_id=remote_rid,
+            )
+            try:
+                await self._meta(meta_url).mark_ready(tid, location)
+            except MetaError as exc:
+                self.stats.inc("ledger_errors")
+                raise _Reject(500, f"could not record READY for {tid}: {exc.detail}", "ledger_error") from exc
+        else:
+            self.stats.inc("prefill_without_ledger")
+        if self.script.no_kv_params:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": engine_id,
+            "remote_block_ids": [blocks],
+            "remote_host": self.s.host,
+            "remote_port": self.s.port,
+            "remote_request_id": remote_rid,
+            "remote_dp_rank": rank,
+            "remote_num_tokens": prompt_tokens,
+            "tp_size": self.s.tp_size,
+            "transfer_id": tid,
+            "kv_key": kv.get("kv_key"),
+        }
+
+    async def _claim(self, kv: dict[str, Any], rank: int, meta_url: str | None, tid: str | None) -> None:
+        engine = kv.get("remote_engine_id")
+        if not engine:
+            raise _Reject(400, "decode request without remote_engine_id in kv_transfer_params")
+        if not (meta_url and tid):
+            self.stats.inc("decode_without_ledger")
+            return
+        meta = self._meta(meta_url)
+        me = self.record_id(rank)
+        deadline = time.monotonic() + self.s.claim_wait_s
+        while True:
+            try:
+                h = await meta.claim(tid, me, self.s.claim_lease_s)
+                break
+            except (MetaGone, MetaNotFound) as exc:
+                self.stats.inc("kv_expired")
+                raise _Reject(410, f"handoff {tid} is gone: {exc.detail}", "kv_expired") from exc
+            except MetaConflict as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Reject(504, f"handoff {tid} was not claimable within {self.s.claim_wait_s:g} s") from exc
+                if exc.current_state is not None and exc.current_state.value == "PENDING":
+                    await meta.get_handoff(tid, wait=min(left, 10.0))
+                else:  # another decode holds the claim: its lease lapses back to READY
+                    await asyncio.sleep(min(left, 0.05))
+            except MetaError as exc:
+                self.stats.inc("ledger_errors")
+                raise _Reject(503, f"ledger unavailable: {exc.detail}", "ledger_error") from exc
+        loc = h.location
+        if loc is None or loc.engine_id != h.prefill_instance_id or engine != loc.engine_id:
+            self.stats.inc("mismatches")
+            with contextlib.suppress(MetaError):
+                await meta.abort(tid, "kv_transfer_params do not match the handoff")
+            raise _Reject(
+                500,
+                f"kv_transfer_params name engine {engine!r} but handoff {tid} is held by prefill "
+                f"{h.prefill_instance_id!r} with KV on {loc.engine_id if loc else None!r}",
+                "kv_mismatch",
+            )
+        try:
+            await meta.done(tid, me)
+        except MetaError as exc:
+            self.stats.inc("ledger_errors")
+            raise _Reject(500, f"could not record DONE for {tid}: {exc.detail}", "ledger_error") from exc
+        self.stats.inc("claimed")
