@@ -98,7 +98,9 @@ def create_app(settings: MetaSettings | None = None, *, registry: CollectorRegis
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
     async def metrics() -> Response:
-        return Response(service().metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        svc = service()
+        await svc.metrics.refresh_from_store(svc.store)
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def problem(request: Request, exc: Exception) -> Response:
         return problem_response(error_from_exception(exc), instance=request.url.path)

@@ -6,9 +6,15 @@ or the router mounting the metaserver in-process, each get their own (or share t
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from metaserver.store.base import Store
+
 __all__ = ["PREFIX", "MetaMetrics"]
+
+log = logging.getLogger(__name__)
 
 PREFIX = "pdgate_metaserver_"
 
@@ -48,6 +54,27 @@ class MetaMetrics:
             PREFIX + "store_errors_total", "Store calls that failed (store unreachable or broken)", ["kind"], registry=r
         )
         self.sweeps = Counter(PREFIX + "sweeps_total", "Sweeper passes", registry=r)
+        self.handoffs = Gauge(
+            PREFIX + "handoffs",
+            "Live (non-terminal) handoff records in the store, by state (read from the store at scrape time)",
+            ["state"],
+            registry=r,
+        )
+
+    async def refresh_from_store(self, store: Store) -> None:
+        """Read the store-wide gauges just before a scrape renders them.
+
+        Why at scrape time and from the store: replicas on one Redis then report the same numbers, and no
+        process keeps a copy that drifts. A store that cannot answer must not fail the scrape (the other
+        metrics still matter most then): the gauge keeps its last value and the error is counted."""
+        try:
+            counts = await store.count_handoffs_by_state()
+        except Exception as exc:
+            self.store_errors.labels("metrics").inc()
+            log.warning("handoffs by state not refreshed: %s", exc)
+            return
+        for state, n in counts.items():
+            self.handoffs.labels(state.value).set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -98,9 +98,7 @@ class HandoffState(str, Enum):
         return self in TERMINAL_STATES
 
 
-TERMINAL_STATES: frozenset[HandoffState] = frozenset(
-    {HandoffState.DONE, HandoffState.ABORTED, HandoffState.EXPIRED}
-)
+TERMINAL_STATES: frozenset[HandoffState] = frozenset({HandoffState.DONE, HandoffState.ABORTED, HandoffState.EXPIRED})
 
 
 class TransportAddress(_Model):

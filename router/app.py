@@ -226,6 +226,9 @@ def create_app(
 
     @api.get("/metrics", tags=["ops"])
     async def prometheus() -> Response:
+        svc = holder.get("svc")
+        if svc is not None:  # embedded metaserver: its store-wide gauges are read at scrape time
+            await svc.metrics.refresh_from_store(svc.store)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     rest: Any = api

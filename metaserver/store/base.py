@@ -16,9 +16,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from metaserver.models import Handoff, HandoffCreate, HandoffEvents, HandoffState, Instance, InstanceLoad, KVLocation
+from metaserver.models import (
+    TERMINAL_STATES,
+    Handoff,
+    HandoffCreate,
+    HandoffEvents,
+    HandoffState,
+    Instance,
+    InstanceLoad,
+    KVLocation,
+)
 
-__all__ = ["LedgerPolicy", "Moved", "Store"]
+__all__ = ["LIVE_STATES", "LedgerPolicy", "Moved", "Store"]
+
+# The states a record can still leave (the keys of `Store.count_handoffs_by_state`), in the enum's order.
+LIVE_STATES: tuple[HandoffState, ...] = tuple(s for s in HandoffState if s not in TERMINAL_STATES)
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,13 @@ class Store(ABC):
     async def expire_due(self, *, now: float, limit: int = 1000) -> list[Moved]:
         """Apply `ledger.lapse` to every record whose lease is due (at most `limit`); also drops retained
         terminal records and idle event feeds past their TTL. Safe to run from several replicas at once."""
+
+    @abstractmethod
+    async def count_handoffs_by_state(self) -> dict[HandoffState, int]:
+        """Live (non-terminal) records per state, every live state present (0 when none).
+
+        Why in the store: several replicas on one Redis must report the same numbers, so they come from
+        the shared data (Redis keeps counters moved by the transition scripts), not from one process."""
 
     @abstractmethod
     async def wait_handoff(self, transfer_id: str, *, timeout: float) -> Handoff | None:

@@ -5,6 +5,8 @@ Key layout (PREFIX defaults to `pdgate`, set with `redis://...?prefix=NAME`):
     {PREFIX}:h:<transfer_id>     hash   one handoff record (fields named as in models.Handoff); terminal
                                         records expire after terminal_ttl_s (default 600)
     {PREFIX}:deadlines           zset   transfer_id -> lease deadline of every live (non-terminal) handoff
+    {PREFIX}:handoff-states      hash   state -> number of live handoffs in it (PENDING/READY/CLAIMED), moved by
+                                        the same script step that moves a record (read by /metrics)
     {PREFIX}:kv_key              string the kv_key counter (INCR; seeded from the clock, see memory.kv_key_seed)
     {PREFIX}:ev:<instance_id>    stream terminal events of the handoffs whose prefill is that instance;
                                         XADD MAXLEN ~ events_maxlen (default 10000: a prefill that falls
@@ -56,6 +58,7 @@ class Keys:
         self.instance_prefix = f"{tag}:i:"
         self.deadlines = f"{tag}:deadlines"
         self.kv_counter = f"{tag}:kv_key"
+        self.state_counts = f"{tag}:handoff-states"
         self.instances = f"{tag}:instances"
         self.left_pending = f"{tag}:left-pending"
 

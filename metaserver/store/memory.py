@@ -28,7 +28,7 @@ from metaserver.models import (
     InstanceLoad,
     KVLocation,
 )
-from metaserver.store.base import LedgerPolicy, Moved, Store
+from metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
 
 __all__ = ["MemoryStore", "kv_key_seed"]
 
@@ -234,6 +234,13 @@ class MemoryStore(Store):
             for iid in idle:
                 del self._feeds[iid]
         return moved
+
+    async def count_handoffs_by_state(self) -> dict[HandoffState, int]:
+        counts = dict.fromkeys(LIVE_STATES, 0)
+        for rec in self._handoffs.values():
+            if rec.state in counts:
+                counts[rec.state] += 1
+        return counts
 
     async def wait_handoff(self, transfer_id: str, *, timeout: float) -> Handoff | None:
         rec = self._handoffs.get(transfer_id)

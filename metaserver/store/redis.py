@@ -47,7 +47,7 @@ from metaserver.models import (
     InstanceState,
     KVLocation,
 )
-from metaserver.store.base import LedgerPolicy, Moved, Store
+from metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
 from metaserver.store.keys import DEFAULT_PREFIX, INSTANCE_TTL_GRACE_S, Keys, ttl_ms
 from metaserver.store.memory import kv_key_seed
 
@@ -238,6 +238,7 @@ class RedisStore(Store):
             "events_maxlen": p.events_maxlen,
             "events_ttl_s": max(1, int(p.events_ttl_s)),
             "max_claims": p.max_claims,
+            "state_counts": self.keys.state_counts,
         }
         # Registered once per client; redis-py's Script runs EVALSHA and reloads on NOSCRIPT (a restarted Redis).
         self._scripts = {name: self._redis.register_script(_load_script(name, cfg)) for name in _SCRIPTS}
@@ -392,6 +393,11 @@ class RedisStore(Store):
         args = [*self._common(now, ""), limit, _FROM["expire"]]
         res = await self._guard(self._scripts["expire"](keys=[self.keys.deadlines], args=args))
         return [Moved(S(r[0]), _handoff(_pairs(r[1:]))) for r in res]
+
+    async def count_handoffs_by_state(self) -> dict[HandoffState, int]:
+        raw = await self._guard(self._redis.hgetall(self.keys.state_counts))
+        # max(0, ...): data written before the counters existed could drive one below zero; never report that.
+        return {state: max(0, int(raw.get(state.value, 0))) for state in LIVE_STATES}
 
     # -- long-polls --------------------------------------------------------------------------
     def _ensure_listener(self) -> None:

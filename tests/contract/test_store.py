@@ -226,6 +226,86 @@ async def test_abort_from_any_live_state(store: Store, setup: str) -> None:
     assert await store.expire_due(now=now + 10_000) == []
 
 
+async def test_live_counts_by_state_follow_every_transition(make_store: MakeStore, store_kind: str) -> None:
+    """count_handoffs_by_state moves with each transition exactly once (Redis: counters kept by the scripts)."""
+    store = make_store()  # POLICY.max_claims == 2
+    other = make_store(share=store) if store_kind == "redis" else store  # a second replica reads the same
+
+    async def counts(pending: int, ready: int, claimed: int) -> None:
+        want = {S.PENDING: pending, S.READY: ready, S.CLAIMED: claimed}
+        assert await store.count_handoffs_by_state() == want
+        assert await other.count_handoffs_by_state() == want
+
+    now = t0()
+    await counts(0, 0, 0)
+    for tid in ("p-abort", "p-expire", "r-abort", "c-done", "c-abort", "c-lapse"):
+        await create(store, tid, now)
+    await create(store, "r-expire", now, lease_s=5)
+    await counts(7, 0, 0)
+    with pytest.raises(HandoffExists):
+        await create(store, "p-abort", now)
+    await counts(7, 0, 0)
+    for tid in ("r-abort", "r-expire", "c-done", "c-abort", "c-lapse"):
+        await store.mark_ready(tid, LOC, now=now)
+    await counts(2, 5, 0)
+    await store.claim("c-done", "d0", now=now, lease_s=5)
+    await store.claim("c-abort", "d0", now=now, lease_s=5)
+    await store.claim("c-lapse", "d0", now=now, lease_s=8)
+    await counts(2, 2, 3)
+    await store.claim("c-done", "d0", now=now, lease_s=5)  # the claimant renews: no move
+    with pytest.raises(IllegalTransition):
+        await store.claim("c-done", "d1", now=now, lease_s=5)
+    with pytest.raises(IllegalTransition):
+        await store.mark_ready("r-abort", LOC, now=now)
+    with pytest.raises(HandoffNotFound):
+        await store.abort("nope", "x", now=now)
+    await counts(2, 2, 3)
+    await store.done("c-done", "d0", now=now + 1)
+    await counts(2, 2, 2)
+    await store.abort("p-abort", "gone", now=now + 1)
+    await counts(1, 2, 2)
+    await store.abort("r-abort", "gone", now=now + 1)
+    await counts(1, 1, 2)
+    await store.abort("c-abort", "gone", now=now + 1)
+    await counts(1, 1, 1)
+    with pytest.raises(IllegalTransition):
+        await store.abort("c-done", "late", now=now + 1)  # terminal records are not counted twice
+    await counts(1, 1, 1)
+    moved = await other.expire_due(now=now + 5.5)  # READY lease lapses
+    assert [(m.handoff.transfer_id, m.handoff.state) for m in moved] == [("r-expire", S.EXPIRED)]
+    await counts(1, 0, 1)
+    moved = await store.expire_due(now=now + 8.5)  # the claim lapses: back to READY
+    assert [(m.handoff.transfer_id, m.handoff.state) for m in moved] == [("c-lapse", S.READY)]
+    await counts(1, 1, 0)
+    await store.claim("c-lapse", "d1", now=now + 9, lease_s=5)
+    await counts(1, 0, 1)
+    moved = await store.expire_due(now=now + 14.5)  # the last allowed claim lapses: EXPIRED
+    assert [(m.handoff.transfer_id, m.handoff.state) for m in moved] == [("c-lapse", S.EXPIRED)]
+    await counts(1, 0, 0)
+    moved = await store.expire_due(now=now + PENDING_LEASE + 1)  # PENDING lease lapses
+    assert [(m.handoff.transfer_id, m.handoff.state) for m in moved] == [("p-expire", S.EXPIRED)]
+    await counts(0, 0, 0)
+    assert await store.expire_due(now=now + 10_000) == []
+    await counts(0, 0, 0)
+
+
+async def test_live_counts_hold_under_concurrent_claimers(make_store: MakeStore, store_kind: str) -> None:
+    store = make_store()
+    other = make_store(share=store) if store_kind == "redis" else store
+    now = t0()
+    await create(store, "race", now)
+    await store.mark_ready("race", LOC, now=now)
+
+    async def try_claim(i: int) -> None:
+        try:
+            await (store if i % 2 else other).claim("race", f"d{i}", now=now, lease_s=5)
+        except IllegalTransition:
+            pass
+
+    await asyncio.gather(*(try_claim(i) for i in range(32)))
+    assert await store.count_handoffs_by_state() == {S.PENDING: 0, S.READY: 0, S.CLAIMED: 1}
+
+
 # -- leases ----------------------------------------------------------------------------------------
 
 

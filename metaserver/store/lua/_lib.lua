@@ -2,7 +2,7 @@
 -- Before it, store/redis.py puts one line `local CFG = {...}` with the store's constants (key prefixes from
 -- keys.py, TTLs, bounds), so they are not sent with every call:
 --   CFG.events_prefix  CFG.handoff_prefix  CFG.left_pending  CFG.terminal_ttl_ms  CFG.events_maxlen
---   CFG.events_ttl_s  CFG.max_claims
+--   CFG.events_ttl_s  CFG.max_claims  CFG.state_counts
 --
 -- Layout shared by the handoff scripts:
 --   KEYS[1] deadlines zset; KEYS[2] the handoff hash (absent in expire.lua)
@@ -23,6 +23,18 @@ local function reply(key, before)
   table.insert(fields, 1, before)
   table.insert(fields, 1, 'ok')
   return fields
+end
+
+-- Keep the live-records-per-state hash (CFG.state_counts) in step: every script that changes a live
+-- record's state calls this exactly once, in the same atomic step (from = nil on create, to = nil on a
+-- terminal move), so any replica reads the same numbers with one HGETALL.
+local function count_move(from, to)
+  if from then
+    redis.call('HINCRBY', CFG.state_counts, from, -1)
+  end
+  if to then
+    redis.call('HINCRBY', CFG.state_counts, to, 1)
+  end
 end
 
 local function left_pending(before, tid)
@@ -46,5 +58,6 @@ local function finish(key, tid, before, to, reason, now)
   redis.call('XADD', stream, 'MAXLEN', '~', CFG.events_maxlen, '*',
     'transfer_id', tid, 'kv_key', rec[2], 'state', to, 'reason', reason or '', 'at', now)
   redis.call('EXPIRE', stream, CFG.events_ttl_s)
+  count_move(before, nil)
   left_pending(before, tid)
 end

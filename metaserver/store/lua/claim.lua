@@ -22,4 +22,5 @@ end
 redis.call('HSET', key, 'state', 'CLAIMED', 'decode_instance_id', ARGV[4], 'updated_at', now, 'deadline', deadline)
 redis.call('HINCRBY', key, 'claims', 1)
 redis.call('ZADD', KEYS[1], deadline, tid)
+count_move(state, 'CLAIMED')
 return reply(key, state)

@@ -17,4 +17,5 @@ if ARGV[5] ~= '' then
   redis.call('HSET', key, 'request_id', ARGV[5])
 end
 redis.call('ZADD', KEYS[1], ARGV[6], ARGV[2])
+count_move(nil, 'PENDING')
 return {'ok', kv}

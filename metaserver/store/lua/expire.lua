@@ -20,6 +20,7 @@ for _, tid in ipairs(due) do
     redis.call('HSET', key, 'state', 'READY', 'updated_at', now, 'deadline', deadline)
     redis.call('HDEL', key, 'decode_instance_id')
     redis.call('ZADD', KEYS[1], deadline, tid)
+    count_move(state, 'READY')
     local r = redis.call('HGETALL', key)
     table.insert(r, 1, state)
     table.insert(out, r)

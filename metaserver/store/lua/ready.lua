@@ -12,5 +12,6 @@ end
 local deadline = deadline_after(now, rec[2])
 redis.call('HSET', key, 'state', 'READY', 'location', ARGV[4], 'updated_at', now, 'deadline', deadline)
 redis.call('ZADD', KEYS[1], deadline, tid)
+count_move(state, 'READY')
 left_pending(state, tid)
 return reply(key, state)

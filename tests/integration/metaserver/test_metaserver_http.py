@@ -9,7 +9,11 @@ import httpx
 import orjson
 import pytest
 
+from metaserver.app import create_app
 from metaserver.models import HandoffState, Problem
+from metaserver.settings import MetaSettings
+from tests.support.redis import RedisServer
+from tests.support.servers import UvicornThread
 
 ServeMeta = Any  # the `serve_meta` fixture's factory (see conftest.py)
 
@@ -215,6 +219,40 @@ async def test_health_metrics_docs(http: httpx.AsyncClient) -> None:
         assert path in spec["paths"]
     claim_body = spec["paths"]["/v1/handoffs/{transfer_id}/claim"]["post"]["requestBody"]
     assert "ClaimBody" in orjson.dumps(claim_body).decode()
+
+
+def gauge(metrics: str, state: str) -> float | None:
+    prefix = f'pdgate_metaserver_handoffs{{state="{state}"}} '
+    lines = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(lines[0][len(prefix) :]) if lines else None
+
+
+async def test_metrics_show_live_handoffs_by_state(http: httpx.AsyncClient) -> None:
+    tid = await ready_handoff(http)
+    await http.post("/v1/handoffs", json={"prefill_instance_id": "p0"})
+    metrics = (await http.get("/metrics")).text
+    assert "# TYPE pdgate_metaserver_handoffs gauge" in metrics
+    assert [gauge(metrics, s) for s in ("PENDING", "READY", "CLAIMED")] == [1.0, 1.0, 0.0]
+    await http.post(f"/v1/handoffs/{tid}/claim", json={"decode_instance_id": "d0"})
+    metrics = (await http.get("/metrics")).text
+    assert [gauge(metrics, s) for s in ("PENDING", "READY", "CLAIMED")] == [1.0, 0.0, 1.0]
+    await http.post(f"/v1/handoffs/{tid}/done", json={})
+    metrics = (await http.get("/metrics")).text
+    assert [gauge(metrics, s) for s in ("PENDING", "READY", "CLAIMED")] == [1.0, 0.0, 0.0]
+
+
+async def test_metrics_answer_while_the_store_is_down(fast_path: bool) -> None:
+    with RedisServer() as redis:
+        settings = MetaSettings(store=f"{redis.url}?prefix=down", sweep_interval_s=10, fast_path=fast_path)
+        with UvicornThread(create_app(settings)) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+                await ready_handoff(http)
+                assert gauge((await http.get("/metrics")).text, "READY") == 1.0
+                redis.stop()
+                resp = await http.get("/metrics")
+                assert resp.status_code == 200
+                assert gauge(resp.text, "READY") == 1.0  # the last value read is kept
+                assert 'pdgate_metaserver_store_errors_total{kind="metrics"} 1.0' in resp.text
 
 
 async def test_wait_is_capped(serve_meta: ServeMeta) -> None:

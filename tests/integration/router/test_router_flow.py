@@ -148,6 +148,9 @@ def test_models_health_metrics(dep: Deployment) -> None:
         "pdgate_metaserver_",
     ):
         assert name in text, name
+    # the embedded metaserver's store-wide gauge is read at scrape time, one series per live state
+    for state in ("PENDING", "READY", "CLAIMED"):
+        assert f'pdgate_metaserver_handoffs{{state="{state}"}}' in text, state
 
 
 def test_client_errors(dep: Deployment) -> None:

@@ -22,6 +22,7 @@ def test_every_key_shares_one_hash_tag() -> None:
         k.kv_counter,
         k.instances,
         k.left_pending,
+        k.state_counts,
     ]
     tags = {re.search(r"\{([^}]*)\}", n).group(1) for n in names}  # type: ignore[union-attr]
     assert tags == {"ns1"}
