@@ -62,6 +62,7 @@ __all__ = [
     "byte_ranges",
     "check_layouts_match",
     "check_pull",
+    "check_pull_against",
     "coalesce",
     "regions_from_address",
     "regions_to_address",
@@ -365,6 +366,18 @@ def check_layouts_match(local: Sequence[KVRegion], remote: Sequence[KVRegion]) -
             raise BadRequest(
                 f"region {i} differs: local {lr.name!r}/{lr.block_len} B, remote {rr.name!r}/{rr.block_len} B"
             )
+
+
+def check_pull_against(req: PullRequest, local: Sequence[KVRegion], remote: Sequence[KVRegion]) -> None:
+    """Every transport's pre-flight check of a pull: same layout on both sides, ids in range on each.
+
+    One function so that a new transport cannot forget half of it."""
+    check_layouts_match(local, remote)
+    check_pull(
+        req,
+        local_num_blocks=min(r.num_blocks for r in local),
+        remote_num_blocks=min(r.num_blocks for r in remote),
+    )
 
 
 def coalesce(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]:

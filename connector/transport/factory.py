@@ -4,7 +4,7 @@ transport's constructor arguments.
 Runs on the worker's transfer thread (`connector.worker`), which then owns the transport. This is the
 I/O edge of device placement for llm_datadist: it reads the rank table, `/etc/hccn.conf` and the
 environment, and leaves the decisions to the pure `connector.devices` and `connector.ranktable`.
-Engines are imported lazily, inside the branch that needs them.
+Engines are imported lazily, by `transport_class`, only for the kind configured.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 from connector.config import ConfigError, ConnectorConfig
 from connector.devices import DeviceIdentity
+from connector.transport import transport_class
 from connector.transport.base import Transport
 
 __all__ = ["llmdatadist_device", "make_transport"]
@@ -38,14 +39,14 @@ def make_transport(
     configured, else from `connector.devices.discover` (config, `$PDGATE_DEVICE_IP`, hccn.conf).
     """
     options = dict(cfg.transport_options)
+    try:
+        cls = transport_class(cfg.transport)  # the one kind -> class map, imported lazily
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     if cfg.transport == "nixl":
-        from connector.transport.nixl import NixlTransport
-
         options.setdefault("agent_name", f"{cfg.instance_id}-tp{tp_rank}-{os.getpid()}")
-        return NixlTransport(pull_timeout_s=cfg.pull_timeout_s, **options)
+        return cls(pull_timeout_s=cfg.pull_timeout_s, **options)
     if cfg.transport == "llmdatadist":
-        from connector.transport.llmdatadist import LLMDataDistTransport
-
         if cfg.role not in ("prefill", "decode"):
             raise ConfigError("the llmdatadist transport needs kv_role kv_producer or kv_consumer, not kv_both")
         ident = llmdatadist_device(
@@ -60,7 +61,7 @@ def make_transport(
             ident.source,
             ident.cluster_id,
         )
-        return LLMDataDistTransport(
+        return cls(
             role=cfg.role,
             cluster_id=ident.cluster_id,
             device_id=ident.device_id,

@@ -72,8 +72,7 @@ from connector.transport.base import (
     Transport,
     TransportClosed,
     TransportError,
-    check_layouts_match,
-    check_pull,
+    check_pull_against,
     regions_from_address,
     regions_to_address,
 )
@@ -320,12 +319,7 @@ class LLMDataDistTransport(Transport):
         if not self._caches:
             raise BadRequest("start_pull() before register()")
         remote = self._parse_remote(req.remote)
-        check_layouts_match(self._regions, remote.regions)
-        check_pull(
-            req,
-            local_num_blocks=min(r.num_blocks for r in self._regions),
-            remote_num_blocks=min(r.num_blocks for r in remote.regions),
-        )
+        check_pull_against(req, self._regions, remote.regions)
         with self._pending_lock:
             if req.transfer_id in self._pending:
                 raise BadRequest(f"transfer {req.transfer_id!r} is already in flight")

@@ -33,8 +33,7 @@ from connector.transport.base import (
     Transport,
     TransportClosed,
     TransportError,
-    check_layouts_match,
-    check_pull,
+    check_pull_against,
     regions_from_address,
     regions_to_address,
 )
@@ -111,12 +110,7 @@ class MemoryTransport(Transport):
             raise BadRequest(f"transfer {req.transfer_id!r} is already in flight")
         self._check_kind(req.remote, self.kind)
         remote_regions = regions_from_address(req.remote)
-        check_layouts_match(self._regions, remote_regions)
-        check_pull(
-            req,
-            local_num_blocks=min(r.num_blocks for r in self._regions),
-            remote_num_blocks=min(r.num_blocks for r in remote_regions),
-        )
+        check_pull_against(req, self._regions, remote_regions)
         self.pulls_started += 1
         now = self._clock()
         timeout = req.timeout_s if req.timeout_s is not None else self._timeout_s
