@@ -1,6 +1,6 @@
 """Time to first token and end-to-end latency: pdgate PD (1P1D through the router) versus one vLLM.
 
-Starts, with `deploy.local.stack`, a connector-less single instance and a 1P1D stack (router with its
+Starts, with `pdgate.deploy.local.stack`, a connector-less single instance and a 1P1D stack (router with its
 embedded metaserver, prefill and decode with PDGateConnector over NIXL), then for each prompt length
 sends the same fresh prompts (streaming /v1/completions, temperature 0, ignore_eos) to both, in
 alternating order, and measures on the client: TTFT (request sent -> first token chunk) and E2E
@@ -38,10 +38,9 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 import orjson  # noqa: E402
-
-from deploy.local.stack import DEFAULT_MODEL_DIR, LocalStack, SingleInstance, StackConfig  # noqa: E402
-from deploy.local.tiny_model import MODEL_NAME  # noqa: E402
-from deploy.local.vllm_instance import ServeFlags  # noqa: E402
+from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR, LocalStack, SingleInstance, StackConfig  # noqa: E402
+from pdgate.deploy.local.tiny_model import MODEL_NAME  # noqa: E402
+from pdgate.deploy.local.vllm_instance import ServeFlags  # noqa: E402
 
 BLOCK = 32
 PHASES = ("prefill", "handoff", "decode_ttft", "overhead", "e2e")
@@ -274,7 +273,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "e2e.json")
     args = ap.parse_args()
     if args.port == 0:
-        from deploy.local.procs import free_port
+        from pdgate.deploy.local.procs import free_port
 
         args.port = free_port()
     result = run(args)

@@ -1,7 +1,7 @@
 """Benchmark of the metaserver's hot path: full handoffs per second through HTTP.
 
 One handoff = create -> ready -> claim -> done (four HTTP calls). The metaserver runs as a real
-`python -m metaserver` process (uvicorn with uvloop + httptools), pinned to one core with taskset when
+`python -m pdgate.metaserver` process (uvicorn with uvloop + httptools), pinned to one core with taskset when
 the machine has more than one; load comes from separate client processes pinned to the other cores,
 each a tiny keep-alive HTTP/1.1 client on uvloop (no framework, so the client is not the bottleneck).
 For each store (memory, redis) and concurrency (1, 32, 256) it prints a table and writes
@@ -203,7 +203,7 @@ def load(
 
 def start_metaserver(store: str, server_cpu: int | None) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "metaserver", "--port", str(port), "--store", store, "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "pdgate.metaserver", "--port", str(port), "--store", store, "--log-level", "warning"]
     if server_cpu is not None and shutil.which("taskset"):
         cmd = ["taskset", "-c", str(server_cpu), *cmd]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,6 +1,6 @@
 """Benchmark of the router: throughput, latency and router CPU per request in front of 2P2D simulators.
 
-Processes (all real, over loopback): a metaserver (`python -m metaserver`, memory store), 2 prefill and
+Processes (all real, over loopback): a metaserver (`python -m pdgate.metaserver`, memory store), 2 prefill and
 2 decode `pdgate-sim`s registered with it, and proxies in front of the same sims:
   router     `pdgate-router --metaserver URL` (the production shape: ledger in its own service)
   isolated   the same router in front of canned engines and a canned metaserver (one raw ASGI process
@@ -181,9 +181,9 @@ def pct(values: list[float], q: float) -> float:
 async def run_load(
     url: str, concurrency: int, total: int, stream: bool, tokens: int, direct: dict[str, Any] | None
 ) -> dict[str, Any]:
-    from metaserver.models import HandoffCreate
-    from router.meta import PooledMetaClient
-    from router.upstream import HttpPool
+    from pdgate.metaserver.models import HandoffCreate
+    from pdgate.router.meta import PooledMetaClient
+    from pdgate.router.upstream import HttpPool
 
     pool = HttpPool(connect_timeout=10)
     meta = PooledMetaClient(direct["metaserver"], pool=pool, timeout=60) if direct else None
@@ -261,14 +261,14 @@ def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
     other = f"1-{cpus() - 1}" if cpus() > 1 else "0"
     procs.start(
         "metaserver",
-        [PY, "-m", "metaserver", "--port", str(meta_port), "--log-level", "warning"],
+        [PY, "-m", "pdgate.metaserver", "--port", str(meta_port), "--log-level", "warning"],
         other,
     )
     wait_http(meta_url + "/health", timeout=30)
     sims: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role in ("prefill", "prefill", "decode", "decode"):
         port = free_port()
-        cmd = [PY, "-m", "router.sim", "--role", role, "--port", str(port), "--metaserver", meta_url]
+        cmd = [PY, "-m", "pdgate.router.sim", "--role", role, "--port", str(port), "--metaserver", meta_url]
         # An overloaded box shows as latency, not as errors or lapsed registrations.
         cmd += ["--metaserver-timeout-s", "60", "--lease-s", "60"]
         procs.start(f"sim-{role}-{port}", cmd, other)
@@ -284,7 +284,7 @@ def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
             continue
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        base = [PY, "-m", "router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+        base = [PY, "-m", "pdgate.router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
         base += ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
         base += ["--metaserver-timeout-s", "60"]
         if mode == "router":
@@ -303,7 +303,7 @@ def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
         proc = procs.start(f"proxy-{mode}", cmd, "0")
         wait_http(url + ("/health" if mode != "toy" else "/docs"), timeout=60)
         out["proxies"][mode] = (url, proc)
-    from router.pool import static_instance_id
+    from pdgate.router.pool import static_instance_id
 
     out["prefill_ids"] = {u: static_instance_id(u) for u in sims["prefill"]}
     return out
@@ -486,7 +486,7 @@ async def client_cpu(kind: str, url: str, n: int, conc: int) -> float:
 
         close = s.close
     else:
-        from router.upstream import HttpPool
+        from pdgate.router.upstream import HttpPool
 
         pool = HttpPool()
         h = [(b"content-type", b"application/json")]

@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from connector.transport.base import KVRegion, PullRequest, PullResult  # noqa: E402
-from connector.transport.nixl import NixlTransport  # noqa: E402
+from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult  # noqa: E402
+from pdgate.connector.transport.nixl import NixlTransport  # noqa: E402
 
 PREFIX = "PDGATE-BENCH "
 

@@ -1,7 +1,7 @@
 """pdgate's vLLM v1 KV connector: `PDGateConnector` and its two halves.
 
 vLLM imports this package in every process that builds a `VllmConfig`, the API server included
-(`kv_connector_module_path="connector"`), so importing it must stay cheap: no torch, no vLLM, no
+(`kv_connector_module_path="pdgate.connector"`), so importing it must stay cheap: no torch, no vLLM, no
 transport engine. `PDGateConnector` is resolved lazily through the module `__getattr__` below, which
 vLLM's `getattr(module, "PDGateConnector")` triggers only where the class is really needed.
 
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["PDGateConnector"]
 
 if TYPE_CHECKING:
-    from connector.connector import PDGateConnector
+    from pdgate.connector.connector import PDGateConnector
 
 
 def __getattr__(name: str) -> Any:
     if name == "PDGateConnector":
-        from connector.connector import PDGateConnector
+        from pdgate.connector.connector import PDGateConnector
 
         return PDGateConnector
     raise AttributeError(f"module 'connector' has no attribute {name!r}")

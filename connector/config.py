@@ -10,7 +10,7 @@ from it instead (`PDGATE_METASERVER_URL`, `PDGATE_METASERVER_TOKEN`): a secret i
 
 Example (a prefill instance)::
 
-    --kv-transfer-config '{"kv_connector": "PDGateConnector", "kv_connector_module_path": "connector",
+    --kv-transfer-config '{"kv_connector": "PDGateConnector", "kv_connector_module_path": "pdgate.connector",
       "kv_role": "kv_producer", "kv_connector_extra_config": {
         "metaserver_url": "http://10.0.0.2:8300", "url": "http://10.0.0.5:8100"}}'
 """

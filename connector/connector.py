@@ -11,9 +11,9 @@ vLLM's finished-sending/receiving sets, and each worker's transport address reac
 vLLM's handshake metadata (`get_handshake_metadata` -> `set_xfer_handshake_metadata`).
 
 Loaded without patching vLLM, either as
-`{"kv_connector": "PDGateConnector", "kv_connector_module_path": "connector", ...}` or, once pdgate is
+`{"kv_connector": "PDGateConnector", "kv_connector_module_path": "pdgate.connector", ...}` or, once pdgate is
 installed, as plain `{"kv_connector": "PDGateConnector"}` through the `vllm.general_plugins` entry point
-(`connector.plugin:register`).
+(`pdgate.connector.plugin:register`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdgate.connector.config import ConfigError, ConnectorConfig, ServerFacts, discover_server, parse_config
+from pdgate.connector.control import ControlThread
+from pdgate.connector.messages import FeedStatus, Register, UpdateLoad, WriteStats
+from pdgate.connector.metadata import PullOutcome, StepMetadata
+from pdgate.connector.registration import build_registration, kv_layout_tag
+from pdgate.connector.scheduler import EngineFacts, SchedulerHalf
+from pdgate.connector.stats import PDGatePromMetrics, PDGateStats
+from pdgate.connector.transport.factory import make_transport
+from pdgate.connector.worker import WorkerHalf
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -32,16 +41,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-
-from connector.config import ConfigError, ConnectorConfig, ServerFacts, discover_server, parse_config
-from connector.control import ControlThread
-from connector.messages import FeedStatus, Register, UpdateLoad, WriteStats
-from connector.metadata import PullOutcome, StepMetadata
-from connector.registration import build_registration, kv_layout_tag
-from connector.scheduler import EngineFacts, SchedulerHalf
-from connector.stats import PDGatePromMetrics, PDGateStats
-from connector.transport.factory import make_transport
-from connector.worker import WorkerHalf
 
 try:  # a vLLM metrics label for where our cache hits come from (absent in older releases)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -352,7 +351,7 @@ class PDGateConnector(KVConnectorBase_V1):
 
 def _setup_logging(level: str) -> None:
     """vLLM configures only its own `vllm` logger; give ours a handler so INFO lines are seen."""
-    log = logging.getLogger("connector")
+    log = logging.getLogger("pdgate.connector")
     log.setLevel(level.upper())
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()

@@ -1,7 +1,7 @@
 """The scheduler half's control thread: one asyncio loop that owns the `MetaClient`.
 
 Why a thread of its own: vLLM's scheduler hooks run on the engine-core thread between model steps, and
-an HTTP call there would stall every request in the batch. Commands (`connector.messages`) come in with
+an HTTP call there would stall every request in the batch. Commands (`pdgate.connector.messages`) come in with
 `submit()` (scheduled on the loop with `call_soon_threadsafe`), answers go out on a `queue.SimpleQueue`
 that the scheduler half drains at its next hook. The feed's liveness is a single float
 (`feed_ok_at`) this thread writes and the engine thread reads: a monotonic timestamp, published whole.
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from connector.config import ConnectorConfig
-from connector.messages import (
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.messages import (
     Abort,
     Check,
     CheckResult,
@@ -48,8 +48,8 @@ from connector.messages import (
     UpdateLoad,
     WriteStats,
 )
-from connector.registration import Registrar, backoff
-from metaserver.client import (
+from pdgate.connector.registration import Registrar, backoff
+from pdgate.metaserver.client import (
     MetaClient,
     MetaConflict,
     MetaError,
@@ -57,7 +57,7 @@ from metaserver.client import (
     MetaNotFound,
     MetaUnavailable,
 )
-from metaserver.models import TERMINAL_STATES, HandoffState, InstanceLoad, RegisterResponse
+from pdgate.metaserver.models import TERMINAL_STATES, HandoffState, InstanceLoad, RegisterResponse
 
 __all__ = ["ControlThread"]
 

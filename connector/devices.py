@@ -1,6 +1,6 @@
 """Where a worker's NPU is, for the llm_datadist transport: device ids, device IP, cluster id, A3 ids.
 
-Two ways to know it. With a global rank table (`connector.ranktable`) the table says, and it wins;
+Two ways to know it. With a global rank table (`pdgate.connector.ranktable`) the table says, and it wins;
 `from_placement` only checks that the table's device is the one this worker's KV cache is on. Without
 one, each worker finds its own device here (`discover`) and publishes it in its registry record (a
 `TransportAddress` per TP rank); a decode then links to the prefill's cluster with the address that
@@ -26,7 +26,7 @@ retries in the background). An IPv4 integer is below 2**32, inside llm_datadist'
 address is at least 1.0.0.0 = 2**24, so it cannot collide with a rank table's running index (0..N-1)
 in a deployment where some instances still use a rank table.
 
-Everything here is pure: the environment and the hccn.conf text are arguments; `connector.worker`
+Everything here is pure: the environment and the hccn.conf text are arguments; `pdgate.connector.worker`
 reads them.
 """
 
@@ -38,10 +38,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.config import ConfigError, ConnectorConfig
 
 if TYPE_CHECKING:
-    from connector.ranktable import DevicePlacement
+    from pdgate.connector.ranktable import DevicePlacement
 
 __all__ = [
     "ENV_DEVICE_IP",

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from connector.blocks import BlockPlanError, TPLayoutError, blocks_for_tokens, plan_pull, tp_sources
-from connector.config import ConfigError
-from connector.metadata import RecvPlan, address_from_model, address_to_model
-from metaserver.models import Handoff, KVLocation, TransportAddress, TransportKind
+from pdgate.connector.blocks import BlockPlanError, TPLayoutError, blocks_for_tokens, plan_pull, tp_sources
+from pdgate.connector.config import ConfigError
+from pdgate.connector.metadata import RecvPlan, address_from_model, address_to_model
+from pdgate.metaserver.models import Handoff, KVLocation, TransportAddress, TransportKind
 
 __all__ = ["EngineFacts", "LocationError", "addresses_from_workers", "location_for", "plan_for", "plan_from_location"]
 

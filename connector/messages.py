@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from metaserver.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation
+from pdgate.metaserver.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation
 
 __all__ = [
     "Abort",

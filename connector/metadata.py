@@ -17,9 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdgate.metaserver.models import MAX_KV_KEY, KVLocation, TransportAddress, is_valid_id
 from pydantic import ValidationError
-
-from metaserver.models import MAX_KV_KEY, KVLocation, TransportAddress, is_valid_id
 
 __all__ = [
     "DecodeParams",

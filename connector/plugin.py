@@ -2,7 +2,7 @@
 
 vLLM calls every general plugin once in each of its processes (API server, engine core, workers), so
 `register()` must be idempotent and cheap: it records a lazy (module, class) pair in vLLM's connector
-registry and imports nothing heavy. pyproject: `pdgate_connector = "connector.plugin:register"`.
+registry and imports nothing heavy. pyproject: `pdgate_connector = "pdgate.connector.plugin:register"`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     try:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "connector.connector", CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "pdgate.connector.connector", CONNECTOR_NAME)
     except ValueError:
         # Already registered in this process (vLLM loads plugins once per process, but a test or a
         # second entry point may call us again). Registration is lazy, so there is nothing to refresh.

@@ -23,7 +23,7 @@ devices, then decode devices. Every check names the fault by path, e.g.
 
 Everything here is pure: data in, data out (``load_rank_table`` reads one file). Building a table
 from host lists (``generate``) and the ``pdgate-ranktable`` command line are in ``ranktable_cli.py``.
-A rank table is optional: without one, each worker finds its own device (``connector.devices``).
+A rank table is optional: without one, each worker finds its own device (``pdgate.connector.devices``).
 """
 
 from __future__ import annotations
@@ -472,26 +472,26 @@ def find_placement(
 
 
 # ------------------------------------------------------------------------------------------
-# The CLI lives in ranktable_cli.py; these keep `connector.ranktable:main` (the pdgate-ranktable
-# console script), `python -m connector.ranktable` and older imports of the generator working.
+# The CLI lives in ranktable_cli.py; these keep `pdgate.connector.ranktable:main` (the pdgate-ranktable
+# console script), `python -m pdgate.connector.ranktable` and older imports of the generator working.
 # ------------------------------------------------------------------------------------------
 
 _CLI_NAMES = ("HostSpec", "generate", "parse_host_spec")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pdgate-ranktable``; see ``connector.ranktable_cli``."""
-    from connector.ranktable_cli import main as cli_main
+    """``pdgate-ranktable``; see ``pdgate.connector.ranktable_cli``."""
+    from pdgate.connector.ranktable_cli import main as cli_main
 
     return cli_main(argv)
 
 
 def __getattr__(name: str) -> Any:
     if name in _CLI_NAMES:
-        import connector.ranktable_cli as cli
+        import pdgate.connector.ranktable_cli as cli
 
         return getattr(cli, name)
-    raise AttributeError(f"module 'connector.ranktable' has no attribute {name!r}")
+    raise AttributeError(f"module 'pdgate.connector.ranktable' has no attribute {name!r}")
 
 
 if __name__ == "__main__":

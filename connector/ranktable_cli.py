@@ -1,9 +1,9 @@
 """``pdgate-ranktable``: validate a global rank table, or generate one from host/device lists.
 
 ``generate`` builds the table from ``HOST:[ID=]DEVICE_IP[/SUPER_DEVICE_ID],...`` specs and validates
-it exactly as a file is validated (``connector.ranktable.parse_rank_table``), so a generated table is
+it exactly as a file is validated (``pdgate.connector.ranktable.parse_rank_table``), so a generated table is
 never one the connector would refuse. Exit codes: 0 valid/written, 1 invalid rank table, 2 bad command
-line. The console script points at ``connector.ranktable:main``, a thin wrapper around ``main`` here.
+line. The console script points at ``pdgate.connector.ranktable:main``, a thin wrapper around ``main`` here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connector.ranktable import (
+from pdgate.connector.ranktable import (
     VERSION_A2,
     VERSION_A3,
     RankTable,

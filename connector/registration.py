@@ -13,9 +13,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from connector.config import ConnectorConfig
-from metaserver.client import MetaAPI, MetaBadRequest, MetaError, MetaNotFound, MetaUnauthorized
-from metaserver.models import (
+from pdgate.connector.config import ConnectorConfig
+from pdgate.metaserver.client import MetaAPI, MetaBadRequest, MetaError, MetaNotFound, MetaUnauthorized
+from pdgate.metaserver.models import (
     InstanceLoad,
     InstanceRegistration,
     RegisterResponse,

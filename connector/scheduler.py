@@ -46,10 +46,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.blocks import tokens_to_load
-from connector.config import ConnectorConfig
-from connector.counters import COUNTERS
-from connector.location import (
+from pdgate.connector.blocks import tokens_to_load
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.counters import COUNTERS
+from pdgate.connector.location import (
     EngineFacts,
     LocationError,
     addresses_from_workers,
@@ -57,7 +57,7 @@ from connector.location import (
     plan_for,
     plan_from_location,
 )
-from connector.messages import (
+from pdgate.connector.messages import (
     Abort,
     Check,
     CheckResult,
@@ -75,7 +75,7 @@ from connector.messages import (
     Result,
     Terminal,
 )
-from connector.metadata import (
+from pdgate.connector.metadata import (
     DecodeParams,
     InvalidTransferParams,
     PrefillParams,
@@ -85,7 +85,7 @@ from connector.metadata import (
     StepMetadata,
     prefill_result_params,
 )
-from metaserver.models import TERMINAL_STATES, InstanceLoad, TransportAddress
+from pdgate.metaserver.models import TERMINAL_STATES, InstanceLoad, TransportAddress
 
 # COUNTERS (counters.py) and EngineFacts (location.py) are re-exported for older imports.
 __all__ = ["COUNTERS", "EngineFacts", "SchedulerHalf"]

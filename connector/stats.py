@@ -1,6 +1,6 @@
 """The connector's counters as vLLM KV-connector stats, and as Prometheus counters on vLLM's /metrics.
 
-The scheduler half owns the counters (`connector.counters.COUNTERS`; workers send their pull outcomes
+The scheduler half owns the counters (`pdgate.connector.counters.COUNTERS`; workers send their pull outcomes
 to it). Each engine step it hands vLLM the increments since the last step (`PDGateStats`); vLLM ships
 them to the API server, which logs them ("KV Transfer metrics: ...") and calls
 `PDGatePromMetrics.observe`, so every counter appears on the server's `/metrics` as
@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdgate.connector.counters import COUNTERS
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-
-from connector.counters import COUNTERS
 
 __all__ = ["METRIC_PREFIX", "PDGatePromMetrics", "PDGateStats"]
 

@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from connector.config import ConfigError, ConnectorConfig
-from connector.metadata import PullOutcome, RecvDone, StepMetadata
-from connector.transport.base import KVRegion, PullRequest, PullResult, Transport, TransportError
-from connector.transport.factory import make_transport  # re-exported: older imports name it here
+from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.metadata import PullOutcome, RecvDone, StepMetadata
+from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport, TransportError
+from pdgate.connector.transport.factory import make_transport  # re-exported: older imports name it here
 
 __all__ = ["WorkerHalf", "kv_device_index", "make_transport", "regions_from_kv_caches"]
 

@@ -36,5 +36,13 @@ log "installing pdgate[test,vllm] (editable) into $VENV"
 
 log "ruff"
 "$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+# mypy checks the code as installed (pdgate.*); it does not run setuptools' editable import hook, so the
+# folders are linked under build/typecheck/pdgate (pyproject's mypy_path) first.
+log "mypy --strict"
+mkdir -p build/typecheck/pdgate
+for d in router metaserver connector deploy; do ln -sfn "$ROOT/$d" "build/typecheck/pdgate/$d"; done
+ln -sfn "$ROOT/pdgate/__init__.py" build/typecheck/pdgate/__init__.py
+"$VENV/bin/mypy" -p pdgate
 log "pytest"
 exec "$VENV/bin/python" -m pytest "$@"

@@ -4,7 +4,7 @@ The package's public face is the data contract and its client; `tests/unit/metas
 checks that `__all__` lists exactly these names.
 """
 
-from metaserver.client import (
+from pdgate.metaserver.client import (
     MetaAPI,
     MetaBadRequest,
     MetaClient,
@@ -16,7 +16,7 @@ from metaserver.client import (
     MetaUnavailable,
     error_from_answer,
 )
-from metaserver.models import (
+from pdgate.metaserver.models import (
     CONTRACT_VERSION,
     TERMINAL_STATES,
     AbortBody,

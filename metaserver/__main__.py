@@ -1,4 +1,4 @@
-"""`pdgate-metaserver` / `python -m metaserver`: settings from env + flags, then uvicorn.
+"""`pdgate-metaserver` / `python -m pdgate.metaserver`: settings from env + flags, then uvicorn.
 
 uvicorn picks uvloop and httptools when they are installed (uvicorn[standard]); the app object is built
 here from the settings, so one process serves one app (scale out with more processes on one Redis).
@@ -10,10 +10,9 @@ import logging
 from collections.abc import Sequence
 
 import uvicorn
-
-from metaserver.app import create_app
-from metaserver.logs import configure_logging
-from metaserver.settings import parse_cli
+from pdgate.metaserver.app import create_app
+from pdgate.metaserver.logs import configure_logging
+from pdgate.metaserver.settings import parse_cli
 
 __all__ = ["main"]
 
@@ -22,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_cli(argv)
     configure_logging(settings.log_level)
     store_kind = settings.store.split("://", 1)[0]
-    logging.getLogger("metaserver").info(
+    logging.getLogger("pdgate.metaserver").info(
         "metaserver on %s:%d, store %s, auth %s",
         settings.host,
         settings.port,

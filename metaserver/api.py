@@ -28,11 +28,8 @@ import orjson
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from metaserver.client import MetaError
-from metaserver.errors import (
+from pdgate.metaserver.client import MetaError
+from pdgate.metaserver.errors import (
     BodyTooLarge,
     InvalidInput,
     MalformedBody,
@@ -42,7 +39,7 @@ from metaserver.errors import (
     from_validation_error,
     problem_response,
 )
-from metaserver.models import (
+from pdgate.metaserver.models import (
     AbortBody,
     ClaimBody,
     DoneBody,
@@ -59,8 +56,10 @@ from metaserver.models import (
     RegisterResponse,
     Role,
 )
-from metaserver.service import MetaService
-from metaserver.settings import MetaSettings
+from pdgate.metaserver.service import MetaService
+from pdgate.metaserver.settings import MetaSettings
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 __all__ = [
     "InstanceList",

@@ -23,19 +23,18 @@ from collections.abc import AsyncIterator
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from pdgate.metaserver.api import build_router, error_from_exception
+from pdgate.metaserver.client import MetaError
+from pdgate.metaserver.errors import problem_response
+from pdgate.metaserver.fastpath import FastPath
+from pdgate.metaserver.metrics import MetaMetrics
+from pdgate.metaserver.models import CONTRACT_VERSION, Problem
+from pdgate.metaserver.service import MetaService
+from pdgate.metaserver.settings import MetaSettings
+from pdgate.metaserver.store import LedgerPolicy, open_store
+from pdgate.metaserver.sweeper import Sweeper
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from metaserver.api import build_router, error_from_exception
-from metaserver.client import MetaError
-from metaserver.errors import problem_response
-from metaserver.fastpath import FastPath
-from metaserver.metrics import MetaMetrics
-from metaserver.models import CONTRACT_VERSION, Problem
-from metaserver.service import MetaService
-from metaserver.settings import MetaSettings
-from metaserver.store import LedgerPolicy, open_store
-from metaserver.sweeper import Sweeper
 
 __all__ = ["create_app", "policy_from", "running_service"]
 

@@ -1,7 +1,7 @@
 """MetaClient: the one async client of the metaserver, used by the router and the connector.
 
 No other module formats a metaserver URL. Every answer is parsed into the models of
-`metaserver.models`; every failure is raised as a `MetaError` subclass with a stable `code`, so a
+`pdgate.metaserver.models`; every failure is raised as a `MetaError` subclass with a stable `code`, so a
 caller decides on types (retry on `MetaUnavailable`, give up on `MetaGone`), never on strings.
 
 Exception tree:
@@ -20,9 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 import orjson
-from pydantic import BaseModel
-
-from metaserver.models import (
+from pdgate.metaserver.models import (
     AbortBody,
     ClaimBody,
     DoneBody,
@@ -40,6 +38,7 @@ from metaserver.models import (
     RegisterResponse,
     Role,
 )
+from pydantic import BaseModel
 
 __all__ = [
     "MetaAPI",

@@ -1,6 +1,6 @@
 """The metaserver's error tree and its RFC 7807 rendering.
 
-Every service error is a subclass of the client's typed errors (`metaserver.client`), so the same
+Every service error is a subclass of the client's typed errors (`pdgate.metaserver.client`), so the same
 exception means the same thing whether it crossed HTTP (MetaClient rebuilds it from the problem body)
 or was raised in-process (`LocalMetaClient`). Each class has a stable `code`.
 
@@ -30,10 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
-from starlette.responses import Response
-
-from metaserver.client import (
+from pdgate.metaserver.client import (
     MetaBadRequest,
     MetaConflict,
     MetaError,
@@ -42,8 +39,10 @@ from metaserver.client import (
     MetaUnauthorized,
     MetaUnavailable,
 )
-from metaserver.ledger import IllegalTransition
-from metaserver.models import Problem
+from pdgate.metaserver.ledger import IllegalTransition
+from pdgate.metaserver.models import Problem
+from pydantic import ValidationError
+from starlette.responses import Response
 
 __all__ = [
     "PROBLEM_MEDIA_TYPE",

@@ -16,11 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from metaserver.api import check_auth, error_from_exception, parse_body
-from metaserver.errors import PROBLEM_MEDIA_TYPE, BodyTooLarge, InvalidInput, Unauthorized, problem_body
-from metaserver.models import AbortBody, ClaimBody, DoneBody, HandoffCreate, KVLocation
-from metaserver.service import MetaService
-from metaserver.settings import MetaSettings
+from pdgate.metaserver.api import check_auth, error_from_exception, parse_body
+from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, BodyTooLarge, InvalidInput, Unauthorized, problem_body
+from pdgate.metaserver.models import AbortBody, ClaimBody, DoneBody, HandoffCreate, KVLocation
+from pdgate.metaserver.service import MetaService
+from pdgate.metaserver.settings import MetaSettings
 
 __all__ = ["FastPath"]
 

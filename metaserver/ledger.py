@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from metaserver.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffEvent, HandoffState, KVLocation
+from pdgate.metaserver.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffEvent, HandoffState, KVLocation
 
 __all__ = [
     "ALLOWED",

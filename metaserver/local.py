@@ -1,4 +1,4 @@
-"""LocalMetaClient: the `MetaAPI` of `metaserver.client`, served in-process by a `MetaService`.
+"""LocalMetaClient: the `MetaAPI` of `pdgate.metaserver.client`, served in-process by a `MetaService`.
 
 Why: the router's embedded mode runs the metaserver in its own process; going through HTTP to itself
 would add a hop and a socket per call. This class has the same methods, arguments, return types and
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metaserver.models import (
+from pdgate.metaserver.models import (
     Handoff,
     HandoffCreate,
     HandoffEvents,
@@ -27,7 +27,7 @@ from metaserver.models import (
     RegisterResponse,
     Role,
 )
-from metaserver.service import MetaService
+from pdgate.metaserver.service import MetaService
 
 __all__ = ["LocalMetaClient"]
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from pdgate.metaserver.store.base import Store
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from metaserver.store.base import Store
 
 __all__ = ["PREFIX", "MetaMetrics"]
 

@@ -7,7 +7,7 @@ tested here with an explicit `now`, no sleeping.
 
 from __future__ import annotations
 
-from metaserver.models import Instance, InstanceLoad, InstanceRegistration, InstanceState, Role
+from pdgate.metaserver.models import Instance, InstanceLoad, InstanceRegistration, InstanceState, Role
 
 __all__ = ["RegistrationInvalid", "is_live", "matches", "new_instance", "renew", "start_drain", "validate"]
 

@@ -13,17 +13,17 @@ import time
 import uuid
 from collections.abc import Callable
 
-from metaserver import registry
-from metaserver.errors import (
+from pdgate.metaserver import registry
+from pdgate.metaserver.errors import (
     HandoffNotFound,
     InstanceNotFound,
     InvalidInput,
     from_illegal,
 )
-from metaserver.ledger import IllegalTransition
-from metaserver.logs import subject
-from metaserver.metrics import MetaMetrics
-from metaserver.models import (
+from pdgate.metaserver.ledger import IllegalTransition
+from pdgate.metaserver.logs import subject
+from pdgate.metaserver.metrics import MetaMetrics
+from pdgate.metaserver.models import (
     Handoff,
     HandoffCreate,
     HandoffEvents,
@@ -38,8 +38,8 @@ from metaserver.models import (
     Role,
     is_valid_id,
 )
-from metaserver.settings import MetaSettings
-from metaserver.store.base import Moved, Store
+from pdgate.metaserver.settings import MetaSettings
+from pdgate.metaserver.store.base import Moved, Store
 
 __all__ = ["MetaService", "check_id"]
 

@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import logging
 
-from metaserver.errors import MetaError
-from metaserver.service import MetaService
+from pdgate.metaserver.errors import MetaError
+from pdgate.metaserver.service import MetaService
 
 __all__ = ["Sweeper"]
 

@@ -1,4 +1,4 @@
-"""`pdgate-router` / `python -m router`: settings from env + flags, then uvicorn.
+"""`pdgate-router` / `python -m pdgate.router`: settings from env + flags, then uvicorn.
 
 uvicorn picks uvloop and httptools when installed (uvicorn[standard]); both matter for the router's
 CPU per request (see bench/router.py).
@@ -10,10 +10,9 @@ import logging
 from collections.abc import Sequence
 
 import uvicorn
-
-from router.app import create_app
-from router.logs import configure_logging
-from router.settings import parse_cli
+from pdgate.router.app import create_app
+from pdgate.router.logs import configure_logging
+from pdgate.router.settings import parse_cli
 
 __all__ = ["main"]
 
@@ -21,7 +20,7 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_cli(argv)
     configure_logging(settings.log_level)
-    logging.getLogger("router").info(
+    logging.getLogger("pdgate.router").info(
         "router on %s:%d; instances from %s%s; policies prefill=%s decode=%s",
         settings.host,
         settings.port,

@@ -22,22 +22,21 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request, Response
+from pdgate.metaserver.client import MetaAPI
+from pdgate.metaserver.settings import MetaSettings
+from pdgate.router.bodies import CHAT, COMPLETIONS
+from pdgate.router.breaker import BreakerConfig
+from pdgate.router.discovery import Discovery
+from pdgate.router.errors import MethodNotAllowed, RouterError, Unauthorized
+from pdgate.router.meta import PooledMetaClient
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import make_policy
+from pdgate.router.pool import Pool, Tracker
+from pdgate.router.proxy import Proxy
+from pdgate.router.settings import RouterSettings
+from pdgate.router.streaming import send_error
+from pdgate.router.upstream import HttpPool, Upstream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
-
-from metaserver.client import MetaAPI
-from metaserver.settings import MetaSettings
-from router.bodies import CHAT, COMPLETIONS
-from router.breaker import BreakerConfig
-from router.discovery import Discovery
-from router.errors import MethodNotAllowed, RouterError, Unauthorized
-from router.meta import PooledMetaClient
-from router.metrics import RouterMetrics
-from router.policies import make_policy
-from router.pool import Pool, Tracker
-from router.proxy import Proxy
-from router.settings import RouterSettings
-from router.streaming import send_error
-from router.upstream import HttpPool, Upstream
 
 __all__ = ["PROXY_PATHS", "RouterApp", "create_app"]
 
@@ -138,8 +137,8 @@ def create_app(
             if meta is not None:
                 holder["meta"] = meta
             elif embedded:
-                from metaserver.app import running_service
-                from metaserver.local import LocalMetaClient
+                from pdgate.metaserver.app import running_service
+                from pdgate.metaserver.local import LocalMetaClient
 
                 assert msettings is not None
                 svc = await stack.enter_async_context(running_service(msettings, registry=metrics.registry))
@@ -233,8 +232,8 @@ def create_app(
 
     rest: Any = api
     if embedded:
-        from metaserver.api import build_router
-        from metaserver.fastpath import FastPath
+        from pdgate.metaserver.api import build_router
+        from pdgate.metaserver.fastpath import FastPath
 
         assert msettings is not None
         api.include_router(build_router(lambda: holder["svc"], msettings))

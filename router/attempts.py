@@ -1,7 +1,7 @@
 """The prefill and decode attempts of one proxied request, each retried on another instance.
 
 A prefill attempt owns a fresh handoff (created here, aborted on failure); decode attempts reuse the
-prefill's handoff. Only failures before the decode's first body byte are retried (see `router.proxy`).
+prefill's handoff. Only failures before the decode's first body byte are retried (see `pdgate.router.proxy`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from random import Random
 from time import perf_counter
 from typing import Any
 
-from metaserver.client import MetaAPI, MetaError
-from metaserver.models import HandoffCreate
-from router.bodies import kv_params_from_prefill, prefill_body, prefill_params
-from router.errors import (
+from pdgate.metaserver.client import MetaAPI, MetaError
+from pdgate.metaserver.models import HandoffCreate
+from pdgate.router.bodies import kv_params_from_prefill, prefill_body, prefill_params
+from pdgate.router.errors import (
     DecodeFailed,
     KVExpired,
     MetaserverUnavailable,
@@ -26,15 +26,15 @@ from router.errors import (
     UpstreamRejected,
     UpstreamTimeout,
 )
-from router.logs import transfer_id as log_transfer_id
-from router.metrics import RouterMetrics
-from router.policies import Policy
-from router.pool import Pool, Tracker
-from router.request_flow import _MAX_ANSWER, _Flow, _Retry, _snippet, mint_transfer_id
-from router.retry import Verdict, backoff, verdict
-from router.upstream import ReadTimeout, Upstream, UpstreamError, UpstreamResponse
+from pdgate.router.logs import transfer_id as log_transfer_id
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import Policy
+from pdgate.router.pool import Pool, Tracker
+from pdgate.router.request_flow import _MAX_ANSWER, _Flow, _Retry, _snippet, mint_transfer_id
+from pdgate.router.retry import Verdict, backoff, verdict
+from pdgate.router.upstream import ReadTimeout, Upstream, UpstreamError, UpstreamResponse
 
-log = logging.getLogger("router.proxy")
+log = logging.getLogger("pdgate.router.proxy")
 
 
 class Attempts:

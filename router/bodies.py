@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-
-from router.errors import BadRequest, PrefillFailed
+from pdgate.router.errors import BadRequest, PrefillFailed
 
 __all__ = [
     "CHAT",

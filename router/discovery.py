@@ -18,14 +18,13 @@ import logging
 from collections.abc import Callable
 
 import orjson
-
-from metaserver.client import MetaAPI, MetaError
-from metaserver.models import Role
-from router.metrics import RouterMetrics
-from router.pairing import InstanceView
-from router.pool import Pool, static_instance_id
-from router.settings import RouterSettings
-from router.upstream import Upstream, UpstreamError
+from pdgate.metaserver.client import MetaAPI, MetaError
+from pdgate.metaserver.models import Role
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.pairing import InstanceView
+from pdgate.router.pool import Pool, static_instance_id
+from pdgate.router.settings import RouterSettings
+from pdgate.router.upstream import Upstream, UpstreamError
 
 __all__ = ["Discovery"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextvars
 import logging
 
-from metaserver.logs import subject
+from pdgate.metaserver.logs import subject
 
 __all__ = ["TransferIdFilter", "configure_logging", "transfer_id"]
 

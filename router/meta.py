@@ -13,10 +13,9 @@ from typing import Any
 from urllib.parse import urlencode
 
 import orjson
+from pdgate.metaserver.client import MetaClient, MetaUnavailable, error_from_answer
+from pdgate.router.upstream import HttpPool, PoolTransport, ReadTimeout, UpstreamError
 from pydantic import BaseModel
-
-from metaserver.client import MetaClient, MetaUnavailable, error_from_answer
-from router.upstream import HttpPool, PoolTransport, ReadTimeout, UpstreamError
 
 __all__ = ["PooledMetaClient"]
 

@@ -12,9 +12,8 @@ Phases of a request, each its own histogram so each gets buckets that fit it:
 
 from __future__ import annotations
 
+from pdgate.router.breaker import BreakerState
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from router.breaker import BreakerState
 
 __all__ = ["LABEL_CODE", "LABEL_INSTANCE", "LABEL_ROLE", "LABEL_SIDE", "RouterMetrics"]
 

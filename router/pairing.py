@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from metaserver.models import Instance, Role, TransportKind
+from pdgate.metaserver.models import Instance, Role, TransportKind
 
 __all__ = ["TP_GE_TRANSPORTS", "InstanceView", "explain", "incompatibility"]
 

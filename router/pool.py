@@ -16,9 +16,9 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
-from metaserver.models import Role
-from router.breaker import BreakerConfig, BreakerState, CircuitBreaker
-from router.pairing import InstanceView, explain, incompatibility
+from pdgate.metaserver.models import Role
+from pdgate.router.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from pdgate.router.pairing import InstanceView, explain, incompatibility
 
 __all__ = ["InstanceView", "Pool", "Tracker", "static_instance_id"]
 
@@ -35,7 +35,7 @@ def static_instance_id(url: str) -> str:
 
 
 class Tracker:
-    """Live state of one instance; satisfies `router.policies.Candidate`."""
+    """Live state of one instance; satisfies `pdgate.router.policies.Candidate`."""
 
     __slots__ = ("breaker", "health_reason", "healthy", "id", "requests", "tokens", "view")
 

@@ -30,10 +30,10 @@ from random import Random
 from time import perf_counter
 from typing import Any
 
-from metaserver.client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
-from router.attempts import Attempts
-from router.bodies import decode_body, decode_params, parse_json, request_facts
-from router.errors import (
+from pdgate.metaserver.client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
+from pdgate.router.attempts import Attempts
+from pdgate.router.bodies import decode_body, decode_params, parse_json, request_facts
+from pdgate.router.errors import (
     BadRequest,
     DecodeFailed,
     ModelNotFound,
@@ -46,14 +46,14 @@ from router.errors import (
     UpstreamRejected,
     UpstreamTimeout,
 )
-from router.logs import transfer_id as log_transfer_id
-from router.metrics import RouterMetrics
-from router.policies import Policy
-from router.pool import Pool
-from router.request_flow import _MAX_ANSWER, _Flow, mint_transfer_id
-from router.settings import RouterSettings
-from router.streaming import relay_stream, send_body, send_error
-from router.upstream import ReadTimeout, Upstream, UpstreamError
+from pdgate.router.logs import transfer_id as log_transfer_id
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import Policy
+from pdgate.router.pool import Pool
+from pdgate.router.request_flow import _MAX_ANSWER, _Flow, mint_transfer_id
+from pdgate.router.settings import RouterSettings
+from pdgate.router.streaming import relay_stream, send_body, send_error
+from pdgate.router.upstream import ReadTimeout, Upstream, UpstreamError
 
 __all__ = ["Proxy", "mint_transfer_id"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 
-from router.errors import RouterError
-from router.pool import Tracker
+from pdgate.router.errors import RouterError
+from pdgate.router.pool import Tracker
 
 _MAX_ANSWER = 64 << 20
 

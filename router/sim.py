@@ -35,14 +35,13 @@ from dataclasses import asdict
 from typing import Any
 
 import orjson
-
-from metaserver.client import MetaError
-from metaserver.models import Role
-from router.meta import PooledMetaClient
-from router.pool import static_instance_id
-from router.sim_ledger import SimLedger
-from router.sim_settings import Script, SimSettings, _Stats, parse_cli
-from router.sim_wire import (
+from pdgate.metaserver.client import MetaError
+from pdgate.metaserver.models import Role
+from pdgate.router.meta import PooledMetaClient
+from pdgate.router.pool import static_instance_id
+from pdgate.router.sim_ledger import SimLedger
+from pdgate.router.sim_settings import Script, SimSettings, _Stats, parse_cli
+from pdgate.router.sim_wire import (
     _JSON,
     _SSE,
     _body,
@@ -59,7 +58,7 @@ from router.sim_wire import (
     _tokens,
     _with_length,
 )
-from router.upstream import HttpPool
+from pdgate.router.upstream import HttpPool
 
 __all__ = ["Script", "SimApp", "SimSettings", "create_app", "main", "parse_cli"]
 

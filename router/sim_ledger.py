@@ -1,7 +1,7 @@
 """pdgate-sim's ledger side: registry records per DP rank, heartbeats, and the PD handoff steps.
 
 A mixin of `SimApp`: prefill records READY, decode claims then marks DONE, and a mismatch between the
-params and the handoff is counted and aborted (see `router.sim`).
+params and the handoff is counted and aborted (see `pdgate.router.sim`).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import logging
 import time
 from typing import Any
 
-from metaserver.client import MetaConflict, MetaError, MetaGone, MetaNotFound
-from metaserver.models import InstanceLoad, InstanceRegistration, KVLocation, Role
-from router.meta import PooledMetaClient
-from router.sim_settings import Script, SimSettings, _Stats
-from router.sim_wire import _Reject
-from router.upstream import HttpPool
+from pdgate.metaserver.client import MetaConflict, MetaError, MetaGone, MetaNotFound
+from pdgate.metaserver.models import InstanceLoad, InstanceRegistration, KVLocation, Role
+from pdgate.router.meta import PooledMetaClient
+from pdgate.router.sim_settings import Script, SimSettings, _Stats
+from pdgate.router.sim_wire import _Reject
+from pdgate.router.upstream import HttpPool
 
-log = logging.getLogger("router.sim")
+log = logging.getLogger("pdgate.router.sim")
 
 
 class SimLedger:

@@ -7,11 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from pdgate.metaserver.models import TransportKind
+from pdgate.router.settings import settings_parser
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from metaserver.models import TransportKind
-from router.settings import settings_parser
 
 
 class SimSettings(BaseSettings):

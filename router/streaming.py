@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from router.errors import DecodeFailed, RouterError, UpstreamTimeout, sse_error
-from router.upstream import ReadTimeout, UpstreamError, UpstreamResponse
+from pdgate.router.errors import DecodeFailed, RouterError, UpstreamTimeout, sse_error
+from pdgate.router.upstream import ReadTimeout, UpstreamError, UpstreamResponse
 
 __all__ = ["SSE", "relay_stream", "send_body", "send_error"]
 

@@ -4,7 +4,7 @@ Engine adapters (``nixl.py``, ``llmdatadist.py``) import their engine lazily, in
 constructor, so importing this package never pulls in nixl, CANN or torch.
 """
 
-from connector.transport.base import (
+from pdgate.connector.transport.base import (
     BadRequest,
     BlockRun,
     ByteRange,
@@ -49,11 +49,11 @@ __all__ = [
 def transport_class(kind: str) -> type[Transport]:
     """Map a transport ``kind`` (as found in a peer address) to its class, importing it lazily."""
     if kind == "nixl":
-        from connector.transport.nixl import NixlTransport
+        from pdgate.connector.transport.nixl import NixlTransport
 
         return NixlTransport
     if kind == "llmdatadist":
-        from connector.transport.llmdatadist import LLMDataDistTransport
+        from pdgate.connector.transport.llmdatadist import LLMDataDistTransport
 
         return LLMDataDistTransport
     raise ValueError(f"unknown transport kind {kind!r}; expected 'nixl' or 'llmdatadist'")

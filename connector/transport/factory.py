@@ -1,9 +1,9 @@
 """Build the transport a worker's config names: the one place that turns `ConnectorConfig` into a
 transport's constructor arguments.
 
-Runs on the worker's transfer thread (`connector.worker`), which then owns the transport. This is the
+Runs on the worker's transfer thread (`pdgate.connector.worker`), which then owns the transport. This is the
 I/O edge of device placement for llm_datadist: it reads the rank table, `/etc/hccn.conf` and the
-environment, and leaves the decisions to the pure `connector.devices` and `connector.ranktable`.
+environment, and leaves the decisions to the pure `pdgate.connector.devices` and `pdgate.connector.ranktable`.
 Engines are imported lazily, by `transport_class`, only for the kind configured.
 """
 
@@ -13,10 +13,10 @@ import logging
 import os
 from collections.abc import Mapping
 
-from connector.config import ConfigError, ConnectorConfig
-from connector.devices import DeviceIdentity
-from connector.transport import transport_class
-from connector.transport.base import Transport
+from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.devices import DeviceIdentity
+from pdgate.connector.transport import transport_class
+from pdgate.connector.transport.base import Transport
 
 __all__ = ["llmdatadist_device", "make_transport"]
 
@@ -36,7 +36,7 @@ def make_transport(
 
     `device_index` is the accelerator the KV cache is on (`kv_device_index`); `env` defaults to the
     process environment. For llm_datadist the worker's device comes from the rank table when one is
-    configured, else from `connector.devices.discover` (config, `$PDGATE_DEVICE_IP`, hccn.conf).
+    configured, else from `pdgate.connector.devices.discover` (config, `$PDGATE_DEVICE_IP`, hccn.conf).
     """
     options = dict(cfg.transport_options)
     try:
@@ -86,13 +86,13 @@ def llmdatadist_device(
 ) -> DeviceIdentity:
     """This worker's NPU: the rank table's entry (checked) when configured, else discovered.
 
-    The I/O edge of `connector.devices`: reads the rank table and hccn.conf files and the environment.
+    The I/O edge of `pdgate.connector.devices`: reads the rank table and hccn.conf files and the environment.
     """
-    from connector.devices import discover, from_placement
+    from pdgate.connector.devices import discover, from_placement
 
     env = os.environ if env is None else env
     if cfg.rank_table:
-        from connector.ranktable import Role, assign_ranks, find_placement, load_rank_table
+        from pdgate.connector.ranktable import Role, assign_ranks, find_placement, load_rank_table
 
         if not cfg.server_id:
             raise ConfigError(

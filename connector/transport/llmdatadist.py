@@ -7,8 +7,8 @@ tests drive it with ``tests/fakes/fake_llmdatadist.py`` passed as ``llm_datadist
 Shape of the calls:
 
 * ``LLMDataDist(LLMRole.PROMPT|DECODER, cluster_id)``; one cluster per NPU device, the id
-  coming from the global rank table (``connector.ranktable``) when there is one, else derived from
-  the device IP (``connector.devices``; the decode learns the prefill's from its registry address).
+  coming from the global rank table (``pdgate.connector.ranktable``) when there is one, else derived from
+  the device IP (``pdgate.connector.devices``; the decode learns the prefill's from its registry address).
 * ``LLMConfig``: ``device_id`` (as this process sees it: ``visible_device_id``), ``sync_kv_timeout``
   (the engine-side deadline of every ``pull_blocks``), ``enable_cache_manager=True``,
   ``enable_remote_cache_accessible=True``,
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from connector.transport.base import (
+from pdgate.connector.transport.base import (
     UINT64_MAX,
     BadRequest,
     EngineError,
@@ -234,7 +234,7 @@ class LLMDataDistTransport(Transport):
 
     @classmethod
     def from_placement(cls, placement: Any, *, device_id: int | None = None, **kwargs: Any) -> LLMDataDistTransport:
-        """Build from a ``connector.ranktable.DevicePlacement``: role, cluster_id, IPs, A3 ids.
+        """Build from a ``pdgate.connector.ranktable.DevicePlacement``: role, cluster_id, IPs, A3 ids.
 
         ``device_id`` is the id LLMConfig wants, i.e. the device as this process sees it; it differs
         from the rank table's host-level id when ``ASCEND_RT_VISIBLE_DEVICES`` remaps devices

@@ -43,8 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from connector.transport.base import (
+from pdgate.connector.transport.base import (
     BadRequest,
     EngineError,
     KVRegion,

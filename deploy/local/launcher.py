@@ -20,11 +20,10 @@ from pathlib import Path
 from types import FrameType
 
 import httpx
-
-from deploy.local.procs import ProcessFailed
-from deploy.local.stack import DEFAULT_MODEL_DIR, LocalStack, StackConfig, StackError, ensure_model
-from deploy.local.tiny_model import MODEL_NAME
-from deploy.local.vllm_env import VllmEnvError, ensure_vllm_env
+from pdgate.deploy.local.procs import ProcessFailed
+from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR, LocalStack, StackConfig, StackError, ensure_model
+from pdgate.deploy.local.tiny_model import MODEL_NAME
+from pdgate.deploy.local.vllm_env import VllmEnvError, ensure_vllm_env
 
 __all__ = ["build_parser", "main"]
 

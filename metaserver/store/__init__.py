@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from metaserver.store.base import LedgerPolicy, Moved, Store
+from pdgate.metaserver.store.base import LedgerPolicy, Moved, Store
 
 __all__ = ["SCHEMES", "LedgerPolicy", "Moved", "Store", "open_store"]
 
 
 def _memory(url: str, policy: LedgerPolicy) -> Store:
-    from metaserver.store.memory import MemoryStore
+    from pdgate.metaserver.store.memory import MemoryStore
 
     return MemoryStore(url, policy=policy)
 
 
 def _redis(url: str, policy: LedgerPolicy) -> Store:
-    from metaserver.store.redis import RedisStore
+    from pdgate.metaserver.store.redis import RedisStore
 
     return RedisStore(url, policy=policy)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from metaserver.models import (
+from pdgate.metaserver.models import (
     TERMINAL_STATES,
     Handoff,
     HandoffCreate,

@@ -15,9 +15,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from metaserver import ledger, registry
-from metaserver.errors import HandoffExists, HandoffNotFound, InvalidInput
-from metaserver.models import (
+from pdgate.metaserver import ledger, registry
+from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, InvalidInput
+from pdgate.metaserver.models import (
     TERMINAL_STATES,
     Handoff,
     HandoffCreate,
@@ -28,7 +28,7 @@ from metaserver.models import (
     InstanceLoad,
     KVLocation,
 )
-from metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
+from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
 
 __all__ = ["MemoryStore", "kv_key_seed"]
 

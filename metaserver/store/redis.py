@@ -27,16 +27,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ConstantBackoff
-from redis.commands.core import AsyncScript
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from metaserver import ledger
-from metaserver.errors import HandoffExists, HandoffNotFound, InvalidInput, StoreFailure, StoreUnavailable
-from metaserver.models import (
+from pdgate.metaserver import ledger
+from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, InvalidInput, StoreFailure, StoreUnavailable
+from pdgate.metaserver.models import (
     Handoff,
     HandoffCreate,
     HandoffEvent,
@@ -47,9 +40,15 @@ from metaserver.models import (
     InstanceState,
     KVLocation,
 )
-from metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
-from metaserver.store.keys import DEFAULT_PREFIX, INSTANCE_TTL_GRACE_S, Keys, ttl_ms
-from metaserver.store.memory import kv_key_seed
+from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
+from pdgate.metaserver.store.keys import DEFAULT_PREFIX, INSTANCE_TTL_GRACE_S, Keys, ttl_ms
+from pdgate.metaserver.store.memory import kv_key_seed
+from redis.asyncio.retry import Retry
+from redis.backoff import ConstantBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["RedisStore"]
 
@@ -78,7 +77,7 @@ def _lua_string(value: str) -> str:
 
 def _load_script(name: str, cfg: dict[str, str | int]) -> str:
     """A script's source: handoff scripts get `local CFG = {...}` (this store's constants) and _lib.lua."""
-    lua = resources.files("metaserver.store").joinpath("lua")
+    lua = resources.files("pdgate.metaserver.store").joinpath("lua")
     src = lua.joinpath(f"{name}.lua").read_text()
     if name in _HANDOFF_SCRIPTS:
         fields = ", ".join(f"{k} = {_lua_string(v) if isinstance(v, str) else int(v)}" for k, v in cfg.items())

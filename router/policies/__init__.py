@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from random import Random
 from typing import Any, ClassVar, Protocol
 
-from router.bodies import RequestFacts
+from pdgate.router.bodies import RequestFacts
 
 __all__ = ["POLICIES", "TOKEN_UNIT", "Candidate", "Policy", "load_of", "make_policy"]
 
@@ -51,10 +51,10 @@ class Policy(Protocol):
 
 
 def _registry() -> dict[str, type[Any]]:
-    from router.policies.least_load import LeastLoad
-    from router.policies.power_of_two import PowerOfTwo
-    from router.policies.prefix_affinity import PrefixAffinity
-    from router.policies.round_robin import RoundRobin
+    from pdgate.router.policies.least_load import LeastLoad
+    from pdgate.router.policies.power_of_two import PowerOfTwo
+    from pdgate.router.policies.prefix_affinity import PrefixAffinity
+    from pdgate.router.policies.round_robin import RoundRobin
 
     return {cls.name: cls for cls in (RoundRobin, LeastLoad, PowerOfTwo, PrefixAffinity)}
 

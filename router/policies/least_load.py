@@ -1,4 +1,4 @@
-"""least_load: the instance with the smallest load (see `router.policies.load_of`); ties by rng."""
+"""least_load: the instance with the smallest load (see `pdgate.router.policies.load_of`); ties by rng."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from random import Random
 from typing import ClassVar
 
-from router.bodies import RequestFacts
-from router.policies import Candidate, load_of
+from pdgate.router.bodies import RequestFacts
+from pdgate.router.policies import Candidate, load_of
 
 __all__ = ["LeastLoad"]
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from random import Random
 from typing import ClassVar
 
-from router.bodies import RequestFacts
-from router.policies import Candidate, load_of
+from pdgate.router.bodies import RequestFacts
+from pdgate.router.policies import Candidate, load_of
 
 __all__ = ["PowerOfTwo"]
 

@@ -17,9 +17,9 @@ from functools import lru_cache
 from random import Random
 from typing import ClassVar
 
-from router.bodies import RequestFacts
-from router.policies import Candidate, load_of
-from router.policies.least_load import LeastLoad
+from pdgate.router.bodies import RequestFacts
+from pdgate.router.policies import Candidate, load_of
+from pdgate.router.policies.least_load import LeastLoad
 
 __all__ = ["PrefixAffinity", "rank"]
 

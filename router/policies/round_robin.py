@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from random import Random
 from typing import ClassVar
 
-from router.bodies import RequestFacts
-from router.policies import Candidate
+from pdgate.router.bodies import RequestFacts
+from pdgate.router.policies import Candidate
 
 __all__ = ["RoundRobin"]
 

@@ -6,8 +6,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from pdgate.metaserver.store import LedgerPolicy, Store, open_store
 
-from metaserver.store import LedgerPolicy, Store, open_store
 from tests.support.redis import RedisServer
 
 POLICY = LedgerPolicy(terminal_ttl_s=600.0, events_maxlen=1000, events_ttl_s=3600.0, max_claims=2)

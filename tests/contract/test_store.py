@@ -10,10 +10,9 @@ import asyncio
 import time
 
 import pytest
-
-from metaserver.errors import HandoffExists, HandoffNotFound, InvalidInput
-from metaserver.ledger import IllegalTransition
-from metaserver.models import (
+from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, InvalidInput
+from pdgate.metaserver.ledger import IllegalTransition
+from pdgate.metaserver.models import (
     HandoffCreate,
     HandoffState,
     InstanceLoad,
@@ -23,8 +22,9 @@ from metaserver.models import (
     Role,
     TransportAddress,
 )
-from metaserver.registry import new_instance
-from metaserver.store import LedgerPolicy, Store
+from pdgate.metaserver.registry import new_instance
+from pdgate.metaserver.store import LedgerPolicy, Store
+
 from tests.contract.conftest import MakeStore
 
 S = HandoffState

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from pdgate.connector.config import ServerFacts, parse_config
 
-from connector.config import ServerFacts, parse_config
 from tests.deploy.support import DOCKER_DIR, ENV_FILES, clean_env, load_engine_cmd, read_env_file, render
 from tests.support.ports import free_port
 
@@ -38,7 +38,7 @@ def services() -> dict[str, dict[str, str]]:
 def _extra(argv: list[str]) -> dict[str, Any]:
     cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert cfg["kv_connector"] == "PDGateConnector"
-    assert cfg["kv_connector_module_path"] == "connector"
+    assert cfg["kv_connector_module_path"] == "pdgate.connector"
     extra: dict[str, Any] = cfg["kv_connector_extra_config"]
     return extra
 
@@ -49,7 +49,7 @@ def test_cpu_engine_command_is_accepted_by_the_connector(role: str, services: di
     files = read_env_file(ENV_FILES[role])
     spec = ec.EngineSpec.from_env(env)
     argv = ec.engine_argv(spec, "python3")
-    assert argv[:5] == ["python3", "-m", "deploy.local.vllm_cli", "serve", ec.DEFAULT_TINY_MODEL]
+    assert argv[:5] == ["python3", "-m", "pdgate.deploy.local.vllm_cli", "serve", ec.DEFAULT_TINY_MODEL]
     port = files[f"PDGATE_{role.upper()}_PORT"]
     assert argv[argv.index("--port") + 1] == port
     assert argv[argv.index("--served-model-name") + 1] == files["PDGATE_SERVED_MODEL_NAME"]
@@ -123,9 +123,9 @@ def test_ascend_engine_without_a_rank_table_uses_the_npu_addresses(
 def test_device_address_requirement_is_the_connectors(tmp_path: Any) -> None:
     """The entrypoint accepts an Ascend engine without a rank table exactly when the connector can place
     its workers: both read the address_<id> lines of hccn.conf (and $PDGATE_DEVICE_IP) the same way."""
-    from connector.config import ConfigError, ConnectorConfig
-    from connector.devices import parse_hccn_conf
-    from connector.transport.factory import make_transport
+    from pdgate.connector.config import ConfigError, ConnectorConfig
+    from pdgate.connector.devices import parse_hccn_conf
+    from pdgate.connector.transport.factory import make_transport
 
     assert ec.hccn_device_ids(HCCN_SAMPLE) == sorted(parse_hccn_conf(HCCN_SAMPLE)) == [0, 1]
     assert ec.hccn_device_ids("netmask_0=255.0.0.0\n") == sorted(parse_hccn_conf("netmask_0=255.0.0.0\n")) == []
@@ -206,7 +206,7 @@ def test_bad_environment_names_the_env_file_variable(
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_sim_engine_registers_the_identity_a_real_engine_would(role: str, services: dict[str, dict[str, str]]) -> None:
-    from router.sim import parse_cli
+    from pdgate.router.sim import parse_cli
 
     env = services[f"{role}-sim"]
     spec = ec.EngineSpec.from_env(env)
@@ -320,7 +320,7 @@ def test_healthcheck_exit_status_follows_the_endpoint(health_server: http.server
 
 def test_tiny_model_defaults_match_the_model_builder() -> None:
     """The entrypoint (stdlib only) repeats two facts of deploy/local/tiny_model.py; keep them equal."""
-    from deploy.local import tiny_model
+    from pdgate.deploy.local import tiny_model
 
     assert ec.DEFAULT_SERVED_NAME == tiny_model.MODEL_NAME
     assert tiny_model._STAMP == "pdgate-tiny.json"  # what _ensure_tiny_model looks for

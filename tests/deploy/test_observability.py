@@ -1,8 +1,8 @@
 """Prometheus and Grafana provisioning match the services and the metrics the code really exports.
 
 A dashboard query on a metric nobody exports draws an empty panel forever; these tests compare every
-`pdgate_*` name in the dashboard and in deploy/README.md with the registries of `router.metrics` and
-`metaserver.metrics`.
+`pdgate_*` name in the dashboard and in deploy/README.md with the registries of `pdgate.router.metrics` and
+`pdgate.metaserver.metrics`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import yaml
+from pdgate.metaserver.metrics import MetaMetrics
+from pdgate.router.metrics import RouterMetrics
 from prometheus_client import CollectorRegistry
 
-from metaserver.metrics import MetaMetrics
-from router.metrics import RouterMetrics
 from tests.deploy.support import ENV_FILES, REPO, render
 
 COMPOSE_DIR = REPO / "deploy" / "compose"

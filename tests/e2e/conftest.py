@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from openai import OpenAI
+from pdgate.deploy.local.stack import LocalStack, SingleInstance, StackConfig, ensure_model
+from pdgate.deploy.local.vllm_env import VllmEnv, find_vllm_env
+from pdgate.deploy.local.vllm_instance import ServeFlags
 
-from deploy.local.stack import LocalStack, SingleInstance, StackConfig, ensure_model
-from deploy.local.vllm_env import VllmEnv, find_vllm_env
-from deploy.local.vllm_instance import ServeFlags
 from tests.e2e.pdclient import MAX_TOKENS, Answer, chat, complete, openai_client
 
 
@@ -36,7 +36,7 @@ def vllm_env() -> VllmEnv:
     if problems:
         pytest.fail(
             f"the vLLM venv {env.venv} is not ready ({'; '.join(problems)}): create it with "
-            "`python3 -m deploy.local.vllm_env` or point PDGATE_VLLM_VENV at one",
+            "`python3 -m pdgate.deploy.local.vllm_env` or point PDGATE_VLLM_VENV at one",
             pytrace=False,
         )
     return env
@@ -97,7 +97,7 @@ class Stacks:
         self.started: list[LocalStack] = []
 
     def config(self, name: str, **overrides: object) -> StackConfig:
-        from deploy.local.procs import free_port
+        from pdgate.deploy.local.procs import free_port
 
         base: dict[str, object] = {
             "n_prefill": 1,

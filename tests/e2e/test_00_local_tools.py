@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from deploy.local.procs import ManagedProcess, ProcessFailed, free_port, wait_http
-from deploy.local.stack import ensure_model
-from deploy.local.vllm_env import VllmEnv, repo_root
+from pdgate.deploy.local.procs import ManagedProcess, ProcessFailed, free_port, wait_http
+from pdgate.deploy.local.stack import ensure_model
+from pdgate.deploy.local.vllm_env import VllmEnv, repo_root
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +51,7 @@ def test_launcher_refuses_a_missing_venv_without_installing(tmp_path: Path) -> N
     missing = tmp_path / "no-venv"
     flags = ["--venv", str(missing), "--no-install", "--port", str(free_port()), "--run-dir", str(tmp_path / "run")]
     out = subprocess.run(
-        [sys.executable, "-m", "deploy.local.launcher", "up", *flags],
+        [sys.executable, "-m", "pdgate.deploy.local.launcher", "up", *flags],
         cwd=repo_root(),
         capture_output=True,
         text=True,
@@ -70,7 +69,16 @@ def test_launcher_refuses_a_port_in_use(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, "-m", "deploy.local.launcher", "up", "--port", str(port), "--run-dir", str(tmp_path)],
+            [
+                sys.executable,
+                "-m",
+                "pdgate.deploy.local.launcher",
+                "up",
+                "--port",
+                str(port),
+                "--run-dir",
+                str(tmp_path),
+            ],
             cwd=repo_root(),
             capture_output=True,
             text=True,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 from openai import OpenAI
+from pdgate.deploy.local.stack import LocalStack
 
-from deploy.local.stack import LocalStack
 from tests.e2e.conftest import Baseline
 from tests.e2e.pdclient import MAX_TOKENS, chat, chat_messages, complete, prompt_ids
 

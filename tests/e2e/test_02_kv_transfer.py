@@ -12,9 +12,9 @@ import math
 
 import pytest
 from openai import OpenAI
+from pdgate.deploy.local.stack import LocalStack
+from pdgate.metaserver.models import HandoffState
 
-from deploy.local.stack import LocalStack
-from metaserver.models import HandoffState
 from tests.e2e.conftest import Baseline
 from tests.e2e.pdclient import complete, delta, get_handoff, observe, prompt_ids, wait_for
 

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
+from pdgate.deploy.local.stack import LocalStack
 
-from deploy.local.stack import LocalStack
 from tests.e2e.conftest import Baseline
 from tests.e2e.pdclient import Answer, chat, chat_messages, complete, delta, observe, prompt_ids
 

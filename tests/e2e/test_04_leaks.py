@@ -13,10 +13,10 @@ import httpx
 import orjson
 import pytest
 from openai import OpenAI
+from pdgate.deploy.local.stack import LocalStack
+from pdgate.deploy.local.tiny_model import MODEL_NAME
+from pdgate.metaserver.models import HandoffState
 
-from deploy.local.stack import LocalStack
-from deploy.local.tiny_model import MODEL_NAME
-from metaserver.models import HandoffState
 from tests.e2e.pdclient import Answer, chat, chat_messages, complete, delta, get_handoff, observe, prompt_ids, wait_for
 
 pytestmark = pytest.mark.e2e

@@ -12,9 +12,9 @@ from collections import Counter
 import httpx
 import pytest
 from openai import OpenAI
+from pdgate.deploy.local.stack import LocalStack
+from pdgate.metaserver.models import HandoffState, Instance
 
-from deploy.local.stack import LocalStack
-from metaserver.models import HandoffState, Instance
 from tests.e2e.conftest import Baseline
 from tests.e2e.pdclient import complete, delta, get_handoff, observe, prompt_ids, wait_for
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from pdgate.deploy.local.stack import InstanceHandle, LocalStack
 
-from deploy.local.stack import InstanceHandle, LocalStack
 from tests.e2e.conftest import Baseline, Stacks
 from tests.e2e.pdclient import complete, delta, observe, openai_client, prompt_ids, wait_for
 

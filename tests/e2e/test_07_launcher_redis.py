@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from pdgate.deploy.local.procs import ManagedProcess, free_port
+from pdgate.deploy.local.vllm_env import VllmEnv, repo_root
 
-from deploy.local.procs import ManagedProcess, free_port
-from deploy.local.vllm_env import VllmEnv, repo_root
 from tests.e2e.conftest import Baseline, Stacks
 from tests.e2e.pdclient import chat, chat_messages, complete, delta, observe, openai_client, prompt_ids, wait_for
 from tests.support.redis import RedisServer
@@ -89,7 +89,7 @@ def launched(
     argv = [
         str(vllm_env.python),
         "-m",
-        "deploy.local.launcher",
+        "pdgate.deploy.local.launcher",
         "up",
         "--store",
         f"{redis_server.url}?prefix={PREFIX}",

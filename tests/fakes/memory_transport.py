@@ -1,6 +1,6 @@
 """TEST DOUBLE: an in-process `Transport` that copies bytes between regions registered in ONE process.
 
-It is a real implementation of `connector.transport.base.Transport` (register, address, pull, poll,
+It is a real implementation of `pdgate.connector.transport.base.Transport` (register, address, pull, poll,
 close), used by the connector's worker-half tests to move real KV bytes between two tensors without NIXL
 or a second process. Peers find each other through a process-wide registry keyed by name, the way a real
 transport finds a peer through its address. Bytes move with `ctypes.memmove` on `poll()`, after
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from connector.transport.base import (
+from pdgate.connector.transport.base import (
     BadRequest,
     KVRegion,
     PeerUnreachable,

@@ -41,8 +41,8 @@ def prefill_block(buf: np.ndarray, region: int, block: int, block_len: int) -> n
 
 
 def main() -> None:
-    from connector.transport.base import KVRegion
-    from connector.transport.nixl import NixlTransport
+    from pdgate.connector.transport.base import KVRegion
+    from pdgate.connector.transport.nixl import NixlTransport
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-blocks", type=int, required=True)

@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from connector.transport.base import (
+from pdgate.connector.transport.base import (
     BadRequest,
     KVRegion,
     PeerUnreachable,
@@ -28,7 +27,8 @@ from connector.transport.base import (
     PullResult,
     PullTimeout,
 )
-from connector.transport.nixl import NixlTransport
+from pdgate.connector.transport.nixl import NixlTransport
+
 from tests.integration.nixl_peer import PREFIX, REGION_NAMES, prefill_block, prefill_buffer
 
 REPO = Path(__file__).resolve().parents[2]

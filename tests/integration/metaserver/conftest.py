@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
+from pdgate.metaserver.app import create_app, running_service
+from pdgate.metaserver.client import MetaClient
+from pdgate.metaserver.local import LocalMetaClient
+from pdgate.metaserver.settings import MetaSettings
 
-from metaserver.app import create_app, running_service
-from metaserver.client import MetaClient
-from metaserver.local import LocalMetaClient
-from metaserver.settings import MetaSettings
 from tests.support.meta import store_url
 from tests.support.redis import RedisServer
 from tests.support.servers import UvicornThread
@@ -26,7 +26,7 @@ ServeMeta = Callable[..., UvicornThread]
 
 @pytest.fixture
 def fast_path() -> bool:
-    """Whether served apps answer the hot ledger routes with `metaserver.fastpath` (a test module may
+    """Whether served apps answer the hot ledger routes with `pdgate.metaserver.fastpath` (a test module may
     parametrize this to run against the plain FastAPI routes too)."""
     return True
 

@@ -9,9 +9,8 @@ import asyncio
 from typing import Any
 
 import pytest
-
-from metaserver.client import MetaBadRequest, MetaConflict, MetaGone, MetaNotFound
-from metaserver.models import (
+from pdgate.metaserver.client import MetaBadRequest, MetaConflict, MetaGone, MetaNotFound
+from pdgate.metaserver.models import (
     HandoffCreate,
     HandoffState,
     InstanceLoad,
@@ -22,6 +21,7 @@ from metaserver.models import (
     TransportAddress,
     TransportKind,
 )
+
 from tests.support.meta import uid
 
 S = HandoffState

@@ -8,10 +8,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from pdgate.metaserver.app import create_app
+from pdgate.metaserver.models import HandoffState, Problem
+from pdgate.metaserver.settings import MetaSettings
 
-from metaserver.app import create_app
-from metaserver.models import HandoffState, Problem
-from metaserver.settings import MetaSettings
 from tests.support.redis import RedisServer
 from tests.support.servers import UvicornThread
 

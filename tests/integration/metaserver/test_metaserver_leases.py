@@ -7,9 +7,8 @@ import time
 from typing import Any
 
 import pytest
-
-from metaserver.client import MetaClient, MetaNotFound
-from metaserver.models import HandoffCreate, HandoffState, InstanceRegistration, KVLocation, Role
+from pdgate.metaserver.client import MetaClient, MetaNotFound
+from pdgate.metaserver.models import HandoffCreate, HandoffState, InstanceRegistration, KVLocation, Role
 
 S = HandoffState
 LOC = KVLocation(block_ids=[[1]], num_tokens=16)

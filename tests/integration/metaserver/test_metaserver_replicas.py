@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from pdgate.metaserver.app import create_app
+from pdgate.metaserver.client import MetaClient, MetaConflict, MetaUnavailable
+from pdgate.metaserver.models import HandoffCreate, HandoffState, KVLocation
+from pdgate.metaserver.settings import MetaSettings
 
-from metaserver.app import create_app
-from metaserver.client import MetaClient, MetaConflict, MetaUnavailable
-from metaserver.models import HandoffCreate, HandoffState, KVLocation
-from metaserver.settings import MetaSettings
 from tests.support.meta import store_url, uid
 from tests.support.ports import free_port
 from tests.support.redis import RedisServer
@@ -25,7 +25,17 @@ LOC = KVLocation(block_ids=[[4, 5]], num_tokens=32)
 
 
 def spawn(store: str, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "metaserver", "--port", str(port), "--store", store, "--sweep-interval-s", "0.05"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdgate.metaserver",
+        "--port",
+        str(port),
+        "--store",
+        store,
+        "--sweep-interval-s",
+        "0.05",
+    ]
     env = {**os.environ, "PDGATE_LOG_LEVEL": "warning"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from pdgate.metaserver.settings import MetaSettings
+from pdgate.router.app import RouterApp, create_app
+from pdgate.router.settings import RouterSettings
 
-from metaserver.settings import MetaSettings
-from router.app import RouterApp, create_app
-from router.settings import RouterSettings
 from tests.support.ports import free_port, wait_until
 from tests.support.servers import UvicornThread, wait_http
 
@@ -37,7 +37,7 @@ class Sim:
         self.role = role
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "router.sim", "--role", role, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "pdgate.router.sim", "--role", role, "--port", str(self.port), *args]
         if metaserver:
             cmd += ["--metaserver", metaserver]
         if name:

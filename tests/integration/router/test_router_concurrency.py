@@ -25,7 +25,7 @@ N = 1024
 def router(fd_limit: None) -> Iterator[tuple[str, list[Sim]]]:
     sims = start_sims([("prefill", ()), ("prefill", ()), ("decode", ()), ("decode", ())])
     port = free_port()
-    cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "pdgate.router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     cmd += ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
     for s in sims:
         cmd += [f"--{s.role}", s.url]

@@ -15,8 +15,8 @@ import httpx
 import openai
 import orjson
 import pytest
+from pdgate.metaserver.settings import MetaSettings
 
-from metaserver.settings import MetaSettings
 from tests.integration.router.conftest import HTTP, Deployment, Sim, transfer_ids
 from tests.support.ports import wait_until
 

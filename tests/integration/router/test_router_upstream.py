@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
+from pdgate.router.upstream import ConnectFailed, ConnectionClosed, HttpPool, PoolTransport, ReadTimeout
 
-from router.upstream import ConnectFailed, ConnectionClosed, HttpPool, PoolTransport, ReadTimeout
 from tests.support.ports import free_port
 from tests.support.servers import UvicornThread
 

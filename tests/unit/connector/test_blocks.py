@@ -1,10 +1,9 @@
-"""connector.blocks: tokens to load, remote -> local block mapping, TP-rank mapping (pure)."""
+"""pdgate.connector.blocks: tokens to load, remote -> local block mapping, TP-rank mapping (pure)."""
 
 from __future__ import annotations
 
 import pytest
-
-from connector.blocks import (
+from pdgate.connector.blocks import (
     BlockPlan,
     BlockPlanError,
     TPLayoutError,

@@ -1,10 +1,16 @@
-"""connector.config: one parse of kv_connector_extra_config, unknown keys and bad types refused by name."""
+"""pdgate.connector.config: one parse of kv_connector_extra_config, unknown keys and bad types refused by name."""
 
 from __future__ import annotations
 
 import pytest
-
-from connector.config import ALLOWED_KEYS, ConfigError, ServerFacts, discover_server, parse_config, role_for_kv_role
+from pdgate.connector.config import (
+    ALLOWED_KEYS,
+    ConfigError,
+    ServerFacts,
+    discover_server,
+    parse_config,
+    role_for_kv_role,
+)
 
 FACTS = ServerFacts(kv_role="kv_producer", dp_rank=1, host="10.0.0.5", port=8100, served_model="tiny")
 BASE = {"metaserver_url": "http://10.0.0.2:8300/"}

@@ -1,13 +1,12 @@
-"""connector.devices: a worker finds its NPU (device ids, IP, cluster id) without a rank table."""
+"""pdgate.connector.devices: a worker finds its NPU (device ids, IP, cluster id) without a rank table."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-
-from connector.config import ConfigError, ConnectorConfig
-from connector.devices import (
+from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.devices import (
     DeviceNotFound,
     cluster_id_for_ip,
     discover,
@@ -16,8 +15,8 @@ from connector.devices import (
     parse_hccn_conf,
     physical_device_id,
 )
-from connector.ranktable import Role, assign_ranks
-from connector.ranktable_cli import generate, parse_host_spec
+from pdgate.connector.ranktable import Role, assign_ranks
+from pdgate.connector.ranktable_cli import generate, parse_host_spec
 
 # As `hccn_tool -i N -ip -s address ... netmask ...` leaves it on an Atlas 800 (A2) host.
 HCCN_CONF = """\

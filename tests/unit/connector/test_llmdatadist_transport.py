@@ -12,10 +12,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-
-from connector.ranktable import Role, assign_ranks, find_placement
-from connector.ranktable_cli import generate, parse_host_spec
-from connector.transport.base import (
+from pdgate.connector.ranktable import Role, assign_ranks, find_placement
+from pdgate.connector.ranktable_cli import generate, parse_host_spec
+from pdgate.connector.transport.base import (
     BadRequest,
     EngineError,
     KVRegion,
@@ -28,13 +27,14 @@ from connector.transport.base import (
     RemoteKVMissing,
     TransportClosed,
 )
-from connector.transport.llmdatadist import (
+from pdgate.connector.transport.llmdatadist import (
     MAX_CLUSTERS_PER_LINK_CALL,
     MAX_REGISTERED_ADDRS,
     LLMDataDistTransport,
     group_regions,
     map_status,
 )
+
 from tests.fakes import fake_llmdatadist as fake
 
 NUM_BLOCKS = 64
@@ -397,7 +397,7 @@ def test_init_options_follow_the_documented_config(make_rank) -> None:
 
 
 def test_the_real_module_is_imported_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
-    import connector.transport.llmdatadist  # noqa: F401  (no llm_datadist needed to import)
+    import pdgate.connector.transport.llmdatadist  # noqa: F401  (no llm_datadist needed to import)
 
     monkeypatch.setitem(sys.modules, "llm_datadist", None)  # as on a host without CANN
     with pytest.raises(ImportError):

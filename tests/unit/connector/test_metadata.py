@@ -1,12 +1,11 @@
-"""connector.metadata: typed kv_transfer_params, the per-step metadata, transport addresses."""
+"""pdgate.connector.metadata: typed kv_transfer_params, the per-step metadata, transport addresses."""
 
 from __future__ import annotations
 
 import pickle
 
 import pytest
-
-from connector.metadata import (
+from pdgate.connector.metadata import (
     DecodeParams,
     InvalidTransferParams,
     PrefillParams,

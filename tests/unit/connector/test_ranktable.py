@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pdgate.connector.ranktable
+import pdgate.connector.ranktable_cli
 import pytest
-
-import connector.ranktable
-import connector.ranktable_cli
-from connector.ranktable import (
+from pdgate.connector.ranktable import (
     RankTableError,
     Role,
     assign_ranks,
@@ -23,7 +22,7 @@ from connector.ranktable import (
     main,
     parse_rank_table,
 )
-from connector.ranktable_cli import HostSpec, generate, parse_host_spec
+from pdgate.connector.ranktable_cli import HostSpec, generate, parse_host_spec
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -400,17 +399,24 @@ def test_host_spec_syntax(bad: str) -> None:
 
 
 def test_the_console_script_entry_and_older_imports_still_resolve() -> None:
-    # pyproject: pdgate-ranktable = "connector.ranktable:main"; the CLI itself moved to ranktable_cli.
-    assert connector.ranktable.main(["generate", "--prefill", "10.0.0.1:1.1.1.1", "--decode", "10.0.0.2:1.1.1.2"]) == 0
+    # pyproject: pdgate-ranktable = "pdgate.connector.ranktable:main"; the CLI itself moved to ranktable_cli.
+    assert (
+        pdgate.connector.ranktable.main(["generate", "--prefill", "10.0.0.1:1.1.1.1", "--decode", "10.0.0.2:1.1.1.2"])
+        == 0
+    )
     for name in ("HostSpec", "generate", "parse_host_spec"):
-        assert getattr(connector.ranktable, name) is getattr(connector.ranktable_cli, name)
+        assert getattr(pdgate.connector.ranktable, name) is getattr(pdgate.connector.ranktable_cli, name)
     with pytest.raises(AttributeError):
-        _ = connector.ranktable.no_such_name
+        _ = pdgate.connector.ranktable.no_such_name
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "connector.ranktable", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "pdgate.connector.ranktable", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from connector.transport import transport_class
-from connector.transport.base import (
+from pdgate.connector.transport import transport_class
+from pdgate.connector.transport.base import (
     UINT64_MAX,
     BadRequest,
     BlockRun,

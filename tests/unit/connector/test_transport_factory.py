@@ -1,4 +1,4 @@
-"""connector.transport.factory: config -> transport, and llm_datadist workers placed without a rank table.
+"""pdgate.connector.transport.factory: config -> transport, and llm_datadist workers placed without a rank table.
 
 The fake llm_datadist (tests/fakes, CANN cannot run here) stands in for the real module under its import
 name, so `make_transport` runs exactly as on an Ascend host: it finds each worker's device, builds the
@@ -17,17 +17,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.devices import DeviceNotFound, cluster_id_for_ip
+from pdgate.connector.location import EngineFacts, addresses_from_workers, location_for, plan_from_location
+from pdgate.connector.ranktable import dump_rank_table
+from pdgate.connector.ranktable_cli import generate, parse_host_spec
+from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult
+from pdgate.connector.transport.factory import make_transport
+from pdgate.connector.transport.llmdatadist import LLMDataDistTransport
+from pdgate.connector.worker import make_transport as make_transport_from_worker
+from pdgate.metaserver.models import Handoff, HandoffState
 
-from connector.config import ConfigError, ConnectorConfig
-from connector.devices import DeviceNotFound, cluster_id_for_ip
-from connector.location import EngineFacts, addresses_from_workers, location_for, plan_from_location
-from connector.ranktable import dump_rank_table
-from connector.ranktable_cli import generate, parse_host_spec
-from connector.transport.base import KVRegion, PullRequest, PullResult
-from connector.transport.factory import make_transport
-from connector.transport.llmdatadist import LLMDataDistTransport
-from connector.worker import make_transport as make_transport_from_worker
-from metaserver.models import Handoff, HandoffState
 from tests.fakes import fake_llmdatadist as fake
 
 NUM_BLOCKS = 32

@@ -2,7 +2,7 @@
 
 They build vLLM's own objects: `VllmConfig` from a config-only model folder (no weights, no tokenizer),
 `vllm.v1.request.Request`, `KVCacheBlock`/`KVCacheBlocks`, and a real `Scheduler` whose connector is
-`PDGateConnector` loaded through `kv_connector_module_path="connector"`.
+`PDGateConnector` loaded through `kv_connector_module_path="pdgate.connector"`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from pdgate.metaserver.app import create_app
+from pdgate.metaserver.settings import MetaSettings
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.hashing import sha256
@@ -29,8 +31,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from metaserver.app import create_app
-from metaserver.settings import MetaSettings
 from tests.support.servers import UvicornThread
 
 BLOCK_SIZE = 32
@@ -71,7 +71,7 @@ def vllm_config(
     extra: dict[str, Any],
     kv_load_failure_policy: str = "fail",
     num_blocks: int = 200,
-    kv_connector_module_path: str | None = "connector",
+    kv_connector_module_path: str | None = "pdgate.connector",
 ) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=1024)
     sched = SchedulerConfig(

@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-
-from connector.config import ConnectorConfig
-from connector.control import ControlThread
-from connector.messages import Claim, Claimed, ClaimFailed, Register, Registered, Result, Terminal, WriteStats
-from metaserver.app import create_app
-from metaserver.client import MetaClient, MetaNotFound
-from metaserver.models import (
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.control import ControlThread
+from pdgate.connector.messages import Claim, Claimed, ClaimFailed, Register, Registered, Result, Terminal, WriteStats
+from pdgate.metaserver.app import create_app
+from pdgate.metaserver.client import MetaClient, MetaNotFound
+from pdgate.metaserver.models import (
     HandoffCreate,
     HandoffState,
     InstanceRegistration,
@@ -25,7 +24,8 @@ from metaserver.models import (
     Role,
     TransportKind,
 )
-from metaserver.settings import MetaSettings
+from pdgate.metaserver.settings import MetaSettings
+
 from tests.support.meta import uid
 from tests.support.ports import free_port, wait_until
 from tests.support.servers import UvicornThread

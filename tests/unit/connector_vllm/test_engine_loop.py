@@ -20,15 +20,15 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from pdgate.connector.connector import PDGateConnector
+from pdgate.metaserver.client import MetaClient
+from pdgate.metaserver.models import HandoffCreate, HandoffState, Instance
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
-from connector.connector import PDGateConnector
-from metaserver.client import MetaClient
-from metaserver.models import HandoffCreate, HandoffState, Instance
 from tests.fakes import fake_llmdatadist
 from tests.support.meta import uid
 from tests.support.servers import UvicornThread

@@ -8,12 +8,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from pdgate.connector.config import ConfigError
+from pdgate.connector.connector import PDGateConnector
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
-from connector.config import ConfigError
-from connector.connector import PDGateConnector
 from tests.unit.connector_vllm.conftest import kv_cache_config, vllm_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -42,7 +42,9 @@ def test_the_scheduler_half_and_its_helpers_import_no_device_code() -> None:
 
 
 def test_module_path_resolves_the_class() -> None:
-    cfg = KVTransferConfig(kv_connector="PDGateConnector", kv_connector_module_path="connector", kv_role="kv_both")
+    cfg = KVTransferConfig(
+        kv_connector="PDGateConnector", kv_connector_module_path="pdgate.connector", kv_role="kv_both"
+    )
     assert KVConnectorFactory.get_connector_class(cfg) is PDGateConnector
 
 

@@ -10,10 +10,8 @@ import json
 from typing import Any
 
 import pytest
-from vllm.v1.request import RequestStatus
-
-from connector.config import ConnectorConfig
-from connector.messages import (
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.messages import (
     Abort,
     Check,
     CheckResult,
@@ -28,9 +26,11 @@ from connector.messages import (
     ReadyRecorded,
     Terminal,
 )
-from connector.metadata import PullOutcome, RecvDone
-from connector.scheduler import EngineFacts, SchedulerHalf
-from metaserver.models import Handoff, HandoffState, KVLocation, TransportAddress, TransportKind
+from pdgate.connector.metadata import PullOutcome, RecvDone
+from pdgate.connector.scheduler import EngineFacts, SchedulerHalf
+from pdgate.metaserver.models import Handoff, HandoffState, KVLocation, TransportAddress, TransportKind
+from vllm.v1.request import RequestStatus
+
 from tests.unit.connector_vllm.conftest import BLOCK_SIZE, make_blocks, make_request
 
 LAYOUT = "LBHNC/bfloat16/L2/H2/D32/B32"

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.connector import PDGateConnector, PDGateConnectorMetadata, PDGateHandshake, PDGateWorkerMeta
+from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan, StepMetadata
+from pdgate.connector.transport.base import PullTimeout
+from pdgate.connector.worker import WorkerHalf, regions_from_kv_caches
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
-from connector.config import ConfigError, ConnectorConfig
-from connector.connector import PDGateConnector, PDGateConnectorMetadata, PDGateHandshake, PDGateWorkerMeta
-from connector.metadata import PullOutcome, RecvDone, RecvPlan, StepMetadata
-from connector.transport.base import PullTimeout
-from connector.worker import WorkerHalf, regions_from_kv_caches
 from tests.fakes.memory_transport import MemoryTransport
 from tests.unit.connector_vllm.conftest import BLOCK_SIZE, HEAD_SIZE, LAYERS, NUM_KV_HEADS, kv_cache_config, vllm_config
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from metaserver.fastpath import _match
+from pdgate.metaserver.fastpath import _match
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from metaserver import ledger
-from metaserver.ledger import ALLOWED, OPERATIONS, IllegalTransition
-from metaserver.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffState, KVLocation
+from pdgate.metaserver import ledger
+from pdgate.metaserver.ledger import ALLOWED, OPERATIONS, IllegalTransition
+from pdgate.metaserver.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffState, KVLocation
 
 S = HandoffState
 LOC = KVLocation(block_ids=[[1, 2]], num_tokens=20)

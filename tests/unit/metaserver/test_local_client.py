@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-from metaserver.client import MetaAPI, MetaClient
-from metaserver.local import LocalMetaClient
+from pdgate.metaserver.client import MetaAPI, MetaClient
+from pdgate.metaserver.local import LocalMetaClient
 
 
 def test_same_methods_and_signatures_as_metaclient() -> None:

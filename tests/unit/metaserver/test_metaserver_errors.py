@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import orjson
-
-from metaserver import client, errors
-from metaserver.ledger import IllegalTransition
-from metaserver.models import HandoffState, Problem
+from pdgate.metaserver import client, errors
+from pdgate.metaserver.ledger import IllegalTransition
+from pdgate.metaserver.models import HandoffState, Problem
 
 
 def test_illegal_transition_is_409_while_live_and_410_when_terminal() -> None:

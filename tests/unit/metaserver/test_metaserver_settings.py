@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-from metaserver.settings import MetaSettings, build_parser, parse_cli
+from pdgate.metaserver.settings import MetaSettings, build_parser, parse_cli
 
 
 def test_env_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,7 +48,9 @@ def test_help_documents_every_field() -> None:
 
 
 def test_console_entry_point_help() -> None:
-    out = subprocess.run([sys.executable, "-m", "metaserver", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdgate.metaserver", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0
     for flag in ("--host", "--port", "--store", "--admin-token", "PDGATE_STORE"):
         assert flag in out.stdout

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from metaserver import registry
-from metaserver.models import InstanceLoad, InstanceRegistration, InstanceState, Role, TransportAddress
+from pdgate.metaserver import registry
+from pdgate.metaserver.models import InstanceLoad, InstanceRegistration, InstanceState, Role, TransportAddress
 
 
 def reg(role: Role = Role.PREFILL, **kw: object) -> InstanceRegistration:

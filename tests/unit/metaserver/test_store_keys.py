@@ -5,11 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
-
-from metaserver.store import open_store
-from metaserver.store.keys import Keys, ttl_ms
-from metaserver.store.memory import MemoryStore, kv_key_seed
-from metaserver.store.redis import RedisStore, _split_url
+from pdgate.metaserver.store import open_store
+from pdgate.metaserver.store.keys import Keys, ttl_ms
+from pdgate.metaserver.store.memory import MemoryStore, kv_key_seed
+from pdgate.metaserver.store.redis import RedisStore, _split_url
 
 
 def test_every_key_shares_one_hash_tag() -> None:

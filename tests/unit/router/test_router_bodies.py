@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-
-from router.bodies import (
+from pdgate.router.bodies import (
     CHAT,
     COMPLETIONS,
     decode_body,
@@ -16,7 +15,7 @@ from router.bodies import (
     prefill_params,
     request_facts,
 )
-from router.errors import BadRequest, PrefillFailed
+from pdgate.router.errors import BadRequest, PrefillFailed
 
 
 def test_prefill_body_rewrites_only_the_pd_fields() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from pdgate.router.breaker import BreakerConfig, BreakerState, CircuitBreaker
 
 
 def make(**kw: float) -> tuple[CircuitBreaker, list[tuple[BreakerState, BreakerState]]]:

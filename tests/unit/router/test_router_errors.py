@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-
-from router.errors import (
+from pdgate.router.errors import (
     ERROR_HEADER,
     DecodeFailed,
     KVExpired,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
-from metaserver.models import Role, TransportKind
-from router.pairing import InstanceView, explain, incompatibility
+from pdgate.metaserver.models import Role, TransportKind
+from pdgate.router.pairing import InstanceView, explain, incompatibility
 
 P = InstanceView(
     id="p1", role=Role.PREFILL, url="http://p1", model="m", tp_size=2, block_size=16, kv_dtype="auto",

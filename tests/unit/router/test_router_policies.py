@@ -6,13 +6,12 @@ from dataclasses import dataclass
 from random import Random
 
 import pytest
-
-from router.bodies import COMPLETIONS, RequestFacts
-from router.policies import POLICIES, TOKEN_UNIT, load_of, make_policy
-from router.policies.least_load import LeastLoad
-from router.policies.power_of_two import PowerOfTwo
-from router.policies.prefix_affinity import PrefixAffinity, rank
-from router.policies.round_robin import RoundRobin
+from pdgate.router.bodies import COMPLETIONS, RequestFacts
+from pdgate.router.policies import POLICIES, TOKEN_UNIT, load_of, make_policy
+from pdgate.router.policies.least_load import LeastLoad
+from pdgate.router.policies.power_of_two import PowerOfTwo
+from pdgate.router.policies.prefix_affinity import PrefixAffinity, rank
+from pdgate.router.policies.round_robin import RoundRobin
 
 
 @dataclass

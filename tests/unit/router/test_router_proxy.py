@@ -10,15 +10,14 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-
-from metaserver.app import running_service
-from metaserver.client import MetaAPI
-from metaserver.local import LocalMetaClient
-from metaserver.models import HandoffState, InstanceRegistration, Role
-from metaserver.settings import MetaSettings
-from router.app import RouterApp, create_app
-from router.settings import RouterSettings
-from router.upstream import HttpxUpstream
+from pdgate.metaserver.app import running_service
+from pdgate.metaserver.client import MetaAPI
+from pdgate.metaserver.local import LocalMetaClient
+from pdgate.metaserver.models import HandoffState, InstanceRegistration, Role
+from pdgate.metaserver.settings import MetaSettings
+from pdgate.router.app import RouterApp, create_app
+from pdgate.router.settings import RouterSettings
+from pdgate.router.upstream import HttpxUpstream
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [[1, 2]]}
 ANSWER = {

@@ -5,8 +5,7 @@ from __future__ import annotations
 from random import Random
 
 import pytest
-
-from router.retry import Verdict, backoff, verdict
+from pdgate.router.retry import Verdict, backoff, verdict
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from pdgate.router.settings import RouterSettings, build_parser, parse_cli
 from pydantic import ValidationError
-
-from router.settings import RouterSettings, build_parser, parse_cli
 
 
 def test_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

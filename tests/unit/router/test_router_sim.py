@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from router.sim import Script, SimApp, SimSettings, _prompt, _tokens
+from pdgate.router.sim import Script, SimApp, SimSettings, _prompt, _tokens
 
 
 def app(**kw: object) -> SimApp:
