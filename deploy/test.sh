@@ -42,7 +42,7 @@ log "ruff"
 log "mypy --strict"
 mkdir -p build/typecheck/pdgate
 for d in router metaserver connector deploy; do ln -sfn "$ROOT/$d" "build/typecheck/pdgate/$d"; done
-ln -sfn "$ROOT/pdgate/__init__.py" build/typecheck/pdgate/__init__.py
+for f in pdgate/*.py; do ln -sfn "$ROOT/$f" "build/typecheck/$f"; done
 "$VENV/bin/mypy" -p pdgate
 log "pytest"
 exec "$VENV/bin/python" -m pytest "$@"
