@@ -39,6 +39,7 @@ from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.models import Role
 from pdgate.router.meta import PooledMetaClient
 from pdgate.router.pool import static_instance_id
+from pdgate.router.sim_holds import Holds
 from pdgate.router.sim_ledger import SimLedger
 from pdgate.router.sim_settings import Script, SimSettings, _Stats, parse_cli
 from pdgate.router.sim_wire import (
@@ -80,6 +81,8 @@ class SimApp(SimLedger):
         self._heartbeat: asyncio.Task[None] | None = None
         self._registered: set[int] = set()
         self._gate = asyncio.Event()
+        self.holds = Holds()
+        self._hold_tasks: list[asyncio.Task[None]] = []
         logging.getLogger("uvicorn.error").addFilter(_QuietDeath())
 
     # -- ASGI -------------------------------------------------------------------------------
@@ -101,7 +104,8 @@ class SimApp(SimLedger):
                 card = {"id": self.s.model, "object": "model", "created": 0, "owned_by": "pdgate-sim"}
                 await _reply(send, 200, {"object": "list", "data": [{**card, "max_model_len": self.s.max_model_len}]})
             elif path == "/sim/stats":
-                await _reply(send, 200, self.stats.snapshot(b"log=1" in scope.get("query_string", b"")))
+                snap = self.stats.snapshot(b"log=1" in scope.get("query_string", b""))
+                await _reply(send, 200, {**snap, **self.holds.snapshot()})
             elif path == "/sim/script" and method == "POST":
                 self.script.update(orjson.loads(await _body(receive)))
                 self._gate.clear()
@@ -137,8 +141,13 @@ class SimApp(SimLedger):
         if self.s.metaserver:
             await self._register_all()
             self._heartbeat = asyncio.create_task(self._heartbeat_loop())
+            if self.role.can_prefill():
+                meta = self._meta(self.s.metaserver)
+                feeds = [self.holds.follow(meta, self.record_id(r)) for r in range(self.s.dp_size)]
+                self._hold_tasks = [asyncio.create_task(c) for c in [*feeds, self.holds.check(self._meta)]]
 
     async def shutdown(self) -> None:
+        await Holds.stop(self._hold_tasks)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):

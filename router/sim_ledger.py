@@ -15,6 +15,7 @@ from typing import Any
 from pdgate.metaserver.client import MetaConflict, MetaError, MetaGone, MetaNotFound
 from pdgate.metaserver.models import InstanceLoad, InstanceRegistration, KVLocation, Role
 from pdgate.router.meta import PooledMetaClient
+from pdgate.router.sim_holds import Holds
 from pdgate.router.sim_settings import Script, SimSettings, _Stats
 from pdgate.router.sim_wire import _Reject
 from pdgate.router.upstream import HttpPool
@@ -35,6 +36,7 @@ class SimLedger:
     _http: HttpPool | None
     _clients: dict[str, PooledMetaClient]
     _registered: set[int]
+    holds: Holds
 
     def record_id(self, rank: int) -> str:
         return self.base_id if self.s.dp_size == 1 else f"{self.base_id}.dp{rank}"
@@ -120,7 +122,8 @@ class SimLedger:
                 remote_request_id=remote_rid,
             )
             try:
-                await self._meta(meta_url).mark_ready(tid, location)
+                ready = await self._meta(meta_url).mark_ready(tid, location)
+                self.holds.hold(tid, n_blocks, meta_url, ready.lease_s)
             except MetaError as exc:
                 self.stats.inc("ledger_errors")
                 raise _Reject(500, f"could not record READY for {tid}: {exc.detail}", "ledger_error") from exc
