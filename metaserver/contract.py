@@ -1,0 +1,376 @@
+"""The prefill/decode contract: which prefill's KV a decode can take, and the `kv_transfer_params` of a handoff.
+
+The router, the connector and the simulator must agree on both facts, so they are held here once.
+
+The compatibility rule (`mismatch`, `tp_mismatch`, `source_rank`). A decode can take a prefill's KV when both
+run the same model with the same block size, KV dtype and KV layout, over the same transport, and their
+tensor-parallel (TP) shapes line up:
+
+* Equal TP: decode rank r reads prefill rank r (each rank holds the same heads).
+* Unequal TP needs KV replicated on every TP rank (MLA models). Every prefill rank then holds all of it, so
+  decode rank r reads prefill rank `r * P_tp // D_tp`, whichever side is larger: a larger prefill spreads
+  the decode ranks over its ranks, a larger decode lets several of its ranks read one prefill rank, which a
+  one-sided read (NIXL) allows.
+* Transports in `TP_GE_TRANSPORTS` (llm_datadist) link each decode rank to a prefill rank of its own, so
+  with them the prefill's TP must also be at least the decode's.
+* Sharded KV with unequal TP would need the heads re-cut across ranks, which no transport here does.
+
+A field one side does not state (None) matches anything: a static instance tells the router little. The
+router applies the rule to pick a pair; the decode applies it again to the location it is about to pull
+from, so a pair the router let through (it could not see a field) fails before a byte moves, with the same
+sentence. Mismatched pairs are refused before dispatch because elsewhere they produce garbled output or
+hangs (DP/TP mismatches in vllm-ascend #16144, sglang #15674).
+
+`kv_transfer_params` (`KVTransferParams`): the dict vLLM carries on a request and returns with a finished
+prefill. The router builds the prefill's (`for_prefill`), the prefill's connector answers with the KV it
+holds (`KVTransferParams(...)` with the `remote_*` fields), and the router forwards that answer to the
+decode (`for_decode`). Every side reads a dict through `parse`, which names the field it refuses; keys this
+contract does not type (vLLM NIXL's `remote_host`, a simulator's `tp_size`) travel verbatim in `extra`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, cast
+
+from pdgate.metaserver.models import MAX_KV_KEY, KVLocation, TransportKind, is_valid_id
+from pydantic import ValidationError
+
+from pdgate.errors import Code, PDGateError
+
+__all__ = [
+    "TP_GE_TRANSPORTS",
+    "InvalidTransferParams",
+    "KVFacts",
+    "KVShape",
+    "KVTransferParams",
+    "Mismatch",
+    "mismatch",
+    "source_rank",
+    "tp_mismatch",
+]
+
+# Transports whose decode ranks each link to one prefill rank of their own: they need P tp >= D tp.
+TP_GE_TRANSPORTS: frozenset[TransportKind] = frozenset({TransportKind.LLMDATADIST})
+
+
+# ---- the compatibility rule ------------------------------------------------------------------------
+
+
+class KVShape(Protocol):
+    """What the rule compares about one side. None: not stated, matches anything.
+
+    `kv_replicated` is a property of the model (MLA); the rule reads the prefill's, the side whose every
+    rank must hold all of the KV. The router's `InstanceView` is a `KVShape`; the connector builds `KVFacts`.
+    """
+
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def block_size(self) -> int | None: ...
+    @property
+    def kv_dtype(self) -> str | None: ...
+    @property
+    def kv_layout(self) -> str | None: ...
+    @property
+    def transport(self) -> TransportKind | None: ...
+    @property
+    def tp_size(self) -> int | None: ...
+    @property
+    def kv_replicated(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class KVFacts:
+    """A `KVShape` assembled from parts (a ledger location on one side, an engine's facts on the other)."""
+
+    model: str | None = None
+    block_size: int | None = None
+    kv_dtype: str | None = None
+    kv_layout: str | None = None
+    transport: TransportKind | None = None
+    tp_size: int | None = None
+    kv_replicated: bool = False
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why a decode cannot take a prefill's KV: the field that differs and both values."""
+
+    field: str  # model | block_size | kv_dtype | kv_layout | transport | tp_size
+    prefill: Any
+    decode: Any
+    transport: TransportKind | None = None  # set when the transport is what forbids the TP pair
+
+    def describe(self, prefill: str = "the prefill", decode: str = "the decode") -> str:
+        """One sentence naming both sides (instance ids in the router, roles in the connector)."""
+        p, d = self.prefill, self.decode
+        if self.field == "model":
+            return f"{decode} serves model {d}, {prefill} serves {p}"
+        if self.field == "kv_layout":
+            return f"{decode} has kv_layout {d!r}, {prefill} has {p!r}"
+        if self.field == "transport":
+            return f"{decode} uses transport {_name(d)}, {prefill} uses {_name(p)}"
+        if self.field == "tp_size":
+            if self.transport is not None:
+                return f"{decode} has tp {d} > {prefill}'s tp {p} ({self.transport.value} needs P tp >= D tp)"
+            return f"{decode} has tp {d}, {prefill} has tp {p} and its KV is not replicated"
+        return f"{decode} has {self.field} {d}, {prefill} has {p}"
+
+
+def _name(value: Any) -> str:
+    return str(value.value) if isinstance(value, TransportKind) else str(value)
+
+
+def mismatch(p: KVShape, d: KVShape) -> Mismatch | None:
+    """None when decode `d` can take prefill `p`'s KV, else the first field that differs."""
+    # Written out field by field: the router evaluates this for every prefill/decode pair of its pool.
+    a: Any
+    b: Any
+    a, b = p.model, d.model
+    if a is not None and b is not None and a != b:
+        return Mismatch("model", a, b)
+    a, b = p.block_size, d.block_size
+    if a is not None and b is not None and a != b:
+        return Mismatch("block_size", a, b)
+    a, b = p.kv_dtype, d.kv_dtype
+    if a is not None and b is not None and a != b:
+        return Mismatch("kv_dtype", a, b)
+    a, b = p.kv_layout, d.kv_layout
+    if a is not None and b is not None and a != b:
+        return Mismatch("kv_layout", a, b)
+    a, b = p.transport, d.transport
+    if a is not None and b is not None and a != b:
+        return Mismatch("transport", a, b)
+    a, b = p.tp_size, d.tp_size
+    if a is None or b is None or a == b:
+        return None
+    return tp_mismatch(a, b, kv_replicated=p.kv_replicated, transport=p.transport or d.transport)
+
+
+def tp_mismatch(
+    prefill_tp: int, decode_tp: int, *, kv_replicated: bool, transport: TransportKind | None
+) -> Mismatch | None:
+    """The TP part of the rule (see the module docstring): None when every decode rank has a source."""
+    if prefill_tp == decode_tp:
+        return None
+    if not kv_replicated:
+        return Mismatch("tp_size", prefill_tp, decode_tp)
+    if prefill_tp < decode_tp and transport in TP_GE_TRANSPORTS:
+        return Mismatch("tp_size", prefill_tp, decode_tp, transport=transport)
+    return None
+
+
+def source_rank(decode_rank: int, prefill_tp: int, decode_tp: int) -> int:
+    """The prefill TP rank that decode rank `decode_rank` reads, for a pair `tp_mismatch` accepted."""
+    return decode_rank * prefill_tp // decode_tp
+
+
+# ---- kv_transfer_params ----------------------------------------------------------------------------
+
+
+class InvalidTransferParams(PDGateError):
+    """`kv_transfer_params` carries a field of the wrong type or range; the message names it."""
+
+    code = Code.INVALID_TRANSFER_PARAMS
+
+
+_TYPED = frozenset(
+    {
+        "do_remote_decode",
+        "do_remote_prefill",
+        "transfer_id",
+        "kv_key",
+        "metaserver",
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_num_tokens",
+        "remote_request_id",
+        "prefill_instance_id",
+        "remote_location",
+    }
+)
+_MAX_TOKENS = 2**40
+
+BlockIds = tuple[int, ...] | tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """The typed `kv_transfer_params`; `to_dict()` is what travels, `parse()` reads it back.
+
+    `do_remote_decode`/`do_remote_prefill` keep vLLM's meaning (a prefill keeps its KV for a remote decode; a
+    decode loads its prompt's KV from a remote prefill). `transfer_id` and `kv_key` name the handoff in the
+    metaserver's ledger. The `remote_*` fields and `prefill_instance_id` describe the KV a prefill holds:
+    `remote_block_ids` is flat or NIXL's per-KV-cache-group nesting, kept in the shape it came in;
+    `remote_location` is the prefill's copy of its READY record, a hint a decode may start pulling from
+    before its claim answers (`location()` reads it; an unreadable one reads as None and is ignored).
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: str | None = None
+    kv_key: int | None = None
+    metaserver: str | None = None
+    remote_block_ids: BlockIds | None = None
+    remote_engine_id: str | None = None
+    remote_num_tokens: int | None = None
+    remote_request_id: str | None = None
+    prefill_instance_id: str | None = None
+    remote_location: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # untyped keys, passed on verbatim
+
+    # -- constructors for each hop -------------------------------------------------------------------
+
+    @classmethod
+    def for_prefill(cls, transfer_id: str, *, kv_key: int | None, metaserver: str | None = None) -> KVTransferParams:
+        """What the router sends a prefill: keep the KV of this request for the handoff `transfer_id`."""
+        return cls(do_remote_decode=True, transfer_id=transfer_id, kv_key=kv_key, metaserver=metaserver or None)
+
+    def for_decode(self, transfer_id: str, *, kv_key: int | None, metaserver: str | None = None) -> KVTransferParams:
+        """The prefill's answer as the router forwards it to a decode: the router's handoff id wins; the
+        prefill's `kv_key` and `metaserver`, when it sent them, win over the router's."""
+        return replace(
+            self,
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            transfer_id=transfer_id,
+            kv_key=self.kv_key if self.kv_key is not None else kv_key,
+            metaserver=self.metaserver if self.metaserver is not None else (metaserver or None),
+        )
+
+    # -- wire form -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready dict; fields left None are not written."""
+        out: dict[str, Any] = {"do_remote_decode": self.do_remote_decode, "do_remote_prefill": self.do_remote_prefill}
+        if self.transfer_id is not None:
+            out["transfer_id"] = self.transfer_id
+        if self.kv_key is not None:
+            out["kv_key"] = self.kv_key
+        if self.metaserver is not None:
+            out["metaserver"] = self.metaserver
+        if self.remote_block_ids is not None:
+            out["remote_block_ids"] = [list(g) if isinstance(g, tuple) else g for g in self.remote_block_ids]
+        if self.remote_engine_id is not None:
+            out["remote_engine_id"] = self.remote_engine_id
+        if self.remote_num_tokens is not None:
+            out["remote_num_tokens"] = self.remote_num_tokens
+        if self.remote_request_id is not None:
+            out["remote_request_id"] = self.remote_request_id
+        if self.prefill_instance_id is not None:
+            out["prefill_instance_id"] = self.prefill_instance_id
+        if self.remote_location is not None:
+            out["remote_location"] = dict(self.remote_location)
+        for key, value in self.extra.items():
+            out.setdefault(key, value)
+        return out
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> KVTransferParams:
+        """Read a `kv_transfer_params` dict; `InvalidTransferParams` names the first field it refuses.
+
+        Absent and null fields read as not set. Presence rules belong to the reader (`require_transfer_id`,
+        `block_ids`): a vLLM prefill answer without a `transfer_id` is still a valid answer to forward.
+        """
+        if not isinstance(params, Mapping):
+            raise InvalidTransferParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
+        get = params.get
+        location = get("remote_location")
+        return cls(
+            do_remote_decode=_flag(params, "do_remote_decode"),
+            do_remote_prefill=_flag(params, "do_remote_prefill"),
+            transfer_id=_id(params, "transfer_id"),
+            kv_key=_int(params, "kv_key", 1, MAX_KV_KEY),
+            metaserver=_text(params, "metaserver"),
+            remote_block_ids=_block_ids(get("remote_block_ids")),
+            remote_engine_id=_text(params, "remote_engine_id"),
+            remote_num_tokens=_int(params, "remote_num_tokens", 0, _MAX_TOKENS),
+            remote_request_id=_text(params, "remote_request_id"),
+            prefill_instance_id=_id(params, "prefill_instance_id"),
+            remote_location=location if isinstance(location, Mapping) else None,
+            extra={k: v for k, v in params.items() if k not in _TYPED},
+        )
+
+    # -- what readers need ---------------------------------------------------------------------------
+
+    def require_transfer_id(self) -> str:
+        """The handoff id, which a pdgate prefill and decode cannot work without."""
+        if self.transfer_id is None:
+            raise InvalidTransferParams("kv_transfer_params.transfer_id is required (a URL-safe id string)")
+        return self.transfer_id
+
+    def block_ids(self) -> tuple[int, ...] | None:
+        """The prefill's block ids for a single KV cache group (flat, or NIXL's nesting with one group)."""
+        blocks = self.remote_block_ids
+        if not blocks or not isinstance(blocks[0], tuple):
+            return cast("tuple[int, ...] | None", blocks)  # flat (or empty)
+        if len(blocks) != 1:
+            raise InvalidTransferParams(
+                f"kv_transfer_params.remote_block_ids has {len(blocks)} KV cache groups; one is supported"
+            )
+        return blocks[0]
+
+    def location(self) -> KVLocation | None:
+        """The prefill's copy of its READY record, or None when absent or unreadable (it is only a hint)."""
+        if self.remote_location is None:
+            return None
+        try:
+            return KVLocation.model_validate(self.remote_location)
+        except ValidationError:
+            return None
+
+
+def _bad(key: str, expected: str, value: Any) -> InvalidTransferParams:
+    return InvalidTransferParams(f"kv_transfer_params.{key} must be {expected}, got {value!r}", field=key)
+
+
+def _flag(params: Mapping[str, Any], key: str) -> bool:
+    value = params.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(key, "true or false", value)
+    return value
+
+
+def _id(params: Mapping[str, Any], key: str) -> str | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not is_valid_id(value):
+        raise _bad(key, "a URL-safe id string (letters, digits, . _ : -; at most 128 characters)", value)
+    return value
+
+
+def _text(params: Mapping[str, Any], key: str) -> str | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad(key, "a string", value)
+    return value
+
+
+def _int(params: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(key, f"an int in [{lo}, {hi}]", value)
+    return value
+
+
+def _block_ids(value: Any) -> BlockIds | None:
+    if value is None:
+        return None
+    if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
+        return tuple(_flat_ids(g, value) for g in value)
+    return _flat_ids(value, value)
+
+
+def _flat_ids(ids: Any, whole: Any) -> tuple[int, ...]:
+    if not isinstance(ids, list) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in ids):
+        raise _bad("remote_block_ids", "a list of block ids >= 0 (or one such list per KV cache group)", whole)
+    return tuple(ids)

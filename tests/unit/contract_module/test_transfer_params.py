@@ -1,0 +1,104 @@
+"""pdgate.metaserver.contract.KVTransferParams: one constructor per hop, one parser that names the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
+from pdgate.metaserver.models import KVLocation
+
+from pdgate.errors import Code, PDGateError
+
+
+def test_the_prefill_request() -> None:
+    params = KVTransferParams.for_prefill("pd-1", kv_key=42, metaserver="http://meta:1")
+    assert params.to_dict() == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": "pd-1",
+        "kv_key": 42,
+        "metaserver": "http://meta:1",
+    }
+    assert "metaserver" not in KVTransferParams.for_prefill("t", kv_key=1, metaserver=None).to_dict()
+    assert KVTransferParams.parse(params.to_dict()) == params
+
+
+def test_the_prefill_answer_round_trips() -> None:
+    loc = KVLocation(block_ids=[[3, 4]], num_tokens=40, tp_size=1)
+    answer = KVTransferParams(
+        do_remote_prefill=True,
+        transfer_id="t-9",
+        kv_key=42,
+        remote_block_ids=(3, 4),
+        remote_engine_id="e0",
+        remote_num_tokens=40,
+        remote_request_id="cmpl-x-0-abcd",
+        prefill_instance_id="p0",
+        remote_location=loc.model_dump(mode="json", exclude_none=True),
+    )
+    wire = answer.to_dict()
+    assert wire["remote_block_ids"] == [3, 4] and wire["do_remote_decode"] is False
+    back = KVTransferParams.parse(wire)
+    assert back == answer
+    assert back.block_ids() == (3, 4) and back.location() == loc
+
+
+def test_the_decode_request_keeps_what_the_prefill_said() -> None:
+    from_p = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p1",
+        "remote_block_ids": [[1, 2]],
+        "kv_key": 9,
+        "remote_host": "10.0.0.5",  # vLLM NIXL's own keys travel untouched
+        "tp_size": 2,
+    }
+    out = KVTransferParams.parse(from_p).for_decode("pd-1", kv_key=42, metaserver="http://meta:1").to_dict()
+    assert out["do_remote_prefill"] is True and out["do_remote_decode"] is False
+    assert out["transfer_id"] == "pd-1"
+    assert out["kv_key"] == 9  # the prefill's own value wins
+    assert out["remote_block_ids"] == [[1, 2]] and out["metaserver"] == "http://meta:1"
+    assert (out["remote_host"], out["tp_size"]) == ("10.0.0.5", 2)
+    no_key = KVTransferParams.parse({"kv_key": None}).for_decode("t", kv_key=5, metaserver=None)
+    assert no_key.kv_key == 5 and no_key.metaserver is None
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"transfer_id": ""}, "transfer_id"),
+        ({"transfer_id": "has space"}, "transfer_id"),
+        ({"transfer_id": 5}, "transfer_id"),
+        ({"kv_key": 0}, "kv_key"),
+        ({"kv_key": True}, "kv_key"),
+        ({"kv_key": "7"}, "kv_key"),
+        ({"remote_block_ids": [1, -1]}, "remote_block_ids"),
+        ({"remote_block_ids": "1,2"}, "remote_block_ids"),
+        ({"remote_block_ids": [[1], [2, "x"]]}, "remote_block_ids"),
+        ({"remote_num_tokens": -1}, "remote_num_tokens"),
+        ({"prefill_instance_id": "a b"}, "prefill_instance_id"),
+        ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
+        ({"remote_engine_id": 3}, "remote_engine_id"),
+    ],
+)
+def test_the_parser_names_the_field_it_refuses(params: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidTransferParams) as info:
+        KVTransferParams.parse(params)
+    err = info.value
+    assert isinstance(err, PDGateError) and err.code is Code.INVALID_TRANSFER_PARAMS
+    assert f"kv_transfer_params.{field} " in err.message and err.context["field"] == field
+
+
+def test_presence_is_the_readers_rule() -> None:
+    bare = KVTransferParams.parse({"do_remote_prefill": True})
+    with pytest.raises(InvalidTransferParams, match="transfer_id is required"):
+        bare.require_transfer_id()
+    assert bare.block_ids() is None and bare.location() is None
+    with pytest.raises(InvalidTransferParams, match="2 KV cache groups"):
+        KVTransferParams.parse({"remote_block_ids": [[1], [2]]}).block_ids()
+
+
+def test_an_unreadable_location_is_only_ignored() -> None:
+    params = KVTransferParams.parse({"transfer_id": "t", "remote_location": {"block_ids": "nope"}})
+    assert params.location() is None
+    assert KVTransferParams.parse({"transfer_id": "t", "remote_location": "nope"}).remote_location is None
