@@ -7,6 +7,10 @@ The router reads `model`, `stream`, `prompt`/`messages` (for prefix affinity and
 `min_tokens`/`min_completion_tokens`, and our `kv_transfer_params`; the decode copy is the client's body
 with the prefill's `kv_transfer_params`. Every other field passes through untouched.
 
+The `kv_transfer_params` themselves are built and read by `pdgate.metaserver.contract.KVTransferParams`;
+a prefill answer whose params the contract refuses is a failed prefill (retried elsewhere), not a decode
+that would fail on them.
+
 A completion with several prompts is refused (400): vLLM returns the `kv_transfer_params` of the first
 prompt only, so the others would silently be recomputed on decode. Send one request per prompt.
 """
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
 from pdgate.router.errors import BadRequest, PrefillFailed
 
 __all__ = [
@@ -128,15 +133,7 @@ def request_facts(body: dict[str, Any], endpoint: str, prefix_chars: int) -> Req
 
 
 def prefill_params(transfer_id: str, kv_key: int, metaserver: str | None) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "transfer_id": transfer_id,
-        "kv_key": kv_key,
-    }
-    if metaserver:
-        params["metaserver"] = metaserver
-    return params
+    return KVTransferParams.for_prefill(transfer_id, kv_key=kv_key, metaserver=metaserver).to_dict()
 
 
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
@@ -153,8 +150,8 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
 
 
 def kv_params_from_prefill(raw: bytes) -> dict[str, Any]:
-    """The `kv_transfer_params` of a prefill's answer; a prefill that sent none failed (never decode
-    without the KV: that would silently recompute the prompt)."""
+    """The `kv_transfer_params` of a prefill's answer; a prefill that sent none, or params the contract
+    refuses, failed (never decode without the KV: that would silently recompute the prompt)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -164,20 +161,18 @@ def kv_params_from_prefill(raw: bytes) -> dict[str, Any]:
         raise PrefillFailed(
             "prefill answered without kv_transfer_params (is the engine started with a KV connector as producer?)"
         )
+    try:
+        KVTransferParams.parse(params)
+    except InvalidTransferParams as exc:
+        raise PrefillFailed(f"prefill answered unusable kv_transfer_params: {exc.message}") from exc
     return params
 
 
 def decode_params(
     from_prefill: dict[str, Any], transfer_id: str, kv_key: int, metaserver: str | None
 ) -> dict[str, Any]:
-    params = dict(from_prefill)
-    params["do_remote_prefill"] = True
-    params["do_remote_decode"] = False
-    params["transfer_id"] = transfer_id
-    params.setdefault("kv_key", kv_key)
-    if metaserver:
-        params.setdefault("metaserver", metaserver)
-    return params
+    """The prefill's answer (read by `kv_params_from_prefill`) as the decode gets it."""
+    return KVTransferParams.parse(from_prefill).for_decode(transfer_id, kv_key=kv_key, metaserver=metaserver).to_dict()
 
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:

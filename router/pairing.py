@@ -1,14 +1,9 @@
-"""Which prefill's KV a decode can take (pure), and why not when none can.
+"""Which prefill's KV a decode can take, and why not when none can (pure).
 
-A decode can use a prefill's KV only when both run the same model with the same block size, KV dtype
-and layout, over the same transport, and their tensor-parallel shapes line up: equal TP, unless the
-prefill's KV is replicated on every TP rank (MLA), in which case a decode with a smaller TP may pull
-from any rank; transports that map one decode rank onto one prefill rank (llm_datadist) also need
-P tp >= D tp then. A field an instance does not state (a static instance's block size) is a wildcard.
-
-Mismatched pairs are refused before dispatch: elsewhere they produce garbled output or hangs (DP/TP
-mismatches in vllm-ascend #16144, sglang #15674), so the client gets `pd_no_compatible_pair` and a
-sentence naming the instances and the field that differs.
+The rule itself (model, block size, KV dtype and layout, transport, tensor-parallel shapes) lives in
+`pdgate.metaserver.contract`, which the connector applies again before it pulls; this module applies it to
+the router's view of its instances and turns refusals into the sentence the client gets with
+`pd_no_compatible_pair`, naming the instances and the field that differs.
 """
 
 from __future__ import annotations
@@ -16,18 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pdgate.metaserver.contract import mismatch
 from pdgate.metaserver.models import Instance, Role, TransportKind
 
-__all__ = ["TP_GE_TRANSPORTS", "InstanceView", "explain", "incompatibility"]
-
-# Transports whose decode ranks each pull from one prefill rank: P tp >= D tp with replicated KV.
-TP_GE_TRANSPORTS: frozenset[TransportKind] = frozenset({TransportKind.LLMDATADIST})
+__all__ = ["InstanceView", "explain", "incompatibility"]
 
 
 @dataclass(frozen=True)
 class InstanceView:
     """What the router knows about one instance (one DP rank of an engine). None means "not stated":
-    a wildcard for pairing. Frozen: a refresh replaces views, never edits them."""
+    a wildcard for pairing. A `pdgate.metaserver.contract.KVShape`. Frozen: a refresh replaces views,
+    never edits them."""
 
     id: str
     role: Role
@@ -79,30 +73,10 @@ class InstanceView:
         )
 
 
-def _differs(a: object, b: object) -> bool:
-    return a is not None and b is not None and a != b
-
-
 def incompatibility(p: InstanceView, d: InstanceView) -> str | None:
     """None when decode `d` can take prefill `p`'s KV, else a short reason naming both values."""
-    if _differs(p.model, d.model):
-        return f"{d.id} serves model {d.model}, {p.id} serves {p.model}"
-    if _differs(p.block_size, d.block_size):
-        return f"{d.id} has block_size {d.block_size}, {p.id} has {p.block_size}"
-    if _differs(p.kv_dtype, d.kv_dtype):
-        return f"{d.id} has kv_dtype {d.kv_dtype}, {p.id} has {p.kv_dtype}"
-    if _differs(p.kv_layout, d.kv_layout):
-        return f"{d.id} has kv_layout {d.kv_layout!r}, {p.id} has {p.kv_layout!r}"
-    if _differs(p.transport, d.transport):
-        assert p.transport is not None and d.transport is not None
-        return f"{d.id} uses transport {d.transport.value}, {p.id} uses {p.transport.value}"
-    if p.tp_size is not None and d.tp_size is not None:
-        if p.kv_replicated:
-            if p.transport in TP_GE_TRANSPORTS and p.tp_size < d.tp_size:
-                return f"{d.id} has tp {d.tp_size} > {p.id}'s tp {p.tp_size} ({p.transport.value} needs P tp >= D tp)"
-        elif p.tp_size != d.tp_size:
-            return f"{d.id} has tp {d.tp_size}, {p.id} has tp {p.tp_size} and its KV is not replicated"
-    return None
+    found = mismatch(p, d)
+    return None if found is None else found.describe(p.id, d.id)
 
 
 def explain(
