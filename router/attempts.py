@@ -13,7 +13,7 @@ from random import Random
 from time import perf_counter
 from typing import Any
 
-from pdgate.metaserver.client import MetaAPI, MetaError
+from pdgate.metaserver.client import MetaAPI, MetaConflict, MetaError
 from pdgate.metaserver.models import HandoffCreate
 from pdgate.router.bodies import kv_params_from_prefill, prefill_body, prefill_params
 from pdgate.router.errors import (
@@ -27,6 +27,7 @@ from pdgate.router.errors import (
     UpstreamTimeout,
 )
 from pdgate.router.logs import transfer_id as log_transfer_id
+from pdgate.router.loops import HOP_HEADER, HOP_VALUE
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import Policy
 from pdgate.router.pool import Pool, Tracker
@@ -34,7 +35,11 @@ from pdgate.router.request_flow import _MAX_ANSWER, _Flow, _Retry, _snippet, min
 from pdgate.router.retry import Verdict, backoff, verdict
 from pdgate.router.upstream import ReadTimeout, Upstream, UpstreamError, UpstreamResponse
 
+from pdgate.errors import Code
+
 log = logging.getLogger("pdgate.router.proxy")
+
+_CREATE_TRIES = 3  # creates of one handoff before a taken transfer id is reported as a failure
 
 
 class Attempts:
@@ -67,8 +72,9 @@ class Attempts:
             h.append((b"x-data-parallel-rank", str(v.dp_rank).encode()))
         if self._upstream_auth is not None:
             h.append((b"authorization", self._upstream_auth))
-        elif flow.client_auth is not None and not self._keys:
+        elif flow.client_auth is not None:  # set only with --forward-client-auth
             h.append((b"authorization", flow.client_auth))
+        h.append((HOP_HEADER, HOP_VALUE))
         if flow.extra:
             h.extend(flow.extra)
         return h
@@ -116,17 +122,26 @@ class Attempts:
 
     async def _create_handoff(self, flow: _Flow, p: Tracker) -> None:
         t = perf_counter()
-        try:
-            h = await self._meta().create_handoff(
-                HandoffCreate(
-                    prefill_instance_id=p.id,
-                    transfer_id=flow.tid,
-                    lease_s=self._lease,
-                    request_id=flow.rid[:512].decode("latin-1"),
+        for fresh in range(_CREATE_TRIES):
+            if fresh:  # someone holds this id (squatted or, at 2**-128, a collision): draw another
+                flow.tid = mint_transfer_id()
+                log_transfer_id.set(flow.tid)
+            try:
+                h = await self._meta().create_handoff(
+                    HandoffCreate(
+                        prefill_instance_id=p.id,
+                        transfer_id=flow.tid,
+                        lease_s=self._lease,
+                        request_id=flow.rid[:512].decode("latin-1"),
+                    )
                 )
-            )
-        except MetaError as exc:
-            raise MetaserverUnavailable(f"cannot record the handoff: {exc.detail}") from exc
+                break
+            except MetaConflict as exc:
+                if exc.code != Code.HANDOFF_EXISTS.value or fresh + 1 == _CREATE_TRIES:
+                    raise MetaserverUnavailable(f"cannot record the handoff: {exc.detail}") from exc
+                log.warning("transfer id %s already exists in the ledger; retrying with a fresh id", flow.tid)
+            except MetaError as exc:
+                raise MetaserverUnavailable(f"cannot record the handoff: {exc.detail}") from exc
         flow.kv_key = h.kv_key
         flow.live = flow.tid
         self._m.handoff.observe(perf_counter() - t)

@@ -9,22 +9,30 @@ the registry and static is taken from the registry (it says more).
 Health: every `health_interval_s`, `GET /health` of each distinct URL (DP ranks share one); an instance
 that fails it gets no new work until a probe passes again. This catches an engine whose API server is
 wedged while its connector still heartbeats, and a static instance that died.
+
+One instance can never stop the others: whatever goes wrong while probing it (any exception, not only
+the upstream errors) is that instance's failed check, and a registry record whose URL breaks the URL
+rule (`pdgate.metaserver.urls`; a record written before the rule, or straight into the store) is left
+out of the pool with a warning. So a bad record can neither stop the health loop nor fail start-up.
+Reasons kept for `/health` name the failure, never an address; the log line has the details.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
-from pdgate.metaserver.client import MetaAPI, MetaError
+from pdgate.metaserver.client import MetaAPI, MetaError, MetaUnavailable
 from pdgate.metaserver.models import Role
+from pdgate.metaserver.urls import check_engine_url
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.pairing import InstanceView
 from pdgate.router.pool import Pool, static_instance_id
 from pdgate.router.settings import RouterSettings
-from pdgate.router.upstream import Upstream, UpstreamError
+from pdgate.router.upstream import ConnectFailed, ReadTimeout, Upstream, UpstreamError
 
 __all__ = ["Discovery"]
 
@@ -56,22 +64,43 @@ class Discovery:
         self._static_models: dict[str, str | None] = {url: settings.model for url in roles}
         self._registry: list[InstanceView] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self.registry_error: str | None = None
+        self._networks = settings.engine_networks
+        self._refused: set[str] = set()  # registry URLs already warned about
+        self.registry_error: str | None = None  # why the last registry read failed (for operators)
+        self.registry_reason: str | None = None  # the same, without addresses (for anyone)
 
     # -- one round of each --------------------------------------------------------------------
 
     async def refresh_once(self) -> None:
         try:
-            instances = await self._meta().list_instances()
-        except MetaError as exc:
+            instances = await asyncio.wait_for(self._meta().list_instances(), self._s.metaserver_timeout_s)
+        except Exception as exc:
+            detail = exc.detail if isinstance(exc, MetaError) else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                detail = f"no answer within {self._s.metaserver_timeout_s:g} s"
             if self.registry_error is None:
-                log.warning("registry refresh failed (keeping the last snapshot): %s", exc.detail)
-            self.registry_error = exc.detail
+                log.warning("registry refresh failed (keeping the last snapshot): %s", detail)
+            self.registry_error = detail
+            self.registry_reason = _reason(exc)
         else:
-            self.registry_error = None
-            self._registry = [InstanceView.from_instance(i) for i in instances]
+            if self.registry_error is not None:
+                log.info("registry refresh works again")
+            self.registry_error = self.registry_reason = None
+            self._registry = [v for v in (self._view(i) for i in instances) if v is not None]
         await self._learn_static_models()
         self._install()
+
+    def _view(self, inst: Any) -> InstanceView | None:
+        """The pool's view of a registry record, or None (logged once) when its URL breaks the rule."""
+        try:
+            check_engine_url(inst.url, self._networks)
+            return InstanceView.from_instance(inst)
+        except Exception as exc:
+            key = f"{getattr(inst, 'id', '?')} {getattr(inst, 'url', '?')}"
+            if key not in self._refused:
+                self._refused.add(key)
+                log.warning("registry record %s left out of the pool: %s", key, exc)
+            return None
 
     def _install(self) -> None:
         registry_urls = {v.url for v in self._registry}
@@ -110,7 +139,8 @@ class Discovery:
                 return None
             first = orjson.loads(data)["data"][0]["id"]
             return first if isinstance(first, str) else None
-        except (UpstreamError, orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        except Exception as exc:
+            log.debug("GET %s/v1/models failed: %r", url, exc)
             return None
 
     async def health_once(self) -> None:
@@ -130,8 +160,9 @@ class Discovery:
         try:
             resp = await self._upstream().request("GET", url + "/health", [], b"", timeout=timeout)
             await resp.read(timeout=timeout, limit=1 << 20)
-        except UpstreamError as exc:
-            return str(exc)
+        except Exception as exc:
+            log.debug("GET %s/health failed: %r", url, exc)
+            return _reason(exc)
         return None if resp.status == 200 else f"GET /health answered {resp.status}"
 
     # -- loops ----------------------------------------------------------------------------------
@@ -142,11 +173,11 @@ class Discovery:
             asyncio.create_task(self._loop(self.health_once, self._s.health_interval_s), name="pdgate-health"),
         ]
 
-    async def _loop(self, step: Callable[[], object], interval: float) -> None:
+    async def _loop(self, step: Callable[[], Awaitable[None]], interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             try:
-                await step()  # type: ignore[misc]
+                await step()
             except Exception:
                 log.exception("background step %s failed", getattr(step, "__name__", step))
 
@@ -159,3 +190,18 @@ class Discovery:
             except asyncio.CancelledError:
                 pass
         self._tasks = []
+
+
+def _reason(exc: BaseException) -> str:
+    """A failure as /health shows it to anyone: what went wrong, never the address it went wrong at."""
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ReadTimeout)):
+        return "timed out"
+    if isinstance(exc, ConnectFailed):
+        return "connection failed"
+    if isinstance(exc, UpstreamError):
+        return f"request failed ({type(exc).__name__})"
+    if isinstance(exc, MetaUnavailable):
+        return "the metaserver or its store is unreachable"
+    if isinstance(exc, MetaError):
+        return f"the metaserver refused to list the instances ({exc.status} {exc.code})"
+    return f"request failed ({type(exc).__name__})"

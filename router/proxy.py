@@ -22,7 +22,6 @@ allocation of policy or pool objects.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -31,6 +30,7 @@ from time import perf_counter
 from typing import Any
 
 from pdgate.metaserver.client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
+from pdgate.router.access import ClientKeys
 from pdgate.router.attempts import Attempts
 from pdgate.router.bodies import decode_body, decode_params, parse_json, request_facts
 from pdgate.router.errors import (
@@ -47,6 +47,7 @@ from pdgate.router.errors import (
     UpstreamTimeout,
 )
 from pdgate.router.logs import transfer_id as log_transfer_id
+from pdgate.router.loops import HOP_HEADER, LoopDetected
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import Policy
 from pdgate.router.pool import Pool
@@ -54,6 +55,7 @@ from pdgate.router.request_flow import _MAX_ANSWER, _Flow, mint_transfer_id
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import relay_stream, send_body, send_error
 from pdgate.router.upstream import ReadTimeout, Upstream, UpstreamError
+from pdgate.router.validation import validate_request
 
 __all__ = ["Proxy", "mint_transfer_id"]
 
@@ -90,6 +92,8 @@ class Proxy(Attempts):
         self._rng = rng
         self._clock = clock
         self._keys = [k.encode() for k in s.api_key]
+        self._client_keys = ClientKeys(s.api_key)
+        self._forward_auth = s.forward_client_auth
         self._upstream_auth = f"Bearer {s.upstream_api_key}".encode() if s.upstream_api_key else None
         self._max_inflight = s.max_inflight
         self._max_body = s.max_body_bytes
@@ -112,6 +116,7 @@ class Proxy(Attempts):
         start = perf_counter()
         endpoint: str = scope["path"]
         auth = rid = None
+        hop = False
         extra: list[tuple[bytes, bytes]] = []
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -120,9 +125,15 @@ class Proxy(Attempts):
                 rid = value
             elif name in _FORWARD:
                 extra.append((name, value))
+            elif name == HOP_HEADER:
+                hop = True
         tid = mint_transfer_id()
-        flow = _Flow(tid, rid or tid.encode(), auth, extra)
+        flow = _Flow(tid, rid or tid.encode(), auth if self._forward_auth else None, extra)
         try:
+            if hop:
+                raise LoopDetected(
+                    "this request was already forwarded by a pdgate router: an instance URL points at a router"
+                )
             if self._keys:
                 self._check_key(auth)
             if self.inflight >= self._max_inflight:
@@ -166,11 +177,8 @@ class Proxy(Attempts):
         self._m.e2e.observe(perf_counter() - start)
 
     def _check_key(self, auth: bytes | None) -> None:
-        if auth is not None and auth[:7].lower() == b"bearer ":
-            given = auth[7:].strip()
-            for key in self._keys:
-                if hmac.compare_digest(given, key):
-                    return
+        if self._client_keys.allows(auth):
+            return
         raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
     def _count(self, endpoint: str, outcome: str) -> None:
@@ -193,6 +201,7 @@ class Proxy(Attempts):
         waited = 0.0
         try:
             body = parse_json(raw)
+            validate_request(body, endpoint)
             facts = request_facts(body, endpoint, self._prefix_chars)
             model = self._resolve_model(facts.model)
             t = perf_counter()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 
 from pdgate.router.errors import RouterError
@@ -11,14 +10,10 @@ from pdgate.router.pool import Tracker
 _MAX_ANSWER = 64 << 20
 
 
-_PROCESS = os.urandom(8).hex()
-_SEQ = itertools.count(1)
-
-
 def mint_transfer_id() -> str:
-    """URL-safe and unique, valid as a metaserver id: 'pd-' + 64 random bits drawn once per process + a
-    counter. Unique across router replicas and restarts without a random draw (a syscall) per request."""
-    return f"pd-{_PROCESS}-{next(_SEQ):x}"
+    """'pd-' + 128 random bits: nobody can guess the next id to create or squat it before the router
+    does (a process prefix plus a counter could be read off one answer and pre-created)."""
+    return "pd-" + os.urandom(16).hex()
 
 
 class _Retry(Exception):

@@ -5,18 +5,26 @@ Every field is an environment variable `PDGATE_ROUTER_<FIELD>` and a CLI flag `-
 each with its env var and default and a new field cannot be left out of the CLI. List fields are
 repeatable flags (`--prefill URL --prefill URL`) or comma-separated env values.
 
-The embedded metaserver (no `--metaserver`) takes `--store` and `--admin-token` from here and its
-other knobs from its own `PDGATE_*` variables (see `pdgate-metaserver --help`).
+The embedded metaserver (no `--metaserver`) takes `--store`, the admin token (when set here) and
+`--allowed-engine-networks` from here and its other knobs, `PDGATE_ADMIN_TOKEN` included, from its own
+`PDGATE_*` variables (see `pdgate-metaserver --help`).
+
+Secrets (`admin_token`, `api_key`, `upstream_api_key`, `metaserver_token`) each have a `*_file` twin
+and an environment variable: a value given as a flag is visible to every user of the host (`ps`).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
+from pdgate.metaserver.urls import InvalidEngineURL, IPNetwork, check_engine_url, parse_networks
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from pdgate.auth import SecretFileError, read_secret_file, resolve_secret
 
 __all__ = ["ENV_PREFIX", "POLICY_NAMES", "RouterSettings", "build_parser", "parse_cli", "settings_parser"]
 
@@ -38,7 +46,12 @@ class RouterSettings(BaseSettings):
         description="metaserver base URL; when unset the router runs one in-process on --store and serves "
         "its /v1/instances and /v1/handoffs routes on this port",
     )
-    metaserver_token: str | None = Field(None, description="admin token the router sends to --metaserver")
+    metaserver_token: str | None = Field(
+        None, description="admin token the router sends to --metaserver (prefer the environment or the file)"
+    )
+    metaserver_token_file: str | None = Field(
+        None, description="file whose first line is --metaserver-token (mode 600)"
+    )
     metaserver_timeout_s: float = Field(5.0, gt=0, description="timeout of one call to --metaserver")
     advertise_metaserver: str | None = Field(
         None,
@@ -46,7 +59,18 @@ class RouterSettings(BaseSettings):
         "(default: --metaserver, or this router's own URL when embedded and --host is not a wildcard)",
     )
     store: str = Field("memory://", description="store of the embedded metaserver: memory:// or redis://...")
-    admin_token: str | None = Field(None, description="token that protects the embedded metaserver's write routes")
+    admin_token: str | None = Field(
+        None,
+        description="admin token of the embedded metaserver's /v1/instances and /v1/handoffs routes and of the "
+        "instance URLs in /health (default: PDGATE_ADMIN_TOKEN; unset: protected mode, loopback peers only); "
+        "prefer the environment or --admin-token-file to a flag (command lines are visible to every user)",
+    )
+    admin_token_file: str | None = Field(None, description="file whose first line is the admin token (mode 600)")
+    allowed_engine_networks: str | None = Field(
+        None,
+        description="comma-separated CIDRs (e.g. 10.0.0.0/8,fd00::/8): instance URLs whose host is not a literal "
+        "address inside one of them are refused (static instances at start-up, registrations with 422)",
+    )
     prefill: UrlList = Field(default_factory=list, description="static prefill instance base URL (repeatable)")
     decode: UrlList = Field(default_factory=list, description="static decode instance base URL (repeatable)")
     model: str | None = Field(
@@ -65,15 +89,35 @@ class RouterSettings(BaseSettings):
 
     # -- clients ----------------------------------------------------------------------------
     api_key: UrlList = Field(
-        default_factory=list, description="client API key accepted as 'Authorization: Bearer KEY' (repeatable)"
+        default_factory=list,
+        description="client API key accepted as 'Authorization: Bearer KEY' (repeatable; prefer the "
+        "environment or --api-key-file)",
     )
+    api_key_file: str | None = Field(None, description="file of client API keys, one per line (mode 600)")
     upstream_api_key: str | None = Field(
         None,
-        description="key sent to engines as 'Authorization: Bearer KEY' (default: the client's header, "
-        "when the router checks no keys itself)",
+        description="key sent to engines as 'Authorization: Bearer KEY' (default: no Authorization header; "
+        "prefer the environment or --upstream-api-key-file)",
+    )
+    upstream_api_key_file: str | None = Field(
+        None, description="file whose first line is --upstream-api-key (mode 600)"
+    )
+    forward_client_auth: bool = Field(
+        False,
+        description="send the client's own Authorization header to the engines when no --upstream-api-key is "
+        "set (off: client credentials never leave the router)",
     )
     max_inflight: int = Field(4096, ge=1, description="requests in flight beyond which clients get 429")
     max_body_bytes: int = Field(32 << 20, ge=1024, description="larger request bodies get 413")
+    header_timeout_s: float = Field(
+        30.0, gt=0, description="a connection whose request headers are not complete within this is closed"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body that stalls (no bytes) for this long has its connection closed"
+    )
+    max_connections: int = Field(
+        8192, ge=1, description="open client connections beyond which new ones get 503 and are closed"
+    )
 
     # -- failures ---------------------------------------------------------------------------
     prefill_retries: int = Field(2, ge=0, description="retries of a failed prefill on another instance")
@@ -106,10 +150,13 @@ class RouterSettings(BaseSettings):
     @field_validator("prefill", "decode")
     @classmethod
     def _urls(cls, v: list[str]) -> list[str]:
+        out = []
         for url in v:
-            if not (url.startswith("http://") or url.startswith("https://")):
-                raise ValueError(f"instance URL must start with http:// or https://: {url!r}")
-        return [u.rstrip("/") for u in v]
+            try:
+                out.append(check_engine_url(url))
+            except InvalidEngineURL as exc:
+                raise ValueError(f"instance URL {url!r}: {exc}") from None
+        return out
 
     @field_validator("metaserver", "advertise_metaserver")
     @classmethod
@@ -125,6 +172,41 @@ class RouterSettings(BaseSettings):
         if self.retry_backoff_max_s < self.retry_backoff_s:
             raise ValueError("retry_backoff_max_s must be >= retry_backoff_s")
         return self
+
+    @model_validator(mode="after")
+    def _secrets_and_networks(self) -> RouterSettings:
+        """Read every secret file once, here, so the rest of the router sees plain values."""
+        try:
+            resolved = {
+                "admin_token": resolve_secret(self.admin_token, self.admin_token_file, name="admin_token"),
+                "upstream_api_key": resolve_secret(
+                    self.upstream_api_key, self.upstream_api_key_file, name="upstream_api_key"
+                ),
+                "metaserver_token": resolve_secret(
+                    self.metaserver_token, self.metaserver_token_file, name="metaserver_token"
+                ),
+            }
+            keys = [k for k in self.api_key if k]
+            if self.api_key_file is not None:
+                read_secret_file(self.api_key_file)  # the same checks: exists, not empty, mode 600
+                text = Path(self.api_key_file).read_text(encoding="utf-8")
+                keys += [line.strip() for line in text.splitlines() if line.strip()]
+        except SecretFileError as exc:
+            raise ValueError(str(exc)) from None
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "api_key", keys)
+        nets = self.engine_networks
+        for url in (*self.prefill, *self.decode):
+            try:
+                check_engine_url(url, nets)
+            except InvalidEngineURL as exc:
+                raise ValueError(f"instance URL {url!r}: {exc}") from None
+        return self
+
+    @property
+    def engine_networks(self) -> tuple[IPNetwork, ...]:
+        return parse_networks(self.allowed_engine_networks) if self.allowed_engine_networks else ()
 
     @property
     def embedded(self) -> bool:
