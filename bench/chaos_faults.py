@@ -1,0 +1,186 @@
+"""The faults of the chaos suite (issue 10, scenarios 1-6 and 8); the network partition is in chaos_netns.
+
+Each fault is a function of a `Ctx`: it injects at once, and returns when the fault is healed (a kill is
+healed when it returns; a SIGSTOP or an outage when the process is back). What a scenario must show
+beyond the shared zeros goes into `ctx.extra`; keys starting with `ok_` are pass/fail checks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+from chaos_run import Ctx
+from chaos_stack import TOKEN, sim_stats, wait_ready
+
+__all__ = ["SCENARIOS"]
+
+
+def kill_decode(ctx: Ctx) -> None:
+    ctx.stack.decodes[0].kill()
+
+
+def kill_prefill(ctx: Ctx) -> None:
+    ctx.stack.prefills[0].kill()
+
+
+def stop_decode(ctx: Ctx) -> None:
+    """SIGSTOP a decode: its sockets stay open and silent (a hang, not a refusal), then SIGCONT."""
+    d = ctx.stack.decodes[0]
+    d.signal(signal.SIGSTOP)
+    time.sleep(ctx.knobs.stop_s)
+    d.signal(signal.SIGCONT)
+    ctx.extra["stats_at_cont"] = _counts(d.url)
+
+
+def after_stop_decode(ctx: Ctx) -> None:
+    d = ctx.stack.decodes[0]
+    before = ctx.extra.pop("stats_at_cont", {}) or {}
+    after = _counts(d.url)
+    ctx.extra["claimed_after_cont"] = after.get("claimed", 0) - before.get("claimed", 0)
+    ctx.extra["ok_back_in_rotation"] = ctx.extra["claimed_after_cont"] > 0
+    # The late decode's claims on handoffs the router gave up on are refused by the ledger (load error).
+    ctx.extra["late_claims_refused"] = after.get("kv_expired", 0) + after.get("status_504", 0)
+    ctx.extra["kv_mismatches"] = sum(_counts(s.url).get("mismatches", 0) for s in ctx.stack.decodes)
+    ctx.extra["ok_no_wrong_kv"] = ctx.extra["kv_mismatches"] == 0
+
+
+def _counts(url: str) -> dict[str, int]:
+    st = sim_stats(url)
+    return dict(st.get("counts", {})) if st else {}
+
+
+def _outage_probe(ctx: Ctx, until: float) -> None:
+    """While a dependency is down: how fast the router answers, and what its /health says."""
+    router = ctx.stack.routers[0].url
+    latencies: list[float] = []
+    codes: Counter[str] = Counter()
+    health: dict[str, Any] | None = None
+    n = 0
+    while time.time() < until and n < 200:
+        n += 1
+        t0 = time.time()
+        try:
+            r = httpx.post(
+                router + "/v1/completions",
+                json={"model": "sim-model", "prompt": f"probe {n}", "max_tokens": 4},
+                timeout=ctx.stack.timing.metaserver_timeout_s * 10,
+            )
+            latencies.append(time.time() - t0)
+            err = r.json().get("error") if r.status_code != 200 else None
+            codes[f"{r.status_code} {err.get('code') if isinstance(err, dict) else ''}".strip()] += 1
+        except httpx.HTTPError as exc:
+            codes[type(exc).__name__] += 1
+        if health is None and time.time() - ctx.t_fault > 1.0:
+            try:
+                h = httpx.get(router + "/health", timeout=2.0)
+                health = {"status": h.status_code, "registry_error": h.json().get("registry_error")}
+            except (httpx.HTTPError, ValueError) as exc:
+                health = {"error": repr(exc)}
+        time.sleep(0.1)
+    ctx.extra["probe_answers"] = dict(codes)
+    ctx.extra["probe_max_latency_s"] = round(max(latencies), 3) if latencies else None
+    ctx.extra["health_during_outage"] = health
+
+
+def _redis_restart(ctx: Ctx) -> None:
+    redis = ctx.stack.redis
+    assert redis is not None and redis.pid is not None
+    kv_before = _kv_keys(ctx)
+    os.kill(redis.pid, signal.SIGKILL)  # a crash: no shutdown save, no final AOF fsync
+    redis.stop()
+    _outage_probe(ctx, time.time() + ctx.knobs.outage_s)
+    redis.start()
+    ctx.extra["kv_keys_before"] = kv_before
+
+
+def after_redis(ctx: Ctx) -> None:
+    # A prefill log is a bounded ring: keep what was read before the fault too.
+    seen = {**ctx.extra.pop("kv_keys_before", {}), **_kv_keys(ctx)}
+    keys = Counter(seen.values())
+    ctx.extra["kv_keys_seen"] = len(keys)
+    ctx.extra["kv_keys_repeated"] = sum(1 for n in keys.values() if n > 1)
+    ctx.extra["ok_kv_keys_unique"] = ctx.extra["kv_keys_repeated"] == 0
+    ctx.extra["prefill_frees"] = {p.name: (sim_stats(p.url) or {}).get("freed") for p in ctx.stack.prefills}
+    lat = ctx.extra.get("probe_max_latency_s")
+    bound = ctx.stack.timing.metaserver_timeout_s * 2 + 0.5
+    ctx.extra["ok_fast_503"] = lat is not None and lat <= bound and _probe_typed(ctx)
+
+
+def _probe_typed(ctx: Ctx) -> bool:
+    answers = ctx.extra.get("probe_answers", {})
+    return all(k.startswith("200") or "pd_" in k or k.startswith("429") for k in answers)
+
+
+def _kv_keys(ctx: Ctx) -> dict[str, int]:
+    """transfer id -> kv_key of every handoff a prefill saw: a repeat is one key on two transfers."""
+    seen: dict[str, int] = {}
+    for p in ctx.stack.prefills:
+        if not p.alive:
+            continue
+        for e in (sim_stats(p.url, log=True) or {}).get("log", []):
+            kv = (e.get("body") or {}).get("kv_transfer_params") or {}
+            if e.get("mode") == "prefill" and kv.get("kv_key") and e.get("transfer_id"):
+                seen[e["transfer_id"]] = int(kv["kv_key"])
+    return seen
+
+
+def restart_metaserver(ctx: Ctx) -> None:
+    st = ctx.stack
+    assert st.metaserver is not None
+    st.metaserver.kill()
+    _outage_probe(ctx, time.time() + ctx.knobs.outage_s)
+    st.metaserver = st.start_metaserver()
+    wait_ready(st.meta_url, proc=st.metaserver)
+
+
+def kill_router(ctx: Ctx) -> None:
+    ctx.stack.routers[1].kill()
+
+
+def reregister(ctx: Ctx) -> None:
+    """Register a live prefill again (identical), then bring decode d0 back on a new URL and kill the old."""
+    st = ctx.stack
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    dup = []
+    for _ in range(3):
+        rec = httpx.get(f"{st.meta_url}/v1/instances/p0", headers=auth, timeout=2.0).json()
+        keep = (
+            "id role url model dp_rank dp_size tp_size block_size kv_dtype kv_layout kv_replicated "
+            "transport engine_id lease_s"
+        ).split()
+        body = {k: rec[k] for k in keep if k in rec}
+        dup.append(httpx.post(f"{st.meta_url}/v1/instances", json=body, headers=auth, timeout=2.0).status_code)
+        time.sleep(0.3)
+    ctx.extra["duplicate_register_status"] = dup
+    old = st.decodes[0]
+    new = st.start_sim("decode", "d0")
+    wait_ready(new.url, proc=new)
+    time.sleep(1.0)
+    old.kill()
+    st.decodes[0] = new
+    rec = httpx.get(f"{st.meta_url}/v1/instances/d0", headers=auth, timeout=2.0).json()
+    ctx.extra["d0_url_now"] = rec.get("url") == new.url
+
+
+def after_reregister(ctx: Ctx) -> None:
+    claimed = _counts(ctx.stack.decodes[0].url).get("claimed", 0)
+    ctx.extra["new_d0_claimed"] = claimed
+    ctx.extra["ok_new_url_in_rotation"] = claimed > 0 and bool(ctx.extra.get("d0_url_now"))
+
+
+# name -> (title, fault, options for run_scenario)
+SCENARIOS: dict[str, tuple[str, Any, dict[str, Any]]] = {
+    "1-kill-decode": ("SIGKILL one decode", kill_decode, {}),
+    "2-kill-prefill": ("SIGKILL one prefill", kill_prefill, {}),
+    "3-stop-decode": ("SIGSTOP one decode, then SIGCONT", stop_decode, {"after": after_stop_decode}),
+    "4a-redis-restart": ("Restart Redis (no persistence)", _redis_restart, {"after": after_redis}),
+    "4b-redis-restart-aof": ("Restart Redis (AOF everysec)", _redis_restart, {"after": after_redis, "aof": True}),
+    "5-metaserver-restart": ("Kill and restart the metaserver", restart_metaserver, {}),
+    "6-kill-router": ("Kill one of two routers (client round robin)", kill_router, {"routers": 2, "failover": True}),
+    "8-reregister": ("Engine registered twice / back on a new URL", reregister, {"after": after_reregister}),
+}

@@ -1,0 +1,197 @@
+"""Chaos load: N concurrent streaming clients plus a trickle of non-streaming ones, on the official `openai` client.
+
+It runs as its own process (`python bench/chaos_load.py ...`) so that the orchestrator can inject faults
+while it runs, the load can be started inside a network namespace, and its CPU is not mixed with the
+orchestrator's. Every finished request is one JSON line in `--out`, written as it finishes, so the
+orchestrator can watch the error rate live and decide when the stack has recovered.
+
+A request ends in exactly one class:
+  ok       a 200 with all `max_tokens` tokens and a finish_reason (streams: then the end of the stream)
+  typed    an error the client can act on: an HTTP error or an SSE error event whose `code` is one of
+           pdgate's codes (pdgate.errors.Code)
+  untyped  everything else: a 5xx without such a code, an empty or truncated 200, a connection reset with no
+           error event, a client timeout. The chaos suite requires zero of these.
+
+With `--failover` (several `--url`s, client-side round robin), a request whose connection fails is sent
+again to the next router, as a client of two routers would; only its final outcome is recorded, with the
+number of such retries.
+
+The load stops when `--stop-file` appears or `--duration` has passed, whichever comes first; each request
+has a client-side timeout, so the process always ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+import openai
+
+from pdgate.errors import Code
+
+__all__ = ["TYPED_CODES", "classify_exception", "main"]
+
+TYPED_CODES = frozenset(c.value for c in Code)
+_WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
+
+
+def _prompt(worker: int, seq: int) -> str:
+    words = [_WORDS[(worker * 7 + seq + i) % len(_WORDS)] for i in range(24)]
+    return f"chaos client {worker} request {seq}: " + " ".join(words)
+
+
+def classify_exception(exc: BaseException) -> tuple[str, str | None, int | None, str]:
+    """(outcome, code, status, detail) of a request that raised."""
+    if isinstance(exc, openai.APIStatusError):
+        code = _code_of(exc.body)
+        typed = code in TYPED_CODES
+        return ("typed" if typed else "untyped", code, exc.status_code, str(exc)[:200])
+    if isinstance(exc, openai.APITimeoutError):
+        return ("untyped", None, None, "client timeout")
+    if isinstance(exc, openai.APIConnectionError):
+        return ("untyped", None, None, f"connection: {exc.__cause__!r}"[:200])
+    if isinstance(exc, openai.APIError):  # an SSE error event in the middle of a stream
+        code = _code_of(exc.body)
+        return ("typed" if code in TYPED_CODES else "untyped", code, 200, str(exc)[:200])
+    return ("untyped", None, None, f"{type(exc).__name__}: {exc}"[:200])
+
+
+def _code_of(body: object) -> str | None:
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and isinstance(inner.get("code"), str):
+            return str(inner["code"])
+    return None
+
+
+class Load:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.a = args
+        self.urls: list[str] = args.url
+        limits = httpx.Limits(max_connections=args.streams + 64, max_keepalive_connections=args.streams + 64)
+        timeout = httpx.Timeout(args.request_timeout, connect=5.0)
+        self.http = httpx.AsyncClient(limits=limits, timeout=timeout)
+        self.clients = [
+            openai.AsyncOpenAI(base_url=u.rstrip("/") + "/v1", api_key="chaos", max_retries=0, http_client=self.http)
+            for u in self.urls
+        ]
+        self.end = time.time() + args.duration
+        self.stop_file = Path(args.stop_file) if args.stop_file else None
+        self.out: TextIO = open(args.out, "w", buffering=1)
+        self.rr = 0
+
+    def stopping(self) -> bool:
+        return time.time() >= self.end or (self.stop_file is not None and self.stop_file.exists())
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.out.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    async def _once(self, client: openai.AsyncOpenAI, prompt: str, stream: bool) -> tuple[str, str | None, str]:
+        n, finish = 0, None
+        if stream:
+            resp = await client.completions.create(
+                model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens, stream=True
+            )
+            async for chunk in resp:
+                for c in chunk.choices:
+                    n += 1 if c.text else 0
+                    finish = c.finish_reason or finish
+        else:
+            full = await client.completions.create(model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens)
+            if full.choices:
+                n = full.usage.completion_tokens if full.usage else len(full.choices[0].text.split())
+                finish = full.choices[0].finish_reason
+        if finish is None or n < self.a.max_tokens:
+            return ("untyped", None, f"truncated 200: {n} tokens, finish_reason {finish}")
+        return ("ok", None, "")
+
+    async def request(self, worker: int, seq: int, stream: bool) -> None:
+        t0 = time.time()
+        tries = len(self.clients) if self.a.failover else 1
+        first = self.rr
+        self.rr += 1
+        outcome: tuple[str, str | None, int | None, str] = ("untyped", None, None, "not sent")
+        retries = 0
+        for attempt in range(tries):
+            client = self.clients[(first + attempt) % len(self.clients)]
+            try:
+                kind, code, detail = await self._once(client, _prompt(worker, seq), stream)
+                outcome = (kind, code, 200, detail)
+            except Exception as exc:
+                outcome = classify_exception(exc)
+                if isinstance(exc, openai.APIConnectionError) and attempt + 1 < tries:
+                    retries += 1
+                    continue
+            break
+        kind, code, status, detail = outcome
+        rec = {"t0": round(t0, 4), "t1": round(time.time(), 4), "s": int(stream), "o": kind, "c": code}
+        if status is not None and status != 200:
+            rec["st"] = status
+        if kind != "ok":
+            rec["d"] = detail
+        if retries:
+            rec["r"] = retries
+        self.record(rec)
+
+    async def streamer(self, worker: int) -> None:
+        # Spread the starts over a second so the fault does not meet a lock-step wave.
+        await asyncio.sleep((worker % 100) / 100)
+        seq = 0
+        while not self.stopping() and seq < self.a.max_per_worker:
+            await self.request(worker, seq, True)
+            seq += 1
+
+    async def trickle(self) -> None:
+        tasks: set[asyncio.Task[None]] = set()
+        seq = 0
+        period = 1.0 / self.a.trickle if self.a.trickle > 0 else None
+        while period is not None and not self.stopping() and seq < self.a.max_per_worker * 10:
+            if len(tasks) < 32:
+                t = asyncio.create_task(self.request(-1, seq, False))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            seq += 1
+            await asyncio.sleep(period)
+        if tasks:
+            await asyncio.gather(*tasks)
+
+    async def run(self) -> None:
+        try:
+            await asyncio.gather(*(self.streamer(i) for i in range(self.a.streams)), self.trickle())
+        finally:
+            self.out.close()
+            await self.http.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--url", action="append", required=True, help="router base URL (repeat for round robin)")
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--trickle", type=float, default=2.0, help="non-streaming requests per second")
+    p.add_argument("--duration", type=float, default=60.0, help="hard cap in seconds")
+    p.add_argument("--stop-file", default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--request-timeout", type=float, default=30.0)
+    p.add_argument("--max-per-worker", type=int, default=100_000)
+    p.add_argument("--failover", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    os.environ.setdefault("OPENAI_LOG", "error")
+    asyncio.run(Load(args).run())
+
+
+if __name__ == "__main__":
+    main()
