@@ -1,7 +1,8 @@
 """`pdgate-metaserver` / `python -m pdgate.metaserver`: settings from env + flags, then uvicorn.
 
-uvicorn picks uvloop and httptools when they are installed (uvicorn[standard]); the app object is built
-here from the settings, so one process serves one app (scale out with more processes on one Redis).
+The app object is built here from the settings, so one process serves one app (scale out with more
+processes on one Redis). HTTP is uvicorn's httptools protocol wrapped by `pdgate.serving` (header and
+body timeouts, early 413, a connection cap); uvloop is used when installed.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import logging
 from collections.abc import Sequence
 
 import uvicorn
-from pdgate.metaserver.app import create_app
+from pdgate.metaserver.app import access_summary, create_app, render_problem, server_limits
 from pdgate.metaserver.logs import configure_logging
 from pdgate.metaserver.settings import parse_cli
+
+from pdgate.serving import guarded_protocol
 
 __all__ = ["main"]
 
@@ -22,11 +25,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(settings.log_level)
     store_kind = settings.store.split("://", 1)[0]
     logging.getLogger("pdgate.metaserver").info(
-        "metaserver on %s:%d, store %s, auth %s",
-        settings.host,
-        settings.port,
-        store_kind,
-        "on" if settings.admin_token else "off",
+        "metaserver on %s:%d, store %s; %s", settings.host, settings.port, store_kind, access_summary(settings)
     )
     uvicorn.run(
         create_app(settings),
@@ -36,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         access_log=settings.access_log,
         log_config=None,
         loop="auto",
-        http="auto",
+        http=guarded_protocol(server_limits(settings), render_problem),
         server_header=False,
         date_header=False,
     )

@@ -1,8 +1,9 @@
 """The metaserver's HTTP routes: thin adapters from HTTP to `MetaService`.
 
 `build_router(service, settings)` returns an `APIRouter` with every `/v1/instances` and `/v1/handoffs`
-route. It is self-contained (its route class renders errors as RFC 7807 problems, checks the admin token,
-bounds body sizes and records latency), so another FastAPI app can mount it as it is. The router's
+route. It is self-contained (its route class renders errors as RFC 7807 problems, checks who may call
+(`guards.AccessGuard`: admin token, or loopback peers in protected mode), bounds body sizes and long-polls
+and records latency), so another FastAPI app can mount it as it is. The router's
 embedded mode does:
 
     holder: dict[str, MetaService] = {}
@@ -18,7 +19,6 @@ once a lifespan has opened its store).
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -39,6 +39,7 @@ from pdgate.metaserver.errors import (
     from_validation_error,
     problem_response,
 )
+from pdgate.metaserver.guards import AccessGuard, LongPolls, TooManyLongPolls, check_cursor
 from pdgate.metaserver.models import (
     AbortBody,
     ClaimBody,
@@ -58,14 +59,15 @@ from pdgate.metaserver.models import (
 )
 from pdgate.metaserver.service import MetaService
 from pdgate.metaserver.settings import MetaSettings
+from pdgate.metaserver.urls import InvalidEngineURL, check_engine_url
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 __all__ = [
     "InstanceList",
     "build_router",
-    "check_auth",
     "error_from_exception",
+    "error_headers",
     "from_request_validation",
     "parse_body",
     "read_body",
@@ -96,7 +98,7 @@ def from_request_validation(exc: RequestValidationError) -> MetaError:
     """FastAPI's validation error as one of ours: 400 for unparsable JSON, else 422 naming each field."""
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
-        ctx = next((e.get("ctx", {}) for e in errors if e.get("type") == "json_invalid"), {})
+        ctx: dict[str, Any] = next((e.get("ctx", {}) for e in errors if e.get("type") == "json_invalid"), {})
         return MalformedBody(f"body is not valid JSON: {ctx.get('error', 'parse error')}")
     parts = []
     for err in errors:
@@ -112,18 +114,24 @@ def error_from_exception(exc: Exception) -> MetaError:
         return from_request_validation(exc)
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
-            return RouteNotFound(str(exc.detail))
-        err = MetaError(str(exc.detail), status=exc.status_code, code="http_error")
-        return err
+            return RouteNotFound(f"no route {exc.detail}" if exc.detail != "Not Found" else "no such route")
+        if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            return MetaError(f"method not allowed here; allowed: {allow}", status=405, code="method_not_allowed")
+        return MetaError(str(exc.detail), status=exc.status_code, code="http_error")
     log.exception("unexpected error", exc_info=exc)
     return StoreFailure(f"internal error: {type(exc).__name__}", code="internal_error")
 
 
-def check_auth(header: str, token: str) -> None:
-    """401 unless `header` is 'Bearer <token>' (constant-time comparison)."""
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise Unauthorized("this route needs 'Authorization: Bearer <admin token>'")
+def error_headers(err: MetaError, exc: BaseException | None = None) -> dict[str, str] | None:
+    """Headers an error answer carries: WWW-Authenticate on 401, Retry-After on 429, Allow on 405."""
+    if isinstance(err, Unauthorized):
+        return {"WWW-Authenticate": "Bearer"}
+    if isinstance(err, TooManyLongPolls):
+        return {"Retry-After": "1"}
+    if err.status == 405 and isinstance(exc, StarletteHTTPException) and exc.headers:
+        return {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+    return None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -176,9 +184,10 @@ def _body_doc(model: type[BaseModel], *, required: bool = True) -> dict[str, Any
 
 def build_router(service: MetaService | Callable[[], MetaService], settings: MetaSettings) -> APIRouter:
     get_service: Callable[[], MetaService] = service if not isinstance(service, MetaService) else (lambda: service)
-    token = settings.admin_token
-    auth_reads = settings.auth_reads
+    guard = AccessGuard(settings)
+    long_polls = LongPolls(settings.max_long_polls)
     max_body = settings.max_body_bytes
+    networks = settings.engine_networks
 
     class ProblemRoute(APIRoute):
         """Errors -> RFC 7807, admin token, body bound and latency, around each route of this router."""
@@ -192,13 +201,12 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
             async def handler(request: Request) -> Response:
                 start = time.perf_counter()
                 try:
-                    if token and (writes or auth_reads):
-                        check_auth(request.headers.get("authorization", ""), token)
+                    peer = request.client.host if request.client is not None else None
+                    guard.check(request.headers.get("authorization"), peer, write=writes)
                     response = await inner(request)
                 except Exception as exc:
                     err = error_from_exception(exc)
-                    headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, Unauthorized) else None
-                    response = problem_response(err, instance=request.url.path, headers=headers)
+                    response = problem_response(err, instance=request.url.path, headers=error_headers(err, exc))
                 metric = get_service().metrics.request_latency
                 key = (id(metric), request.method, response.status_code)
                 child = observers.get(key)
@@ -210,7 +218,8 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
             return handler
 
     router = APIRouter(route_class=ProblemRoute)
-    common = _problems(401, 422, 503)
+    common = _problems(400, 401, 403, 413, 422, 503)
+    polls = _problems(429)
 
     # -- registry ----------------------------------------------------------------------------
     @router.post(
@@ -224,6 +233,11 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
     async def register(request: Request) -> Response:
         body = parse_body(await read_body(request, max_body), InstanceRegistration)
         assert body is not None
+        if networks:
+            try:
+                check_engine_url(body.url, networks)
+            except InvalidEngineURL as exc:
+                raise InvalidInput(f"body.url: {exc}") from None
         return _json(await get_service().register(body))
 
     @router.post(
@@ -287,16 +301,22 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
     @router.get(
         "/v1/instances/{instance_id}/handoff-events",
         response_model=HandoffEvents,
-        responses=common,
+        responses={**common, **polls},
         tags=["handoffs"],
         summary="Terminal transitions of this prefill's handoffs, in order, after `cursor`",
     )
     async def handoff_events(
         instance_id: str,
-        cursor: str | None = Query(None, max_length=64, description="cursor of the last answer; absent: oldest kept"),
+        cursor: str | None = Query(
+            None, description="the `cursor` of the last answer (`<n>` or `<n>-<m>`); absent: the oldest event kept"
+        ),
         wait: float | None = Query(None, ge=0, description="long-poll up to this many seconds (capped)"),
     ) -> Response:
-        return _json(await get_service().events(instance_id, cursor, wait))
+        check_cursor(cursor)
+        if not wait:
+            return _json(await get_service().events(instance_id, cursor, wait))
+        with long_polls.hold():
+            return _json(await get_service().events(instance_id, cursor, wait))
 
     # -- handoff ledger ----------------------------------------------------------------------
     ledger_errors = {**common, **_problems(404, 409, 410)}
@@ -370,7 +390,7 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
     @router.get(
         "/v1/handoffs/{transfer_id}",
         response_model=Handoff,
-        responses={**common, **_problems(404)},
+        responses={**common, **_problems(404), **polls},
         tags=["handoffs"],
         summary="One handoff; ?wait=S long-polls until it leaves PENDING",
     )
@@ -378,6 +398,9 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
         transfer_id: str,
         wait: float | None = Query(None, ge=0, description="long-poll up to this many seconds (capped)"),
     ) -> Response:
-        return _json(await get_service().get_handoff(transfer_id, wait))
+        if not wait:
+            return _json(await get_service().get_handoff(transfer_id, wait))
+        with long_polls.hold():
+            return _json(await get_service().get_handoff(transfer_id, wait))
 
     return router

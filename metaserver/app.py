@@ -1,8 +1,12 @@
 """The metaserver app factory and the service lifecycle.
 
 `create_app(settings)` builds the FastAPI app: its lifespan opens the store and starts the sweeper
-(`running_service`), the routes come from `api.build_router`, plus `GET /health` (503 when the store is
-unreachable), `GET /metrics` (Prometheus) and OpenAPI at `/docs`. With `settings.fast_path` the hot
+(`running_service`), the routes come from `api.build_router`, plus `GET /health` (503 with the reason
+when the store is unreachable or slower than `health_timeout_s`), `GET /metrics` (Prometheus) and
+OpenAPI at `/docs`; those four stay open to anyone, the /v1 routes need the admin token (or, in
+protected mode, a loopback peer: see `guards.py`). A path with a trailing slash is a 404 like any
+unknown path (no redirect), and every error is RFC 7807. `server_limits(settings)` and
+`render_problem` give `pdgate.serving` what it needs to bound slow and greedy clients. With `settings.fast_path` the hot
 ledger routes are answered by `fastpath.FastPath` before FastAPI (same answers, less CPU).
 
 `running_service(settings)` is usable from another app's lifespan, e.g. the router running the
@@ -17,15 +21,17 @@ closes the store.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pdgate.metaserver.api import build_router, error_from_exception
+from pdgate.metaserver.api import build_router, error_from_exception, error_headers
 from pdgate.metaserver.client import MetaError
-from pdgate.metaserver.errors import problem_response
+from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, StoreUnavailable, problem_body, problem_response
 from pdgate.metaserver.fastpath import FastPath
 from pdgate.metaserver.metrics import MetaMetrics
 from pdgate.metaserver.models import CONTRACT_VERSION, Problem
@@ -36,7 +42,38 @@ from pdgate.metaserver.sweeper import Sweeper
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["create_app", "policy_from", "running_service"]
+from pdgate.errors import CODES, Code
+from pdgate.serving import ServerLimits
+
+__all__ = ["access_summary", "create_app", "policy_from", "render_problem", "running_service", "server_limits"]
+
+log = logging.getLogger("pdgate.metaserver")
+
+
+def access_summary(settings: MetaSettings) -> str:
+    """One start-up log line saying who may use the /v1 routes (protected mode is said loudly)."""
+    if settings.protected_mode:
+        return (
+            "protected mode: no admin token, so /v1 routes answer loopback peers only "
+            "(set PDGATE_ADMIN_TOKEN or --admin-token-file to serve other hosts)"
+        )
+    reads = "writes and reads" if settings.auth_reads else "writes (reads are open: --no-auth-reads)"
+    return f"admin token required on /v1 {reads}"
+
+
+def server_limits(settings: MetaSettings) -> ServerLimits:
+    return ServerLimits(
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        max_body_bytes=settings.max_body_bytes,
+        max_connections=settings.max_connections,
+    )
+
+
+def render_problem(code: Code, detail: str) -> tuple[bytes, bytes]:
+    """A refusal of `pdgate.serving` (408, 413, 503) as an RFC 7807 body, like every other error here."""
+    err = MetaError(detail, status=CODES[code].status, code=code.value)
+    return PROBLEM_MEDIA_TYPE.encode(), problem_body(err)
 
 
 def policy_from(settings: MetaSettings) -> LedgerPolicy:
@@ -72,6 +109,7 @@ def create_app(settings: MetaSettings | None = None, *, registry: CollectorRegis
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with running_service(settings, registry=registry) as service:
+            log.info("%s", access_summary(settings))
             holder["service"] = service
             app.state.service = service
             yield
@@ -84,13 +122,17 @@ def create_app(settings: MetaSettings | None = None, *, registry: CollectorRegis
         version=str(CONTRACT_VERSION),
         description="Instance registry and KV handoff ledger for prefill/decode disaggregated serving.",
         lifespan=lifespan,
+        redirect_slashes=False,
     )
     app.include_router(build_router(service, settings))
 
     @app.get("/health", tags=["ops"], responses={503: {"model": Problem}})
     async def health(request: Request) -> Response:
         try:
-            info = await service().health()
+            info = await asyncio.wait_for(service().health(), settings.health_timeout_s)
+        except TimeoutError:
+            err = StoreUnavailable(f"the store did not answer a ping within {settings.health_timeout_s:g} s")
+            return problem_response(err, instance=request.url.path)
         except MetaError as exc:
             return problem_response(exc, instance=request.url.path)
         return Response(orjson.dumps(info), media_type="application/json")
@@ -102,7 +144,8 @@ def create_app(settings: MetaSettings | None = None, *, registry: CollectorRegis
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def problem(request: Request, exc: Exception) -> Response:
-        return problem_response(error_from_exception(exc), instance=request.url.path)
+        err = error_from_exception(exc)
+        return problem_response(err, instance=request.url.path, headers=error_headers(err, exc))
 
     app.add_exception_handler(StarletteHTTPException, problem)
     app.add_exception_handler(RequestValidationError, problem)

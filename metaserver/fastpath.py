@@ -16,8 +16,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pdgate.metaserver.api import check_auth, error_from_exception, parse_body
+from pdgate.metaserver.api import error_from_exception, parse_body
 from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, BodyTooLarge, InvalidInput, Unauthorized, problem_body
+from pdgate.metaserver.guards import AccessGuard
 from pdgate.metaserver.models import AbortBody, ClaimBody, DoneBody, HandoffCreate, KVLocation
 from pdgate.metaserver.service import MetaService
 from pdgate.metaserver.settings import MetaSettings
@@ -99,8 +100,7 @@ class FastPath:
     def __init__(self, app: ASGIApp, get_service: Callable[[], MetaService], settings: MetaSettings) -> None:
         self.app = app
         self.get_service = get_service
-        self.token = settings.admin_token
-        self.auth_reads = settings.auth_reads
+        self.guard = AccessGuard(settings)
         self.limit = settings.max_body_bytes
         self._observers: dict[tuple[int, str, str, int], Any] = {}
 
@@ -123,8 +123,8 @@ class FastPath:
                     auth = value.decode("latin-1")
                 elif name == b"content-length":
                     declared = value
-            if self.token and (write or self.auth_reads):
-                check_auth(auth, self.token)
+            client = scope.get("client")
+            self.guard.check(auth, client[0] if client else None, write=write)
             raw = await self._read(receive, declared) if write else b""
             model, status = await handler(svc, tid, raw)
             body = model.__pydantic_serializer__.to_json(model)

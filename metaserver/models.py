@@ -10,11 +10,13 @@ CONTRACT_VERSION history:
 
 from __future__ import annotations
 
+import math
 import re
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pdgate.metaserver.urls import check_engine_url
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -50,6 +52,65 @@ _ID_RE = re.compile(ID_PATTERN)
 Ident = Annotated[str, Field(pattern=ID_PATTERN, description="URL-safe id, 1-128 characters")]
 
 MAX_KV_KEY = 2**63 - 1
+
+# Every integer a client sends is at most 2**53 - 1: exact in a double, so in JSON parsers of every
+# language, in orjson and in Redis Lua (cjson). A larger one would be stored, then fail to re-encode
+# (a 5xx on every later read of the record): it is refused at the door instead.
+MAX_SAFE_INT = 2**53 - 1
+Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]
+
+# Free-form metadata (transport `meta`) is opaque to the control plane but still bounded: JSON scalars,
+# lists and objects only, nested at most META_MAX_DEPTH deep, at most META_MAX_ITEMS entries in all,
+# strings up to META_MAX_STRING characters.
+META_MAX_DEPTH = 8
+META_MAX_ITEMS = 4096
+META_MAX_STRING = 256 * 1024
+META_MAX_KEY = 256
+
+
+def _check_meta_value(value: Any, depth: int, budget: list[int], where: str) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"metadata has more than {META_MAX_ITEMS} entries")
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if abs(value) > MAX_SAFE_INT:
+            raise ValueError(f"{where}: integer beyond +-(2**53 - 1)")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: number must be finite")
+        return
+    if isinstance(value, str):
+        if len(value) > META_MAX_STRING:
+            raise ValueError(f"{where}: string longer than {META_MAX_STRING} characters")
+        return
+    if depth >= META_MAX_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {META_MAX_DEPTH} levels")
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_meta_value(item, depth + 1, budget, f"{where}.{i}")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or len(key) > META_MAX_KEY:
+                raise ValueError(f"{where}: keys are strings of at most {META_MAX_KEY} characters")
+            _check_meta_value(item, depth + 1, budget, f"{where}.{key}")
+        return
+    raise ValueError(f"{where}: {type(value).__name__} is not a JSON value")
+
+
+def _bounded_meta(value: dict[str, Any]) -> dict[str, Any]:
+    _check_meta_value(value, 0, [META_MAX_ITEMS], "meta")
+    return value
+
+
+Meta = Annotated[dict[str, Any], AfterValidator(_bounded_meta)]
+Labels = Annotated[
+    dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(max_length=1024)]],
+    Field(max_length=64),
+]
 
 
 def is_valid_id(value: str) -> bool:
@@ -109,22 +170,22 @@ class TransportAddress(_Model):
     super-pod fields on Atlas A3).
     """
 
-    tp_rank: int = Field(0, ge=0)
-    host: str | None = None
+    tp_rank: int = Field(0, ge=0, le=4095)
+    host: str | None = Field(None, max_length=256)
     port: int | None = Field(None, ge=0, le=65535)
-    device_id: int | None = Field(None, ge=0)
-    device_ip: str | None = None
-    cluster_id: int | None = Field(None, ge=0)
-    super_device_id: int | None = Field(None, ge=0)
-    super_pod_id: str | None = None
+    device_id: Count | None = None
+    device_ip: str | None = Field(None, max_length=64)
+    cluster_id: Count | None = None
+    super_device_id: Count | None = None
+    super_pod_id: str | None = Field(None, max_length=256)
     # Transport-specific, opaque to the control plane (e.g. NIXL agent name, base64 agent metadata,
-    # registered region layout). Bounded by the body size limit of the metaserver.
-    meta: dict[str, Any] = Field(default_factory=dict)
+    # registered region layout); bounded in shape (`Meta`) and by the body size limit.
+    meta: Meta = Field(default_factory=dict)
 
 
 class InstanceLoad(_Model):
-    running: int = Field(0, ge=0)
-    waiting: int = Field(0, ge=0)
+    running: Count = 0
+    waiting: Count = 0
     kv_usage: float = Field(0.0, ge=0.0, le=1.0)
 
 
@@ -137,9 +198,14 @@ class InstanceRegistration(_Model):
 
     id: Ident
     role: Role
-    url: str = Field(..., min_length=1, max_length=2048, description="base URL, e.g. http://10.0.0.5:8100")
+    url: str = Field(
+        ...,
+        min_length=1,
+        max_length=2048,
+        description="base URL http[s]://host[:port] (port 1-65535; no user, path, query or fragment)",
+    )
     model: str = Field(..., min_length=1, max_length=512)
-    dp_rank: int = Field(0, ge=0)
+    dp_rank: int = Field(0, ge=0, le=4095)
     dp_size: int = Field(1, ge=1, le=4096)
     tp_size: int = Field(1, ge=1, le=4096)
     pp_size: int = Field(1, ge=1, le=4096)
@@ -154,16 +220,14 @@ class InstanceRegistration(_Model):
     engine_id: str | None = Field(None, max_length=256)
     server_id: str | None = Field(None, max_length=256)
     super_pod_id: str | None = Field(None, max_length=256)
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
     lease_s: float | None = Field(None, gt=0, le=3600, description="heartbeat lease; server default if absent")
     load: InstanceLoad = Field(default_factory=InstanceLoad)
 
     @field_validator("url")
     @classmethod
-    def _url_scheme(cls, v: str) -> str:
-        if not (v.startswith("http://") or v.startswith("https://")):
-            raise ValueError("url must start with http:// or https://")
-        return v.rstrip("/")
+    def _url_rule(cls, v: str) -> str:
+        return check_engine_url(v)
 
     @model_validator(mode="after")
     def _ranks(self) -> InstanceRegistration:
@@ -179,7 +243,7 @@ class Instance(InstanceRegistration):
     """A registry record as stored and returned."""
 
     state: InstanceState = InstanceState.READY
-    lease_s: float = Field(..., gt=0)  # type: ignore[assignment]
+    lease_s: float = Field(..., gt=0)
     registered_at: float
     last_heartbeat: float
     contract_version: int = CONTRACT_VERSION
@@ -206,26 +270,18 @@ class HeartbeatResponse(_Model):
 class KVLocation(_Model):
     """Where a finished prefill's KV lives (the body of `PUT /v1/handoffs/{tid}/ready`)."""
 
-    block_ids: list[list[int]] = Field(..., max_length=64, description="block ids per KV cache group")
-    num_tokens: int = Field(..., ge=0)
+    block_ids: list[list[Count]] = Field(..., max_length=64, description="block ids per KV cache group")
+    num_tokens: Count
     engine_id: str | None = Field(None, max_length=256)
     host: str | None = Field(None, max_length=256)
-    dp_rank: int = Field(0, ge=0)
-    tp_size: int = Field(1, ge=1)
-    block_size: int | None = Field(None, ge=1)
+    dp_rank: int = Field(0, ge=0, le=4095)
+    tp_size: int = Field(1, ge=1, le=4096)
+    block_size: int | None = Field(None, ge=1, le=1 << 20)
     kv_dtype: str | None = Field(None, max_length=64)
     kv_layout: str | None = Field(None, max_length=128)
     transport: TransportKind | None = None
     transport_addresses: list[TransportAddress] = Field(default_factory=list, max_length=4096)
     remote_request_id: str | None = Field(None, max_length=512, description="P's internal vLLM request id")
-
-    @field_validator("block_ids")
-    @classmethod
-    def _non_negative(cls, v: list[list[int]]) -> list[list[int]]:
-        for group in v:
-            if any(b < 0 for b in group):
-                raise ValueError("block ids must be >= 0")
-        return v
 
 
 class HandoffCreate(_Model):

@@ -20,6 +20,7 @@ from pdgate.metaserver.errors import (
     InvalidInput,
     from_illegal,
 )
+from pdgate.metaserver.guards import check_cursor
 from pdgate.metaserver.ledger import IllegalTransition
 from pdgate.metaserver.logs import subject
 from pdgate.metaserver.metrics import MetaMetrics
@@ -182,8 +183,7 @@ class MetaService:
 
     async def events(self, instance_id: str, cursor: str | None = None, wait: float | None = None) -> HandoffEvents:
         check_id(instance_id, "instance_id")
-        if cursor is not None and (not cursor or len(cursor) > 64):
-            raise InvalidInput(f"query.cursor: {cursor!r} is not a cursor of this feed")
+        check_cursor(cursor)  # one grammar for both stores, before either sees it
         timeout = min(max(wait or 0.0, 0.0), self.settings.max_wait_s)
         return await self.store.read_events(instance_id, cursor, wait=timeout)
 

@@ -12,8 +12,11 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import Field
+from pdgate.metaserver.urls import IPNetwork, parse_networks
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pdgate.auth import resolve_secret
 
 __all__ = ["ENV_PREFIX", "MetaSettings", "build_parser", "parse_cli"]
 
@@ -31,9 +34,24 @@ class MetaSettings(BaseSettings):
         "(production; several metaserver replicas share it)",
     )
     admin_token: str | None = Field(
-        None, description="when set, every write needs 'Authorization: Bearer TOKEN' (401 otherwise)"
+        None,
+        description="token that every /v1 route needs as 'Authorization: Bearer TOKEN' (401 otherwise); "
+        "prefer the environment or --admin-token-file to a flag (command lines are visible to every user). "
+        "Unset: protected mode, /v1 routes answer loopback peers only",
     )
-    auth_reads: bool = Field(False, description="also require the admin token on reads")
+    admin_token_file: str | None = Field(
+        None, description="file whose first line is the admin token (mode 600); instead of --admin-token"
+    )
+    auth_reads: bool = Field(
+        True,
+        description="reads of /v1 routes (instance URLs, KV locations) need the admin token too; "
+        "--no-auth-reads opens them to anyone who can reach the port",
+    )
+    allowed_engine_networks: str | None = Field(
+        None,
+        description="comma-separated CIDRs (e.g. 10.0.0.0/8,fd00::/8): instance URLs whose host is not a "
+        "literal address inside one of them are refused at registration",
+    )
     instance_lease_s: float = Field(10.0, gt=0, description="heartbeat lease of an instance that names none")
     pending_lease_s: float = Field(60.0, gt=0, description="how long a handoff may stay PENDING (prefill running)")
     ready_lease_s: float = Field(30.0, gt=0, description="how long a READY handoff waits for a claim")
@@ -51,11 +69,43 @@ class MetaSettings(BaseSettings):
     sweep_interval_s: float = Field(0.1, gt=0, le=10, description="how often the sweeper expires lapsed leases")
     max_wait_s: float = Field(60.0, gt=0, description="cap on ?wait= of long-polls")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    max_long_polls: int = Field(
+        1024, ge=1, description="concurrent long-polls (?wait=) this process holds; more get 429 with Retry-After"
+    )
+    header_timeout_s: float = Field(
+        30.0, gt=0, description="a connection whose request headers are not complete within this is closed"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body that stalls (no bytes) for this long has its connection closed"
+    )
+    max_connections: int = Field(
+        4096, ge=1, description="open connections beyond which new ones get 503 with Retry-After and are closed"
+    )
+    health_timeout_s: float = Field(2.0, gt=0, description="/health answers 503 when the store takes longer")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     access_log: bool = Field(False, description="uvicorn access log (one line per request)")
     fast_path: bool = Field(
         True, description="serve the hot ledger routes with a lean ASGI handler in front of FastAPI (same answers)"
     )
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> MetaSettings:
+        """Read --admin-token-file once, here, so every user of the settings sees one `admin_token`."""
+        token = resolve_secret(self.admin_token, self.admin_token_file, name="admin_token")
+        if token != self.admin_token:
+            object.__setattr__(self, "admin_token", token)
+        if self.allowed_engine_networks:
+            parse_networks(self.allowed_engine_networks)  # refuse a malformed CIDR at start-up
+        return self
+
+    @property
+    def protected_mode(self) -> bool:
+        """No admin token: /v1 routes answer loopback peers only (see pdgate.auth)."""
+        return self.admin_token is None
+
+    @property
+    def engine_networks(self) -> tuple[IPNetwork, ...]:
+        return parse_networks(self.allowed_engine_networks) if self.allowed_engine_networks else ()
 
 
 def _flag(name: str) -> str:

@@ -46,6 +46,8 @@ class Code(str, Enum):
     INVALID_CURSOR = "invalid_cursor"
     TOO_MANY_REQUESTS = "too_many_requests"
     UPSTREAM_REJECTED = "upstream_rejected"  # an engine's own 4xx, relayed verbatim
+    REQUEST_TIMEOUT = "request_timeout"  # the client did not send its headers in time
+    SERVER_BUSY = "server_busy"  # connection limit reached; retry shortly
     LOOP_DETECTED = "pd_loop_detected"
     # -- ledger state ---------------------------------------------------------------------------
     HANDOFF_EXISTS = "handoff_exists"
@@ -113,6 +115,8 @@ CODES: dict[Code, CodeInfo] = {
     Code.ILLEGAL_TRANSITION: CodeInfo(409, openai_type=_BAD),
     Code.HANDOFF_TERMINAL: CodeInfo(410, openai_type=_BAD),
     Code.PREFILL_FAILED: CodeInfo(502, retryable=True),
+    Code.REQUEST_TIMEOUT: CodeInfo(408, openai_type=_BAD),
+    Code.SERVER_BUSY: CodeInfo(503, retryable=True),
     Code.DECODE_FAILED: CodeInfo(502, retryable=True),
     Code.KV_EXPIRED: CodeInfo(504),
     Code.NO_COMPATIBLE_PAIR: CodeInfo(503),

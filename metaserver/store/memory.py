@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import Callable
 
 from pdgate.metaserver import ledger, registry
-from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, InvalidInput
+from pdgate.metaserver.errors import HandoffExists, HandoffNotFound
+from pdgate.metaserver.guards import check_cursor
 from pdgate.metaserver.models import (
     TERMINAL_STATES,
     Handoff,
@@ -76,6 +77,7 @@ class MemoryStore(Store):
         self._vanish: list[tuple[float, int, str]] = []  # terminal records: (drop at, tiebreak, transfer_id)
         self._tiebreak = itertools.count()
         self._feeds: dict[str, _Feed] = {}
+        self._feed_created = asyncio.Event()
         self._left_pending: dict[str, asyncio.Event] = {}
         self._closed = False
 
@@ -160,6 +162,8 @@ class MemoryStore(Store):
 
     def _feed(self, instance_id: str) -> _Feed:
         feed = self._feeds.get(instance_id)
+            self._feed_created.set()  # wakes polls of an instance that had no feed yet
+            self._feed_created = asyncio.Event()
         if feed is None:
             feed = self._feeds[instance_id] = _Feed(self.policy.events_maxlen, self._clock())
         return feed
@@ -257,28 +261,23 @@ class MemoryStore(Store):
     async def read_events(
         self, instance_id: str, cursor: str | None, *, wait: float, limit: int = 1000
     ) -> HandoffEvents:
-        if cursor is None:
-            after = 0
-        else:
-            try:
-                after = int(cursor)
-            except ValueError:
-                raise InvalidInput(f"query.cursor: {cursor!r} is not a cursor of this feed") from None
-            if after < 0:
-                raise InvalidInput(f"query.cursor: {cursor!r} is not a cursor of this feed")
+        # One grammar for both stores (`<n>` or `<n>-<m>`); a feed's sequence is one number.
+        after = int(check_cursor(cursor).partition("-")[0]) if cursor is not None else 0
         loop = asyncio.get_running_loop()
         until = loop.time() + wait
         while True:
-            feed = self._feed(instance_id) if wait > 0 else self._feeds.get(instance_id)
+            # A poll never creates a feed: polling an unknown instance must leave nothing behind.
+            feed = self._feeds.get(instance_id)
             if feed is not None:
                 batch = [(seq, ev) for seq, ev in feed.items if seq > after][:limit]
                 if batch:
                     return HandoffEvents(events=[ev for _, ev in batch], cursor=str(batch[-1][0]))
             remaining = until - loop.time()
-            if feed is None or remaining <= 0:
-                return HandoffEvents(events=[], cursor=str(after))
+            if remaining <= 0:
+            signal = feed.signal if feed is not None else self._feed_created
+                return HandoffEvents(events=[], cursor=cursor if cursor is not None else "0")
             # Re-check at least every second: the feed may have been dropped and recreated meanwhile.
             try:
-                await asyncio.wait_for(feed.signal.wait(), min(remaining, 1.0))
+                await asyncio.wait_for(signal.wait(), min(remaining, 1.0))
             except asyncio.TimeoutError:
                 pass

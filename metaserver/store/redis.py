@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -28,7 +27,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import orjson
 import redis.asyncio as aioredis
 from pdgate.metaserver import ledger
-from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, InvalidInput, StoreFailure, StoreUnavailable
+from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, StoreFailure, StoreUnavailable
+from pdgate.metaserver.guards import check_cursor
 from pdgate.metaserver.models import (
     Handoff,
     HandoffCreate,
@@ -56,10 +56,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 S = HandoffState
 
-_CURSOR_RE = re.compile(r"^\d{1,20}(-\d{1,20})?$")
 _SCRIPTS = ("create", "ready", "claim", "done", "abort", "expire", "register", "heartbeat", "drain")
 _HANDOFF_SCRIPTS = frozenset({"create", "ready", "claim", "done", "abort", "expire"})
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+_BLOCKING_MARGIN_S = 2.0
 
 
 def _csv(states: frozenset[HandoffState]) -> str:
@@ -457,9 +457,7 @@ class RedisStore(Store):
     async def read_events(
         self, instance_id: str, cursor: str | None, *, wait: float, limit: int = 1000
     ) -> HandoffEvents:
-        after = cursor if cursor is not None else "0"
-        if not _CURSOR_RE.match(after):
-            raise InvalidInput(f"query.cursor: {cursor!r} is not a cursor of this feed")
+        after = check_cursor(cursor) or "0"  # one grammar for both stores
         key = self.keys.events(instance_id)
         if wait > 0:
             call: Callable[[], Awaitable[Any]] = lambda: self._blocking.xread(  # noqa: E731
@@ -467,7 +465,12 @@ class RedisStore(Store):
             )
         else:
             call = lambda: self._redis.xread({key: after}, count=limit)  # noqa: E731
-        res = await self._guard(call())
+        try:
+            # The blocking pool has no socket timeout (the BLOCK time bounds a healthy read); a frozen
+            # Redis must not hold the poll (and its connection) longer than the wait plus a margin.
+            res = await asyncio.wait_for(self._guard(call()), wait + _BLOCKING_MARGIN_S)
+        except TimeoutError:
+            raise StoreUnavailable(f"redis store did not answer a {wait:g} s read in time") from None
         events: list[HandoffEvent] = []
         last = after
         for _stream, entries in res or ():

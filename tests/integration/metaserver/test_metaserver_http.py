@@ -142,7 +142,7 @@ async def test_bad_handoff_input(http: httpx.AsyncClient) -> None:
     assert "body.decode_instance_id" in p.detail
     p = problem(await http.get(f"/v1/handoffs/{tid}", params={"wait": "soon"}), 422, "validation_error")
     assert "query.wait" in p.detail
-    problem(await http.get("/v1/instances/p0/handoff-events", params={"cursor": "zz"}), 422, "validation_error")
+    problem(await http.get("/v1/instances/p0/handoff-events", params={"cursor": "zz"}), 400, "invalid_cursor")
     problem(await http.get("/v1/instances", params={"role": "router"}), 422, "validation_error")
     bad_ready = {"block_ids": [[1, -2]], "num_tokens": 3}
     p = problem(await http.put(f"/v1/handoffs/{tid}/ready", json=bad_ready), 422, "validation_error")
@@ -167,7 +167,7 @@ async def test_oversized_bodies_get_413(serve_meta: ServeMeta) -> None:
 
 
 async def test_admin_token_guards_writes(serve_meta: ServeMeta) -> None:
-    url = serve_meta(admin_token="s3cret").url
+    url = serve_meta(admin_token="s3cret", auth_reads=False).url
     reg = {"id": "i1", "role": "prefill", "url": "http://h:1", "model": "m"}
     async with httpx.AsyncClient(base_url=url) as http:
         resp = await http.post("/v1/instances", json=reg)
@@ -185,8 +185,8 @@ async def test_admin_token_guards_writes(serve_meta: ServeMeta) -> None:
         assert (await http.get("/v1/instances/i1")).status_code == 200
 
 
-async def test_admin_token_can_guard_reads(serve_meta: ServeMeta) -> None:
-    url = serve_meta(admin_token="s3cret", auth_reads=True).url
+async def test_admin_token_guards_reads_by_default(serve_meta: ServeMeta) -> None:
+    url = serve_meta(admin_token="s3cret").url
     async with httpx.AsyncClient(base_url=url) as http:
         problem(await http.get("/v1/instances"), 401, "unauthorized")
         assert (await http.get("/v1/instances", headers={"Authorization": "Bearer s3cret"})).status_code == 200

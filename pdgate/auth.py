@@ -1,0 +1,112 @@
+"""Credentials: one constant-time comparison, secrets read from files, and the loopback rule.
+
+Why one module: the admin token (engines and operators -> metaserver), the client API keys (clients ->
+router) and the upstream API key (router -> engines) are compared and loaded the same way everywhere.
+A comparison that stops at the first differing byte leaks, over many tries, how much of a guess is
+right; `hmac.compare_digest` does not, and `matches_any` checks every configured key, so the answer
+time does not reveal which key (or whether any) came close.
+
+Secrets never need to appear on a command line (where `ps` and shell histories show them): every secret
+setting has a `*_file` twin naming a file whose first line is the secret, and an environment variable.
+
+When no admin token is configured, the services run in protected mode (as Redis does): routes that
+change state or reveal internal addresses answer only peers on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = [
+    "SecretFileError",
+    "bearer",
+    "credential_matches",
+    "is_loopback",
+    "matches_any",
+    "read_secret_file",
+    "resolve_secret",
+]
+
+
+class SecretFileError(ValueError):
+    """A secret file that cannot be used: missing, unreadable, empty, or readable by other users."""
+
+
+def credential_matches(given: str | None, expected: str) -> bool:
+    """Whether `given` equals `expected`, in time that depends only on the lengths (never on content)."""
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+
+
+def matches_any(given: str | None, expected: Iterable[str]) -> bool:
+    """Whether `given` equals one of `expected`; every key is compared, so the time reveals nothing."""
+    found = False
+    for key in expected:
+        found |= credential_matches(given, key)
+    return found
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header value; None for any other shape."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    token = token.strip()
+    return token or None
+
+
+def read_secret_file(path: str | os.PathLike[str]) -> str:
+    """The secret on the first line of `path` (surrounding whitespace removed).
+
+    Refused: a file that does not exist or cannot be read, an empty secret, and a file that other users
+    may read (mode bits for group or others): a secret that anyone on the host can read protects nothing.
+    """
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SecretFileError(f"cannot read secret file {str(p)!r}: {exc.strerror or exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretFileError(
+            f"secret file {str(p)!r} is accessible to other users (mode {stat.filemode(mode)}): chmod 600 it"
+        )
+    secret = text.splitlines()[0].strip() if text.strip() else ""
+    if not secret:
+        raise SecretFileError(f"secret file {str(p)!r} is empty")
+    return secret
+
+
+def resolve_secret(value: str | None, file: str | os.PathLike[str] | None, *, name: str) -> str | None:
+    """One secret from either its value or its file; both at once is an operator error, said so."""
+    if value is not None and file is not None:
+        raise SecretFileError(f"{name} and {name}_file are both set: keep one (the file keeps it off command lines)")
+    if file is not None:
+        return read_secret_file(file)
+    if value is not None and not value.strip():
+        raise SecretFileError(f"{name} is set but empty")
+    return value.strip() if value is not None else None
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether a peer address is on the loopback interface (127.0.0.0/8, ::1, an IPv4-mapped 127.x).
+
+    A Unix-socket peer (no address) is local too. A name is never trusted: only a literal address is.
+    """
+    if host is None or host == "":
+        return True
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback

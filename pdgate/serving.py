@@ -1,0 +1,197 @@
+"""Connection hygiene for pdgate's HTTP services: slow clients are cut off, greedy ones refused early.
+
+Why a protocol subclass: uvicorn bounds nothing before the application runs. A connection that sends no
+bytes, trickles its headers or declares a body it never sends is held forever (only an idle keep-alive
+connection is timed out), and `limit_concurrency` is checked after the headers arrived, so a thousand
+silent connections pass it. The checks belong where the bytes arrive, in the HTTP protocol object, so
+`guarded_protocol()` subclasses uvicorn's httptools protocol (passed to uvicorn as `http=`):
+
+- headers: a timer starts when a connection opens (and when a keep-alive connection starts its next
+  request) and is cancelled when the headers are complete; when it fires the client gets 408 and the
+  connection is closed;
+- body: while a declared body is being received, each chunk re-arms a timer; a body that stalls that
+  long has its connection closed (the application sees a disconnect). A pause caused by the server
+  (flow control: the application has not read what arrived) does not count as the client's stall;
+- size: a `Content-Length` over `max_body_bytes` gets 413 at once, before any of the body is read,
+  and the connection is closed; a chunked body is bounded by the application while it reads;
+- connections: past `max_connections` open connections a new one gets 503 with `Retry-After: 1` and is
+  closed before any byte is read. Why not uvicorn's `limit_concurrency`: it counts only after reading
+  the headers (a slow client still holds a slot) and cannot say Retry-After. Why 503 and not a reset:
+  clients and load balancers retry a 503 elsewhere; a reset looks like a crash.
+
+Each service renders the refusals in its own error shape (`Render`): RFC 7807 on the metaserver,
+OpenAI error JSON on the router.
+
+    config = uvicorn.Config(app, host=..., port=..., http=guarded_protocol(limits, render))
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pdgate.errors import CODES, Code
+
+__all__ = ["Render", "ServerLimits", "guarded_protocol", "plain_text"]
+
+_LINGER_S = 1.0
+
+# (code, detail) -> (content type, body); the status comes from the code's entry in pdgate.errors.CODES.
+Render = Callable[[Code, str], tuple[bytes, bytes]]
+
+
+def plain_text(code: Code, detail: str) -> tuple[bytes, bytes]:
+    return b"text/plain; charset=utf-8", f"{code.value}: {detail}\n".encode()
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a client may take from a server; see the module docstring for what each bound does."""
+
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    max_body_bytes: int = 1 << 20
+    max_connections: int = 4096
+
+
+def _raw_response(code: Code, render: Render, detail: str, extra: list[bytes] | None = None) -> bytes:
+    status = CODES[code].status
+    ctype, body = render(code, detail)
+    head = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode(),
+        b"content-type: " + ctype + b"\r\n",
+        b"content-length: " + str(len(body)).encode() + b"\r\n",
+        b"connection: close\r\n",
+        *(extra or []),
+        b"\r\n",
+    ]
+    return b"".join(head) + body
+
+
+@dataclass(frozen=True)
+class _Policy:
+    limits: ServerLimits
+    render: Render
+
+
+class _Guarded(HttpToolsProtocol):
+    policy: ClassVar[_Policy]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timing_body = False
+        self._refused = False
+
+    # -- timers ------------------------------------------------------------------------------
+    def _arm(self, seconds: float, body: bool) -> None:
+        self._disarm()
+        self._timing_body = body
+        self._timer = self.loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self._timing_body:
+            if self.flow is not None and self.flow.read_paused:  # the application is behind, not the client
+                self._arm(self.policy.limits.body_timeout_s, body=True)
+                return
+            self.logger.info("closing a connection whose request body stalled for %g s", self.policy.limits.body_timeout_s)
+            self.transport.close()
+            return
+        detail = f"request headers not received within {self.policy.limits.header_timeout_s:g} s"
+        self._refuse(Code.REQUEST_TIMEOUT, detail)
+
+    def _refuse(self, code: Code, detail: str, extra: list[bytes] | None = None) -> None:
+        """Answer `code` straight on the socket (no application involved) and close the connection."""
+        self._refused = True
+        self._disarm()
+        self.transport.write(_raw_response(code, self.policy.render, detail, extra))
+        if self.transport.can_write_eof():
+            # Half-close, then close a moment later: closing with unread request bytes in the kernel
+            # would reset the connection, and the client could lose the answer it is owed.
+            self.transport.write_eof()
+            self.loop.call_later(_LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
+
+    # -- protocol events -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.policy.limits.max_connections:
+            detail = f"this server holds at most {self.policy.limits.max_connections} connections; retry shortly"
+            self._refuse(Code.SERVER_BUSY, detail, [b"retry-after: 1\r\n"])
+            return
+        self._arm(self.policy.limits.header_timeout_s, body=False)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        if self._refused:
+            return
+        super().on_message_begin()
+        if self._timer is None:  # a keep-alive connection's next request; the first one is timed from connect
+            self._arm(self.policy.limits.header_timeout_s, body=False)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._disarm()
+        declared = self._declared_length()
+        if declared is not None and declared > self.policy.limits.max_body_bytes:
+            detail = f"body of {declared} bytes is over the limit of {self.policy.limits.max_body_bytes} bytes"
+            self._refuse(Code.BODY_TOO_LARGE, detail)
+            return
+        super().on_headers_complete()
+        if (declared or self._chunked()) and not self.transport.is_closing():
+            self._arm(self.policy.limits.body_timeout_s, body=True)
+
+    def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
+        super().on_body(body)
+        if self._timing_body and self._timer is not None:
+            self._arm(self.policy.limits.body_timeout_s, body=True)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        if self._timing_body:
+            self._disarm()
+        super().on_message_complete()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _declared_length(self) -> int | None:
+        for name, value in self.headers:
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None  # the parser refuses it with 400 itself
+        return None
+
+    def _chunked(self) -> bool:
+        return any(n == b"transfer-encoding" and b"chunked" in v.lower() for n, v in self.headers)
+
+
+def guarded_protocol(limits: ServerLimits, render: Render = plain_text) -> type[HttpToolsProtocol]:
+    """A uvicorn HTTP protocol class (for `uvicorn.Config(http=...)`) that applies `limits`."""
+    return type("GuardedHttpToolsProtocol", (_Guarded,), {"policy": _Policy(limits, render)})
