@@ -1,107 +1,211 @@
-"""The handoff state machine, as pure functions over `Handoff` records.
-
-Why a pure core: the memory store applies these functions under its lock, the Redis store applies the
-same rules inside Lua scripts, and the contract suite checks that both agree. Nothing here reads a clock
-or touches a socket; `now` and every lease are arguments, so each rule is testable in microseconds.
+"""The handoff state machine: one declarative table of moves (`MOVES`) and its Python interpreter.
 
     PENDING --ready--> READY --claim--> CLAIMED --done--> DONE
        |                 |                 |  (claim lease lapses -> READY, another decode may claim)
        +--- abort / lease lapse -----------+--> ABORTED | EXPIRED
 
-`ALLOWED` is the only table of legal moves. The Redis scripts receive the source states of their move
-from `sources()`, so the table is not written a second time in Lua.
+Why a table, interpreted twice, and not Lua that only compares-and-sets what Python decided: a decision
+in Python needs the record first, so every transition on Redis would cost a read and then a
+compare-and-set, two round trips where one script call does it now (the ledger's four calls per
+handoff are the metaserver's hot path). So each rule is written once, as data: `MOVES` says, for each
+move, the states it may leave, the state it enters, which lease starts, which field the caller's value
+fills, and what the claimant rule is. `apply` below interprets a row for the memory store; the Redis
+store hands the same rows to `store/lua/_lib.lua` (as a Lua table, when its scripts are registered),
+whose `apply_move` interprets them inside one atomic script call. Neither interpreter names a state or a
+field of its own; the contract suite (`tests/contract/`) runs every rule against both stores.
+
+The rules held by the table: the claimant renewal and the claimant check (`Claimant`), the lapse rule
+(`LAPSES`: a lapsed claim returns to READY while fewer than `max_claims` claims have lapsed, else the
+record expires) and the terminal bookkeeping (entering a terminal state ends the lease). Nothing here
+reads a clock or touches a socket; `now` and every lease are arguments.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
 
 from pdgate.metaserver.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffEvent, HandoffState, KVLocation
 
+from pdgate.errors import Code, PDGateError
+
 __all__ = [
     "ALLOWED",
-    "OPERATIONS",
+    "CLAIMED_STATE",
+    "LAPSES",
+    "MOVES",
+    "Claimant",
     "IllegalTransition",
+    "Lease",
+    "Move",
     "abort",
+    "apply",
     "claim",
     "create",
     "done",
     "event_for",
     "lapse",
     "mark_ready",
-    "sources",
-    "transition",
+    "refused",
 ]
 
 S = HandoffState
 
+# The state in which a record has a claimant (`decode_instance_id`); the claimant rules apply in it.
+CLAIMED_STATE = S.CLAIMED
+
+
+class Lease(str, Enum):
+    """Which lease starts when a move enters a live state (a terminal state has none)."""
+
+    NONE = "none"
+    RECORD = "record"  # the record's own READY lease (`lease_s`, fixed at create)
+    CALLER = "caller"  # the lease the caller asks for (a claim)
+
+
+class Claimant(str, Enum):
+    """How a move treats the decode that holds a CLAIMED record."""
+
+    NONE = "none"
+    # The caller becomes the claimant (claims += 1). The claimant asking again renews its lease and
+    # moves nothing (a retried request); anyone else is refused with the claimant named.
+    TAKE = "take"
+    # A caller that names itself must be the claimant; an anonymous caller is not checked.
+    CHECK = "check"
+    # The claimant is forgotten (a lapsed claim: another decode may claim).
+    DROP = "drop"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One row of the transition table. Both interpreters read only these fields."""
+
+    name: str
+    sources: frozenset[HandoffState]
+    to: HandoffState
+    lease: Lease = Lease.NONE
+    field: str | None = None  # the record field that takes the caller's value ("location", "reason")
+    claimant: Claimant = Claimant.NONE
+    below_max_claims: bool = False  # applies only while `claims < max_claims`
+    reason: str | None = None  # a fixed reason; "%s" is replaced by the state the record leaves
+
+    @property
+    def terminal(self) -> bool:
+        return self.to in TERMINAL_STATES
+
+
+_LIVE = frozenset(s for s in S if s not in TERMINAL_STATES)
+
+MOVES: Mapping[str, Move] = {
+    m.name: m
+    for m in (
+        Move("ready", frozenset({S.PENDING}), S.READY, Lease.RECORD, field="location"),
+        Move("claim", frozenset({S.READY}), S.CLAIMED, Lease.CALLER, claimant=Claimant.TAKE),
+        Move("done", frozenset({S.CLAIMED}), S.DONE, claimant=Claimant.CHECK),
+        Move("abort", _LIVE, S.ABORTED, field="reason"),
+        # The sweeper's moves, tried in `LAPSES` order on a record whose lease is due.
+        Move("requeue", frozenset({S.CLAIMED}), S.READY, Lease.RECORD, claimant=Claimant.DROP, below_max_claims=True),
+        Move("expire", _LIVE, S.EXPIRED, reason="%s lease lapsed"),
+    )
+}
+LAPSES: tuple[str, ...] = ("requeue", "expire")
+
+# Every legal (from -> to), derived from `MOVES` for readers and tests; nothing decides with it.
 ALLOWED: Mapping[HandoffState, frozenset[HandoffState]] = {
-    S.PENDING: frozenset({S.READY, S.ABORTED, S.EXPIRED}),
-    S.READY: frozenset({S.CLAIMED, S.ABORTED, S.EXPIRED}),
-    # CLAIMED -> READY is the claim lease lapsing; CLAIMED -> EXPIRED is the last allowed claim lapsing.
-    S.CLAIMED: frozenset({S.DONE, S.ABORTED, S.READY, S.EXPIRED}),
-    S.DONE: frozenset(),
-    S.ABORTED: frozenset(),
-    S.EXPIRED: frozenset(),
+    state: frozenset(m.to for m in MOVES.values() if state in m.sources) for state in S
 }
+assert all((m.lease is Lease.NONE) == m.terminal for m in MOVES.values()), "a live state needs a lease"
 
 
-def sources(to: HandoffState) -> frozenset[HandoffState]:
-    """The states from which `to` may be entered by some move."""
-    return frozenset(src for src, targets in ALLOWED.items() if to in targets)
-
-
-# What each caller-driven operation must find (its compare-and-set). Narrower than `sources()` where two
-# moves share a target: READY is entered by `ready` from PENDING only; CLAIMED -> READY is the sweeper's.
-OPERATIONS: Mapping[str, frozenset[HandoffState]] = {
-    "ready": frozenset({S.PENDING}),
-    "claim": frozenset({S.READY}),
-    "done": frozenset({S.CLAIMED}),
-    "abort": sources(S.ABORTED),
-    "expire": sources(S.EXPIRED),
-}
-_TARGETS = {"ready": S.READY, "claim": S.CLAIMED, "done": S.DONE, "abort": S.ABORTED, "expire": S.EXPIRED}
-assert all(OPERATIONS[op] <= sources(to) for op, to in _TARGETS.items()), "OPERATIONS must follow ALLOWED"
-
-
-def _require(op: str, rec: Handoff) -> None:
-    if rec.state not in OPERATIONS[op]:
-        raise IllegalTransition(rec.state, _TARGETS[op])
-
-
-class IllegalTransition(Exception):
+class IllegalTransition(PDGateError):
     """The record is not in a state from which the asked move is legal.
 
     Carries the state found, so the API can answer 409 (live record) or 410 (terminal record) with
     `current_state`, and a caller can tell "someone else claimed it" from "it is gone".
     """
 
+    code = Code.ILLEGAL_TRANSITION
+
     def __init__(self, current: HandoffState, to: HandoffState, detail: str | None = None) -> None:
         self.current = current
         self.to = to
-        self.detail = detail or f"cannot move a {current.value} handoff to {to.value}"
-        super().__init__(self.detail)
+        super().__init__(
+            detail or f"cannot move a {current.value} handoff to {to.value}",
+            code=Code.HANDOFF_TERMINAL if current in TERMINAL_STATES else None,
+        )
+
+    @property
+    def detail(self) -> str:
+        return self.message
 
     @property
     def terminal(self) -> bool:
         return self.current in TERMINAL_STATES
 
 
-def transition(
-    rec: Handoff, to: HandoffState, *, now: float, lease_s: float | None = None, **changes: object
+def refused(
+    move: Move, current: HandoffState, *, claimant: str | None = None, caller: str | None = None
+) -> IllegalTransition:
+    """The error of a refused move; `claimant` is set when the claimant rule refused it."""
+    if claimant is None:
+        return IllegalTransition(current, move.to)
+    if move.claimant is Claimant.TAKE:
+        return IllegalTransition(current, move.to, f"handoff already claimed by {claimant}")
+    return IllegalTransition(current, move.to, f"handoff is claimed by {claimant}, not {caller}")
+
+
+def apply(
+    move: Move,
+    rec: Handoff,
+    *,
+    now: float,
+    caller: str | None = None,
+    value: object = None,
+    lease_s: float | None = None,
+    max_claims: int = 0,
 ) -> Handoff:
-    """Move `rec` to `to` if `ALLOWED` permits it; non-terminal targets need the lease of the new state."""
-    if to not in ALLOWED[rec.state]:
-        raise IllegalTransition(rec.state, to)
-    if to in TERMINAL_STATES:
-        deadline = None
-    else:
-        if lease_s is None:
-            raise ValueError(f"entering {to.value} needs a lease")
-        deadline = now + lease_s
-    update: dict[str, object] = {"state": to, "updated_at": now, "deadline": deadline}
-    update.update(changes)
+    """`rec` after `move` (a new record; the input is untouched), or IllegalTransition.
+
+    `caller` is the decode instance asking (claim, done), `value` fills `move.field`, `lease_s` is the
+    caller's lease (`Lease.CALLER`), `max_claims` bounds `below_max_claims`.
+    """
+    if rec.state is CLAIMED_STATE:
+        holder = rec.decode_instance_id
+        if move.claimant is Claimant.TAKE:
+            if holder == caller:
+                return rec.model_copy(update={"updated_at": now, "deadline": now + _lease(move, rec, lease_s)})
+            raise refused(move, rec.state, claimant=holder or "", caller=caller)
+        if move.claimant is Claimant.CHECK and caller is not None and caller != holder:
+            raise refused(move, rec.state, claimant=holder or "", caller=caller)
+    if not _applies(move, rec, max_claims):
+        raise refused(move, rec.state)
+    update: dict[str, object] = {
+        "state": move.to,
+        "updated_at": now,
+        "deadline": None if move.terminal else now + _lease(move, rec, lease_s),
+    }
+    if move.field is not None:
+        update[move.field] = value
+    if move.reason is not None:
+        update["reason"] = move.reason % rec.state.value
+    if move.claimant is Claimant.TAKE:
+        update.update(decode_instance_id=caller, claims=rec.claims + 1)
+    elif move.claimant is Claimant.DROP:
+        update["decode_instance_id"] = None
     return rec.model_copy(update=update)
+
+
+def _applies(move: Move, rec: Handoff, max_claims: int) -> bool:
+    return rec.state in move.sources and not (move.below_max_claims and rec.claims >= max_claims)
+
+
+def _lease(move: Move, rec: Handoff, lease_s: float | None) -> float:
+    if move.lease is Lease.RECORD:
+        return rec.lease_s
+    if lease_s is None:
+        raise ValueError(f"move {move.name} needs the caller's lease")
+    return lease_s
 
 
 def create(
@@ -123,50 +227,34 @@ def create(
 
 def mark_ready(rec: Handoff, location: KVLocation, *, now: float) -> Handoff:
     """PENDING -> READY: the prefill recorded where its KV lives; the READY lease starts now."""
-    _require("ready", rec)
-    return transition(rec, S.READY, now=now, lease_s=rec.lease_s, location=location)
+    return apply(MOVES["ready"], rec, now=now, value=location)
 
 
 def claim(rec: Handoff, decode_instance_id: str, *, now: float, lease_s: float) -> Handoff:
-    """READY -> CLAIMED for one decode. The claimant may claim again (a retried request) and renews its lease."""
-    if rec.state is S.CLAIMED:
-        if rec.decode_instance_id == decode_instance_id:
-            return rec.model_copy(update={"updated_at": now, "deadline": now + lease_s})
-        raise IllegalTransition(rec.state, S.CLAIMED, f"handoff already claimed by {rec.decode_instance_id}")
-    _require("claim", rec)
-    return transition(
-        rec, S.CLAIMED, now=now, lease_s=lease_s, decode_instance_id=decode_instance_id, claims=rec.claims + 1
-    )
+    """READY -> CLAIMED for one decode (see `Claimant.TAKE`)."""
+    return apply(MOVES["claim"], rec, now=now, caller=decode_instance_id, lease_s=lease_s)
 
 
 def done(rec: Handoff, decode_instance_id: str | None, *, now: float) -> Handoff:
-    """CLAIMED -> DONE. When the caller names itself, only the claimant may finish."""
-    if rec.state is S.CLAIMED and decode_instance_id is not None and decode_instance_id != rec.decode_instance_id:
-        raise IllegalTransition(
-            rec.state, S.DONE, f"handoff is claimed by {rec.decode_instance_id}, not {decode_instance_id}"
-        )
-    _require("done", rec)
-    return transition(rec, S.DONE, now=now)
+    """CLAIMED -> DONE (see `Claimant.CHECK`)."""
+    return apply(MOVES["done"], rec, now=now, caller=decode_instance_id)
 
 
 def abort(rec: Handoff, reason: str, *, now: float) -> Handoff:
     """Any live state -> ABORTED; the prefill frees its blocks when the event reaches it."""
-    _require("abort", rec)
-    return transition(rec, S.ABORTED, now=now, reason=reason)
+    return apply(MOVES["abort"], rec, now=now, value=reason)
 
 
 def lapse(rec: Handoff, *, now: float, max_claims: int) -> Handoff | None:
-    """What the sweeper does to a record whose lease is due; None when nothing is due.
-
-    A lapsed claim returns the record to READY (with a fresh READY lease) so another decode can pull
-    without a new prefill, until `max_claims` claims have lapsed: then the KV is given up (EXPIRED),
-    so a record cannot pin a prefill's blocks forever.
-    """
+    """What the sweeper does to a record whose lease is due (the first of `LAPSES` that applies); None
+    when nothing is due. `max_claims` bounds how often a lapsed claim returns to READY, so a record
+    cannot pin a prefill's blocks forever."""
     if rec.state in TERMINAL_STATES or rec.deadline is None or rec.deadline > now:
         return None
-    if rec.state is S.CLAIMED and rec.claims < max_claims:
-        return transition(rec, S.READY, now=now, lease_s=rec.lease_s, decode_instance_id=None)
-    return transition(rec, S.EXPIRED, now=now, reason=f"{rec.state.value} lease lapsed")
+    for name in LAPSES:
+        if _applies(MOVES[name], rec, max_claims):
+            return apply(MOVES[name], rec, now=now, max_claims=max_claims)
+    return None
 
 
 def event_for(rec: Handoff) -> HandoffEvent:

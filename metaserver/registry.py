@@ -1,19 +1,40 @@
 """Registry rules, as pure functions over `Instance` records.
 
-Why pure: both stores apply the same rules (the Redis store in `register.lua`/`heartbeat.lua`), and the
-lease arithmetic is where "an instance that stopped heartbeating disappears by itself" is decided; it is
-tested here with an explicit `now`, no sleeping.
+Why pure: the lease arithmetic is where "an instance that stopped heartbeating disappears by itself" is
+decided; it is tested here with an explicit `now`, no sleeping. Both stores decide with these functions
+(the memory store calls them; the Redis store parses what it read and calls `is_live`). The Redis
+scripts that must decide atomically read the same declarations: `KEPT_ON_REREGISTER` reaches
+`register.lua` as data, and `is_live` has one Lua twin, `instance_live` in `store/lua/_lib.lua`, which
+the contract suite holds to it at the lease's last instant.
 """
 
 from __future__ import annotations
 
 from pdgate.metaserver.models import Instance, InstanceLoad, InstanceRegistration, InstanceState, Role
 
-__all__ = ["RegistrationInvalid", "is_live", "matches", "new_instance", "renew", "start_drain", "validate"]
+from pdgate.errors import Code, PDGateError
+
+__all__ = [
+    "KEPT_ON_REREGISTER",
+    "RegistrationInvalid",
+    "is_live",
+    "matches",
+    "new_instance",
+    "renew",
+    "reregister",
+    "start_drain",
+    "validate",
+]
+
+# What a live record keeps when its instance registers again (an operator's drain survives a
+# connector's periodic re-registration).
+KEPT_ON_REREGISTER: tuple[str, ...] = ("registered_at", "state")
 
 
-class RegistrationInvalid(ValueError):
+class RegistrationInvalid(PDGateError):
     """A registration that the model accepts field by field but that makes no sense as a whole."""
+
+    code = Code.VALIDATION_ERROR
 
     def __init__(self, field: str, detail: str) -> None:
         self.field = field
@@ -39,21 +60,23 @@ def is_live(inst: Instance, now: float) -> bool:
 def new_instance(
     reg: InstanceRegistration, *, now: float, default_lease_s: float, existing: Instance | None = None
 ) -> Instance:
-    """The record stored for a registration.
-
-    Registering again while the previous record is live is an update: it keeps `registered_at` and a
-    DRAINING state (an operator's drain survives a connector's periodic re-registration). A lapsed
-    record counts as absent.
-    """
-    live = existing is not None and is_live(existing, now)
+    """The record stored for a registration; registering again is an update (see `reregister`)."""
     data = reg.model_dump()
     data.update(
         lease_s=reg.lease_s if reg.lease_s is not None else default_lease_s,
-        registered_at=existing.registered_at if live and existing else now,
+        registered_at=now,
         last_heartbeat=now,
-        state=existing.state if live and existing else InstanceState.READY,
+        state=InstanceState.READY,
     )
-    return Instance.model_validate(data)
+    return reregister(Instance.model_validate(data), existing, now=now)
+
+
+def reregister(inst: Instance, previous: Instance | None, *, now: float) -> Instance:
+    """`inst` with the `KEPT_ON_REREGISTER` fields of `previous` while that is live; a lapsed record
+    counts as absent."""
+    if previous is None or not is_live(previous, now):
+        return inst
+    return inst.model_copy(update={name: getattr(previous, name) for name in KEPT_ON_REREGISTER})
 
 
 def renew(inst: Instance, *, now: float, load: InstanceLoad | None) -> Instance:

@@ -91,9 +91,7 @@ class MemoryStore(Store):
     # -- registry ----------------------------------------------------------------------------
     async def register(self, inst: Instance, *, now: float) -> Instance:
         async with self._lock:
-            existing = self._instances.get(inst.id)
-            if existing is not None and registry.is_live(existing, now):
-                inst = inst.model_copy(update={"registered_at": existing.registered_at, "state": existing.state})
+            inst = registry.reregister(inst, self._instances.get(inst.id), now=now)
             self._instances[inst.id] = inst
             return inst
 
@@ -162,10 +160,10 @@ class MemoryStore(Store):
 
     def _feed(self, instance_id: str) -> _Feed:
         feed = self._feeds.get(instance_id)
-            self._feed_created.set()  # wakes polls of an instance that had no feed yet
-            self._feed_created = asyncio.Event()
         if feed is None:
             feed = self._feeds[instance_id] = _Feed(self.policy.events_maxlen, self._clock())
+            self._feed_created.set()  # wakes polls of an instance that had no feed yet
+            self._feed_created = asyncio.Event()
         return feed
 
     def _get(self, transfer_id: str) -> Handoff:
@@ -274,9 +272,9 @@ class MemoryStore(Store):
                     return HandoffEvents(events=[ev for _, ev in batch], cursor=str(batch[-1][0]))
             remaining = until - loop.time()
             if remaining <= 0:
-            signal = feed.signal if feed is not None else self._feed_created
                 return HandoffEvents(events=[], cursor=cursor if cursor is not None else "0")
             # Re-check at least every second: the feed may have been dropped and recreated meanwhile.
+            signal = feed.signal if feed is not None else self._feed_created
             try:
                 await asyncio.wait_for(signal.wait(), min(remaining, 1.0))
             except asyncio.TimeoutError:

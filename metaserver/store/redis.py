@@ -20,13 +20,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from importlib import resources
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
 import redis.asyncio as aioredis
-from pdgate.metaserver import ledger
+from pdgate.metaserver import ledger, registry
+from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, StoreFailure, StoreUnavailable
 from pdgate.metaserver.guards import check_cursor
 from pdgate.metaserver.models import (
@@ -41,13 +41,14 @@ from pdgate.metaserver.models import (
     KVLocation,
 )
 from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
-from pdgate.metaserver.store.keys import DEFAULT_PREFIX, INSTANCE_TTL_GRACE_S, Keys, ttl_ms
+from pdgate.metaserver.store.keys import DEFAULT_PREFIX, INSTANCE_TTL_GRACE_S, Keys
 from pdgate.metaserver.store.memory import kv_key_seed
+from pdgate.metaserver.store.pipeline import Pipeliner
+from pdgate.metaserver.store.scripts import load_scripts
 from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
-from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["RedisStore"]
@@ -56,33 +57,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 S = HandoffState
 
-_SCRIPTS = ("create", "ready", "claim", "done", "abort", "expire", "register", "heartbeat", "drain")
-_HANDOFF_SCRIPTS = frozenset({"create", "ready", "claim", "done", "abort", "expire"})
-_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# redis-py's failures -> the store error a caller sees (first match wins): the store boundary's one table.
+_REDIS_ERRORS: tuple[tuple[tuple[type[Exception], ...], type[MetaError], str], ...] = (
+    ((RedisConnectionError, RedisTimeoutError, OSError), StoreUnavailable, "redis store unavailable"),
+    ((RedisError,), StoreFailure, "redis store error"),
+)
 _BLOCKING_MARGIN_S = 2.0
-
-
-def _csv(states: frozenset[HandoffState]) -> str:
-    return "," + ",".join(sorted(s.value for s in states)) + ","
-
-
-_FROM = {op: _csv(states) for op, states in ledger.OPERATIONS.items()}
-
-
-def _lua_string(value: str) -> str:
-    if not all(c.isalnum() or c in "{}._:-" for c in value):
-        raise ValueError(f"unexpected character in {value!r}")  # keys.py keeps prefixes to these
-    return "'" + value + "'"
-
-
-def _load_script(name: str, cfg: dict[str, str | int]) -> str:
-    """A script's source: handoff scripts get `local CFG = {...}` (this store's constants) and _lib.lua."""
-    lua = resources.files("pdgate.metaserver.store").joinpath("lua")
-    src = lua.joinpath(f"{name}.lua").read_text()
-    if name in _HANDOFF_SCRIPTS:
-        fields = ", ".join(f"{k} = {_lua_string(v) if isinstance(v, str) else int(v)}" for k, v in cfg.items())
-        src = f"local CFG = {{{fields}}}\n" + lua.joinpath("_lib.lua").read_text() + "\n" + src
-    return src
 
 
 def _split_url(url: str) -> tuple[str, str]:
@@ -138,75 +118,16 @@ def _instance(d: dict[str, str]) -> Instance:
     return Instance.model_validate(data)
 
 
-def _live(d: dict[str, str], now: float) -> bool:
-    return bool(d) and float(d["last_heartbeat"]) + float(d["lease_s"]) >= now
+def _arg(value: object) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
 
 
-class _Pipeliner:
-    """Auto-pipelining: script calls made while others are being prepared go to Redis as one pipeline.
-
-    Why: at high concurrency most of a call's cost is redis-py's per-command overhead, not Redis. Calls
-    queued in one event-loop turn are sent together (one write, one read pass) and answered in order;
-    a lone call goes alone. Each call is still one atomic EVALSHA; only the transport is shared. A script
-    missing on the server (NOSCRIPT, e.g. a restarted Redis) is loaded and its call retried alone.
-    """
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        self._client = client
-        self._pending: list[tuple[AsyncScript, list[Any], list[Any], asyncio.Future[Any]]] = []
-        self._scheduled = False
-        self._sending: set[asyncio.Future[None]] = set()
-
-    def call(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((script, keys, args, fut))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
-        return fut
-
-    def _flush(self) -> None:
-        self._scheduled = False
-        batch, self._pending = self._pending, []
-        task = asyncio.ensure_future(self._send(batch))
-        self._sending.add(task)  # a reference until done, so the task is not collected mid-flight
-        task.add_done_callback(self._sending.discard)
-
-    async def _send(self, batch: list[tuple[AsyncScript, list[Any], list[Any], asyncio.Future[Any]]]) -> None:
-        if len(batch) == 1:
-            script, keys, args, fut = batch[0]
-            try:
-                result: Any = await script(keys=keys, args=args)
-            except BaseException as exc:  # handed to the caller, who maps it
-                result = exc
-            _settle(fut, result)
-            return
-        try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for script, keys, args, _ in batch:
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
-        except BaseException as exc:
-            for *_, fut in batch:
-                _settle(fut, exc)
-            return
-        for (script, keys, args, fut), result in zip(batch, results, strict=True):
-            if isinstance(result, NoScriptError):
-                try:
-                    result = await script(keys=keys, args=args)  # loads the script, then EVALSHA again
-                except BaseException as exc:
-                    result = exc
-            _settle(fut, result)
-
-
-def _settle(fut: asyncio.Future[Any], result: Any) -> None:
-    if fut.done():  # the caller gave up (cancelled)
-        return
-    if isinstance(result, BaseException):
-        fut.set_exception(result)
-    else:
-        fut.set_result(result)
+def _live_instance(d: dict[str, str], now: float) -> Instance | None:
+    """The record read, if there is one and `registry.is_live` says it counts."""
+    if not d:
+        return None
+    inst = _instance(d)
+    return inst if registry.is_live(inst, now) else None
 
 
 class RedisStore(Store):
@@ -228,20 +149,8 @@ class RedisStore(Store):
         # pool, no socket timeout (the block time bounds them).
         self._redis = aioredis.Redis.from_url(redis_url, max_connections=4096, socket_timeout=5.0, **common)
         self._blocking = aioredis.Redis.from_url(redis_url, max_connections=4096, socket_timeout=None, **common)
-        p = self.policy
-        cfg: dict[str, str | int] = {
-            "events_prefix": self.keys.events_prefix,
-            "handoff_prefix": self.keys.handoff_prefix,
-            "left_pending": self.keys.left_pending,
-            "terminal_ttl_ms": ttl_ms(p.terminal_ttl_s),
-            "events_maxlen": p.events_maxlen,
-            "events_ttl_s": max(1, int(p.events_ttl_s)),
-            "max_claims": p.max_claims,
-            "state_counts": self.keys.state_counts,
-        }
-        # Registered once per client; redis-py's Script runs EVALSHA and reloads on NOSCRIPT (a restarted Redis).
-        self._scripts = {name: self._redis.register_script(_load_script(name, cfg)) for name in _SCRIPTS}
-        self._pipeliner = _Pipeliner(self._redis)
+        self._scripts = load_scripts(self._redis, self.keys, self.policy)
+        self._pipeliner = Pipeliner(self._redis)
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._closing = False
@@ -250,28 +159,27 @@ class RedisStore(Store):
     async def _guard(self, op: Awaitable[T]) -> T:
         try:
             return await op
-        except _UNAVAILABLE as exc:
-            raise StoreUnavailable(f"redis store unavailable: {exc}") from exc
         except RedisError as exc:
-            raise StoreFailure(f"redis store error: {exc}") from exc
+            for kinds, error, what in _REDIS_ERRORS:
+                if isinstance(exc, kinds):
+                    raise error(f"{what}: {exc}") from exc
+            raise
+        except OSError as exc:
+            raise StoreUnavailable(f"redis store unavailable: {exc}") from exc
 
-    def _common(self, now: float, transfer_id: str) -> list[Any]:
-        return [repr(now), transfer_id]
-
-    async def _move(self, script: str, transfer_id: str, to: HandoffState, now: float, *extra: Any) -> Moved:
-        args = [*self._common(now, transfer_id), _FROM[script], *extra]
+    async def _move(
+        self, name: str, transfer_id: str, now: float, *, caller: str | None = None, value: str = "", lease: str = ""
+    ) -> Moved:
+        """One row of `ledger.MOVES`, applied by `move.lua`; its refusals are `ledger.refused`'s."""
+        args = [repr(now), transfer_id, name, caller or "", value, lease]
         keys = [self.keys.deadlines, self.keys.handoff(transfer_id)]
-        res = await self._guard(self._pipeliner.call(self._scripts[script], keys, args))
-        status = res[0]
-        if status == "ok":
+        res = await self._guard(self._pipeliner.call(self._scripts["move"], keys, args))
+        if res[0] == "ok":
             return Moved(S(res[1]), _handoff(_pairs(res[2:])))
-        if status == "missing":
+        if res[0] == "missing":
             raise HandoffNotFound(f"handoff {transfer_id} not found")
-        current = S(res[1])
-        detail = None
-        if len(res) > 2:
-            detail = f"handoff already claimed by {res[2]}" if to is S.CLAIMED else f"handoff is claimed by {res[2]}"
-        raise ledger.IllegalTransition(current, to, detail)
+        claimant = res[2] if len(res) > 2 else None
+        raise ledger.refused(ledger.MOVES[name], S(res[1]), claimant=claimant, caller=caller)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def ping(self) -> None:
@@ -292,6 +200,7 @@ class RedisStore(Store):
     async def register(self, inst: Instance, *, now: float) -> Instance:
         doc = inst.model_dump_json(exclude={"lease_s", "registered_at", "last_heartbeat", "state", "load"})
         keys = [self.keys.instance(inst.id), self.keys.instances]
+        fresh = inst.model_dump(mode="json", include=set(registry.KEPT_ON_REREGISTER))
         args = [
             repr(now),
             inst.id,
@@ -300,9 +209,12 @@ class RedisStore(Store):
             inst.load.model_dump_json(),
             repr(now + inst.lease_s),
             self.keys.instance_ttl_ms(inst.lease_s),
+            *(_arg(fresh[name]) for name in registry.KEPT_ON_REREGISTER),
         ]
-        registered_at, state = await self._guard(self._scripts["register"](keys=keys, args=args))
-        return inst.model_copy(update={"registered_at": float(registered_at), "state": InstanceState(state)})
+        kept = await self._guard(self._scripts["register"](keys=keys, args=args))
+        data = inst.model_dump(mode="json")
+        data.update(zip(registry.KEPT_ON_REREGISTER, kept, strict=True))
+        return Instance.model_validate(data)
 
     async def heartbeat(self, instance_id: str, load: InstanceLoad | None, *, now: float) -> Instance | None:
         keys = [self.keys.instance(instance_id), self.keys.instances]
@@ -311,7 +223,8 @@ class RedisStore(Store):
         return _instance(_pairs(res)) if res else None
 
     async def drain(self, instance_id: str, *, now: float) -> Instance | None:
-        res = await self._guard(self._scripts["drain"](keys=[self.keys.instance(instance_id)], args=[repr(now)]))
+        args = [repr(now), InstanceState.DRAINING.value]
+        res = await self._guard(self._scripts["drain"](keys=[self.keys.instance(instance_id)], args=args))
         return _instance(_pairs(res)) if res else None
 
     async def deregister(self, instance_id: str) -> bool:
@@ -326,7 +239,7 @@ class RedisStore(Store):
 
     async def get_instance(self, instance_id: str, *, now: float) -> Instance | None:
         d = await self._guard(self._redis.hgetall(self.keys.instance(instance_id)))
-        return _instance(d) if _live(d, now) else None
+        return _live_instance(d, now)
 
     async def list_instances(self, *, now: float) -> list[Instance]:
         async def op() -> list[dict[str, str]]:
@@ -340,7 +253,8 @@ class RedisStore(Store):
             return list(res[1:])
 
         found = await self._guard(op())
-        return sorted((_instance(d) for d in found if _live(d, now)), key=lambda i: i.id)
+        live = (_live_instance(d, now) for d in found)
+        return sorted((i for i in live if i is not None), key=lambda i: i.id)
 
     async def count_instances(self, *, now: float) -> int:
         return int(await self._guard(self._redis.zcount(self.keys.instances, repr(now), "+inf")))
@@ -349,53 +263,49 @@ class RedisStore(Store):
     async def create_handoff(
         self, body: HandoffCreate, *, transfer_id: str, now: float, pending_lease_s: float, ready_lease_s: float
     ) -> Handoff:
-        ready_lease = body.lease_s if body.lease_s is not None else ready_lease_s
-        deadline = now + pending_lease_s
+        # The record as ledger.create decides it; only its kv_key comes from the script (1 until then).
+        leases = {"pending_lease_s": pending_lease_s, "ready_lease_s": ready_lease_s}
+        rec = ledger.create(body, transfer_id=transfer_id, kv_key=1, now=now, **leases)
+        assert rec.deadline is not None
         args = [
-            *self._common(now, transfer_id),
+            repr(now),
+            transfer_id,
             kv_key_seed(time.time()),
-            body.prefill_instance_id,
-            body.request_id or "",
-            repr(deadline),
-            repr(ready_lease),
+            rec.prefill_instance_id,
+            rec.request_id or "",
+            repr(rec.deadline),
+            repr(rec.lease_s),
         ]
         keys = [self.keys.deadlines, self.keys.handoff(transfer_id), self.keys.kv_counter]
         res = await self._guard(self._pipeliner.call(self._scripts["create"], keys, args))
         if res[0] == "exists":
             raise HandoffExists(f"handoff {transfer_id} already exists", current_state=S(res[1]))
-        return ledger.create(
-            body,
-            transfer_id=transfer_id,
-            kv_key=int(res[1]),
-            now=now,
-            pending_lease_s=pending_lease_s,
-            ready_lease_s=ready_lease_s,
-        )
+        return rec.model_copy(update={"kv_key": int(res[1])})
 
     async def get_handoff(self, transfer_id: str) -> Handoff | None:
         d = await self._guard(self._redis.hgetall(self.keys.handoff(transfer_id)))
         return _handoff(d) if d else None
 
     async def mark_ready(self, transfer_id: str, location: KVLocation, *, now: float) -> Moved:
-        return await self._move("ready", transfer_id, S.READY, now, location.model_dump_json())
+        return await self._move("ready", transfer_id, now, value=location.model_dump_json())
 
     async def claim(self, transfer_id: str, decode_instance_id: str, *, now: float, lease_s: float) -> Moved:
-        return await self._move("claim", transfer_id, S.CLAIMED, now, decode_instance_id, repr(lease_s))
+        return await self._move("claim", transfer_id, now, caller=decode_instance_id, lease=repr(lease_s))
 
     async def done(self, transfer_id: str, decode_instance_id: str | None, *, now: float) -> Moved:
-        return await self._move("done", transfer_id, S.DONE, now, decode_instance_id or "")
+        return await self._move("done", transfer_id, now, caller=decode_instance_id)
 
     async def abort(self, transfer_id: str, reason: str, *, now: float) -> Moved:
-        return await self._move("abort", transfer_id, S.ABORTED, now, reason)
+        return await self._move("abort", transfer_id, now, value=reason)
 
     async def expire_due(self, *, now: float, limit: int = 1000) -> list[Moved]:
-        args = [*self._common(now, ""), limit, _FROM["expire"]]
+        args = [repr(now), "", limit]
         res = await self._guard(self._scripts["expire"](keys=[self.keys.deadlines], args=args))
         return [Moved(S(r[0]), _handoff(_pairs(r[1:]))) for r in res]
 
     async def count_handoffs_by_state(self) -> dict[HandoffState, int]:
         raw = await self._guard(self._redis.hgetall(self.keys.state_counts))
-        # max(0, ...): data written before the counters existed could drive one below zero; never report that.
+        # max(0, ...): a hand-edited or partly flushed key could drive a counter below zero; never report that.
         return {state: max(0, int(raw.get(state.value, 0))) for state in LIVE_STATES}
 
     # -- long-polls --------------------------------------------------------------------------

@@ -1,18 +1,18 @@
--- Prepended to every handoff script when it is loaded (store/redis.py); not a script of its own.
--- Before it, store/redis.py puts one line `local CFG = {...}` with the store's constants (key prefixes from
--- keys.py, TTLs, bounds), so they are not sent with every call:
---   CFG.events_prefix  CFG.handoff_prefix  CFG.left_pending  CFG.terminal_ttl_ms  CFG.events_maxlen
---   CFG.events_ttl_s  CFG.max_claims  CFG.state_counts
+-- Prepended to every script when it is loaded (store/redis.py); not a script of its own.
+-- Before it, store/redis.py puts one line `local CFG = {...}` with the store's constants, so they are
+-- not sent with every call:
+--   CFG.events_prefix  CFG.handoff_prefix  CFG.left_pending  CFG.state_counts   key names (keys.py)
+--   CFG.terminal_ttl_ms  CFG.events_maxlen  CFG.events_ttl_s  CFG.max_claims     retention (LedgerPolicy)
+--   CFG.moves   ledger.MOVES, name -> {sources = {STATE = true}, to, lease, field, claimant,
+--               below_max_claims, reason, terminal}
+--   CFG.lapses  ledger.LAPSES (move names, tried in order)   CFG.claimed  ledger.CLAIMED_STATE
+--   CFG.kept    registry.KEPT_ON_REREGISTER
 --
 -- Layout shared by the handoff scripts:
 --   KEYS[1] deadlines zset; KEYS[2] the handoff hash (absent in expire.lua)
 --   ARGV[1] now (epoch s)  ARGV[2] transfer_id  ARGV[3...] the script's own arguments
 -- Replies: {'ok', before_state, field, value, ...} | {'missing'} | {'illegal', state[, claimant]} | {'exists', state}
--- Allowed source states arrive as ",A,B," (from ledger.OPERATIONS), so the transition table lives only in ledger.py.
-
-local function allowed(csv, state)
-  return string.find(csv, ',' .. state .. ',', 1, true) ~= nil
-end
+-- No rule is written here: `apply_move` interprets a row of ledger.MOVES, as ledger.apply does in Python.
 
 local function deadline_after(now, lease)
   return string.format('%.6f', tonumber(now) + tonumber(lease))
@@ -60,4 +60,75 @@ local function finish(key, tid, before, to, reason, now)
   redis.call('EXPIRE', stream, CFG.events_ttl_s)
   count_move(before, nil)
   left_pending(before, tid)
+end
+
+-- The fields `apply_move` reads, in this order (HMGET key unpack(RECORD_FIELDS)).
+local RECORD_FIELDS = {'state', 'decode_instance_id', 'lease_s', 'claims', 'deadline'}
+
+local function applies(m, rec)
+  return m.sources[rec[1]] and not (m.below_max_claims and tonumber(rec[4]) >= CFG.max_claims)
+end
+
+-- Interpret one row of ledger.MOVES on the record at `key` (`rec` = its RECORD_FIELDS); the twin of
+-- ledger.apply. `caller` and `value` are '' when absent, `lease` the caller's lease. nil when the move
+-- happened, else the {'illegal', ...} reply.
+local function apply_move(m, key, tid, now, rec, caller, value, lease)
+  local state, holder = rec[1], rec[2]
+  if state == CFG.claimed then
+    if m.claimant == 'take' then
+      if holder == caller then
+        local deadline = deadline_after(now, lease)
+        redis.call('HSET', key, 'updated_at', now, 'deadline', deadline)
+        redis.call('ZADD', KEYS[1], deadline, tid)
+        return nil
+      end
+      return {'illegal', state, holder or ''}
+    elseif m.claimant == 'check' and caller ~= '' and holder ~= caller then
+      return {'illegal', state, holder or ''}
+    end
+  end
+  if not applies(m, rec) then
+    return {'illegal', state}
+  end
+  local reason = nil
+  if m.reason then
+    reason = string.format(m.reason, state)
+  end
+  if m.terminal then
+    if m.field == 'reason' then
+      reason = value
+    end
+    finish(key, tid, state, m.to, reason, now)
+    return nil
+  end
+  local deadline = deadline_after(now, m.lease == 'record' and rec[3] or lease)
+  local fields = {'state', m.to, 'updated_at', now, 'deadline', deadline}
+  if m.field then
+    table.insert(fields, m.field)
+    table.insert(fields, value)
+  end
+  if reason then
+    table.insert(fields, 'reason')
+    table.insert(fields, reason)
+  end
+  if m.claimant == 'take' then
+    table.insert(fields, 'decode_instance_id')
+    table.insert(fields, caller)
+  end
+  redis.call('HSET', key, unpack(fields))
+  if m.claimant == 'take' then
+    redis.call('HINCRBY', key, 'claims', 1)
+  elseif m.claimant == 'drop' then
+    redis.call('HDEL', key, 'decode_instance_id')
+  end
+  redis.call('ZADD', KEYS[1], deadline, tid)
+  count_move(state, m.to)
+  left_pending(state, tid)
+  return nil
+end
+
+-- The Lua side of registry.is_live: an instance counts until its heartbeat lease lapses.
+local function instance_live(key, now)
+  local rec = redis.call('HMGET', key, 'last_heartbeat', 'lease_s')
+  return rec[1] and tonumber(rec[1]) + tonumber(rec[2]) >= tonumber(now)
 end

@@ -1,8 +1,7 @@
 -- Renew an instance's lease (and its load). nil when unknown or already lapsed: it must re-register.
 -- KEYS[1] instance hash, KEYS[2] instances zset. ARGV[1] now, ARGV[2] instance id, ARGV[3] load JSON ('' = keep),
 -- ARGV[4] TTL grace (s).
-local rec = redis.call('HMGET', KEYS[1], 'last_heartbeat', 'lease_s')
-if not rec[1] or tonumber(rec[1]) + tonumber(rec[2]) < tonumber(ARGV[1]) then
+if not instance_live(KEYS[1], ARGV[1]) then
   return nil
 end
 if ARGV[3] ~= '' then
@@ -10,7 +9,7 @@ if ARGV[3] ~= '' then
 else
   redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[1])
 end
-local lease = tonumber(rec[2])
+local lease = tonumber(redis.call('HGET', KEYS[1], 'lease_s'))
 redis.call('PEXPIRE', KEYS[1], math.ceil((lease + tonumber(ARGV[4])) * 1000))
 redis.call('ZADD', KEYS[2], string.format('%.6f', tonumber(ARGV[1]) + lease), ARGV[2])
 return redis.call('HGETALL', KEYS[1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pdgate.metaserver import ledger
-from pdgate.metaserver.ledger import ALLOWED, OPERATIONS, IllegalTransition
+from pdgate.metaserver.ledger import ALLOWED, LAPSES, MOVES, IllegalTransition
 from pdgate.metaserver.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffState, KVLocation
 
 S = HandoffState
@@ -24,11 +24,17 @@ def test_table_terminal_states_lead_nowhere_and_live_ones_can_end() -> None:
     assert set(ALLOWED) == set(S)
 
 
-def test_operations_follow_the_table() -> None:
-    assert OPERATIONS["ready"] == {S.PENDING}
-    assert OPERATIONS["claim"] == {S.READY}
-    assert OPERATIONS["done"] == {S.CLAIMED}
-    assert OPERATIONS["abort"] == OPERATIONS["expire"] == {S.PENDING, S.READY, S.CLAIMED}
+def test_caller_moves_leave_only_their_sources() -> None:
+    assert MOVES["ready"].sources == {S.PENDING}
+    assert MOVES["claim"].sources == {S.READY}
+    assert MOVES["done"].sources == {S.CLAIMED}
+    assert MOVES["abort"].sources == MOVES["expire"].sources == {S.PENDING, S.READY, S.CLAIMED}
+    assert LAPSES == ("requeue", "expire") and MOVES["requeue"].sources == {S.CLAIMED}
+
+
+def test_only_terminal_moves_end_the_lease() -> None:
+    for move in MOVES.values():
+        assert (move.lease is ledger.Lease.NONE) == (move.to in TERMINAL_STATES)
 
 
 def test_create_uses_the_pending_lease_and_keeps_the_ready_lease() -> None:
@@ -37,16 +43,24 @@ def test_create_uses_the_pending_lease_and_keeps_the_ready_lease() -> None:
     assert new().lease_s == 30
 
 
-def test_transition_is_pure_and_checks_the_table() -> None:
+def test_apply_is_pure_and_checks_the_table() -> None:
     rec = new()
-    moved = ledger.transition(rec, S.READY, now=101, lease_s=30)
+    moved = ledger.apply(MOVES["ready"], rec, now=101, value=LOC)
     assert rec.state is S.PENDING  # the input is untouched
     assert (moved.state, moved.deadline, moved.updated_at) == (S.READY, 131, 101)
     with pytest.raises(IllegalTransition) as err:
-        ledger.transition(rec, S.DONE, now=101)
+        ledger.apply(MOVES["done"], rec, now=101)
     assert err.value.current is S.PENDING and err.value.to is S.DONE and not err.value.terminal
+    assert err.value.code == "illegal_transition"
     with pytest.raises(ValueError):
-        ledger.transition(rec, S.READY, now=101)
+        ledger.apply(MOVES["claim"], moved, now=101, caller="d0")  # a claim needs the caller's lease
+
+
+def test_a_refusal_from_a_terminal_record_has_the_terminal_code() -> None:
+    rec = ledger.abort(new(), "x", now=101)
+    with pytest.raises(IllegalTransition) as err:
+        ledger.mark_ready(rec, LOC, now=102)
+    assert err.value.terminal and err.value.code == "handoff_terminal" and err.value.status == 410
 
 
 def test_happy_path_deadlines() -> None:
@@ -79,8 +93,9 @@ def test_claim_is_exclusive_and_idempotent_for_the_claimant() -> None:
 
 def test_done_checks_the_claimant_when_named() -> None:
     rec = ledger.claim(ledger.mark_ready(new(), LOC, now=101), "d0", now=102, lease_s=5)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalTransition) as err:
         ledger.done(rec, "d1", now=103)
+    assert err.value.detail == "handoff is claimed by d0, not d1"
     assert ledger.done(rec, None, now=103).state is S.DONE
 
 
