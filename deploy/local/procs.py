@@ -160,6 +160,7 @@ def wait_http(
     ready: Callable[[httpx.Response], bool] = lambda r: r.status_code == 200,
     what: str = "healthy",
     others: Sequence[ManagedProcess] = (),
+    headers: Mapping[str, str] | None = None,
 ) -> float:
     """Poll `url` until `ready(response)`; return the seconds waited.
 
@@ -174,7 +175,7 @@ def wait_http(
                 if code is not None:
                     raise ProcessFailed(p, f"exited with status {code} while waiting for {proc.name} to be {what}")
             with contextlib.suppress(httpx.HTTPError):
-                if ready(client.get(url)):
+                if ready(client.get(url, headers=headers)):
                     return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
                 raise ProcessFailed(proc, f"not {what} after {timeout_s:.0f} s ({url})")

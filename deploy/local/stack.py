@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,8 @@ __all__ = [
     "ensure_model",
 ]
 
+ADMIN_TOKEN_ENV = "PDGATE_ROUTER_ADMIN_TOKEN"  # the router's admin token (its embedded metaserver's)
+ENGINE_TOKEN_ENV = "PDGATE_METASERVER_TOKEN"  # what PDGateConnector sends to the metaserver
 DEFAULT_MODEL_DIR = Path(os.environ.get("PDGATE_MODEL_DIR", "~/.cache/pdgate/pdgate-tiny")).expanduser()
 CONNECTOR_CLASS = "PDGateConnector"
 CONNECTOR_MODULE = "pdgate.connector"
@@ -158,6 +161,28 @@ class LocalStack:
         self.timings: dict[str, float] = {}
         self._counters = {"prefill": 0, "decode": 0}
         self._cpu_cursor = 0
+        # The admin token of the router's metaserver: generated per stack, handed to the router and the
+        # engines in their environment (never argv, where `ps` shows it to every user of the host).
+        self.admin_token = self.config.router_env.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(32)
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """Headers for the metaserver's /v1 routes (registry and ledger)."""
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def router_env(self) -> dict[str, str]:
+        """The router's environment: ours, the config's additions, and the admin token."""
+        env = dict(os.environ)
+        env.update(self.config.router_env)
+        env[ADMIN_TOKEN_ENV] = self.admin_token
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def engine_env(self, spec: VllmInstanceSpec, flags: ServeFlags) -> dict[str, str]:
+        """An engine's environment: vLLM's, plus the token its connector sends to the metaserver."""
+        env = spec.env(repo_root(), flags, write_logging_config(self.run_dir / "vllm-logging.json"))
+        env[ENGINE_TOKEN_ENV] = self.admin_token
+        return env
 
     # -- addresses --------------------------------------------------------------------------
 
@@ -257,14 +282,14 @@ class LocalStack:
     def _start_router(self) -> None:
         cfg = self.config
         argv = [sys.executable, "-m", "pdgate.router", *router_args(cfg)]
-        env = dict(os.environ)
-        env.update(cfg.router_env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = self.router_env()
         self.router = ManagedProcess(
             "router", argv, log_path=self.run_dir / "router.log", env=env, cwd=repo_root()
         ).start()
         self.log(f"router: starting on {self.url} (log {self.router.log_path})")
-        waited = wait_http(self.router, self.url + "/v1/instances", timeout_s=60, what="listening")
+        waited = wait_http(
+            self.router, self.url + "/v1/instances", timeout_s=60, what="listening", headers=self.admin_headers
+        )
         self.log(f"router: listening after {waited:.1f} s")
 
     def _launch(self, role: str, *, extra: Mapping[str, Any] | None = None) -> InstanceHandle:
@@ -299,7 +324,7 @@ class LocalStack:
             instance_id,
             spec.argv(self.env.python, flags),
             log_path=log_path,
-            env=spec.env(repo_root(), flags, write_logging_config(self.run_dir / "vllm-logging.json")),
+            env=self.engine_env(spec, flags),
             cwd=repo_root(),
         ).start()
         self.log(f"{instance_id}: starting vLLM on {spec.url}, cpu {spec.cpu} (log {proc.log_path})")
@@ -322,6 +347,7 @@ class LocalStack:
                 timeout_s=60,
                 what="registered with the metaserver",
                 others=others,
+                headers=self.admin_headers,
             )
             self.log(f"{h.instance_id}: registered")
 

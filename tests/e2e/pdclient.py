@@ -244,10 +244,12 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}
 
 
-def get_handoff(metaserver_url: str, transfer_id: str) -> Handoff:
-    """The ledger record of one request (the router answers with its transfer id as X-Request-Id)."""
+def get_handoff(metaserver_url: str, transfer_id: str, token: str | None = None) -> Handoff:
+    """The ledger record of one request (the router answers with its transfer id as X-Request-Id);
+    `token`: the metaserver's admin token (reads of the ledger need it)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     with httpx.Client(timeout=10.0, trust_env=False) as client:
-        resp = client.get(f"{metaserver_url}/v1/handoffs/{transfer_id}")
+        resp = client.get(f"{metaserver_url}/v1/handoffs/{transfer_id}", headers=headers)
     if resp.status_code != 200:
         raise AssertionError(f"GET /v1/handoffs/{transfer_id} answered {resp.status_code}: {resp.text}")
     return Handoff.model_validate(resp.json())

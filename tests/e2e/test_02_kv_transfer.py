@@ -53,12 +53,14 @@ def test_decode_pulls_every_prompt_block_from_prefill(
     assert d["tokens_local_cache_hit"] == 0, d
     assert p["ready_recorded"] == 1 and p["sends_held"] == 1, p
     # The ledger: this request's KV was recorded by this prefill and claimed and finished by this decode.
-    record = get_handoff(pd_stack.metaserver_url, got.headers["x-request-id"])
+    record = get_handoff(pd_stack.metaserver_url, got.headers["x-request-id"], pd_stack.admin_token)
     assert record.prefill_instance_id == prefill.instance_id
     assert record.decode_instance_id == decode.instance_id
     assert record.location is not None and record.location.num_tokens >= full_blocks * BLOCK
     wait_for(
-        lambda: get_handoff(pd_stack.metaserver_url, record.transfer_id).state is HandoffState.DONE,
+        lambda: (
+            get_handoff(pd_stack.metaserver_url, record.transfer_id, pd_stack.admin_token).state is HandoffState.DONE
+        ),
         timeout=30,
         what=f"handoff {record.transfer_id} to be DONE",
     )

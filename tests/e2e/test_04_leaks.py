@@ -42,8 +42,12 @@ def test_no_ledger_record_or_block_is_held_after_requests(pd_stack: LocalStack, 
 
     tids = [a.headers["x-request-id"] for a in answers]
     meta = pd_stack.metaserver_url
-    wait_for(lambda: all(get_handoff(meta, t).state.terminal for t in tids), timeout=60, what="every handoff to end")
-    states = {t: get_handoff(meta, t).state for t in tids}
+    wait_for(
+        lambda: all(get_handoff(meta, t, pd_stack.admin_token).state.terminal for t in tids),
+        timeout=60,
+        what="every handoff to end",
+    )
+    states = {t: get_handoff(meta, t, pd_stack.admin_token).state for t in tids}
     assert all(s is HandoffState.DONE for s in states.values()), states
     # The prefill frees each request's blocks once its handoff is DONE: back to the idle usage.
     wait_for(lambda: _idle(observe(prefill)), timeout=60, what="the prefill to free every held block")
@@ -91,6 +95,6 @@ def test_client_disconnect_mid_stream_aborts_decode_and_frees_blocks(pd_stack: L
     assert d["finished_length"] == 0 and d["finished_stop"] == 0, d
     assert 3 <= d["generated"] < body["max_tokens"], f"decode did not abort the request: {d}"
     wait_for(lambda: _idle(observe(prefill)) and _idle(observe(decode)), timeout=60, what="every block freed")
-    assert get_handoff(pd_stack.metaserver_url, tid).state.terminal
+    assert get_handoff(pd_stack.metaserver_url, tid, pd_stack.admin_token).state.terminal
     p = delta(observe(prefill), p0)
     assert p["sends_held"] == 1 and p["sends_freed_done"] + p["sends_freed_aborted"] == 1, p

@@ -29,7 +29,8 @@ def _available(stack: LocalStack, role: str) -> set[str]:
 
 def _registered(stack: LocalStack, instance_id: str) -> Instance:
     with httpx.Client(timeout=10, trust_env=False) as client:
-        resp = client.get(f"{stack.metaserver_url}/v1/instances/{instance_id}").raise_for_status()
+        resp = client.get(f"{stack.metaserver_url}/v1/instances/{instance_id}", headers=stack.admin_headers)
+        resp.raise_for_status()
     return Instance.model_validate(resp.json())
 
 
@@ -52,7 +53,7 @@ def test_two_prefills_serve_and_decode_pulls_from_the_right_one(
         prompt = prompt_ids(60 + 97 * i, seed=700 + i)
         got = complete(router_client, prompt, stream=bool(i % 2))
         assert got.token_ids == baseline.complete(prompt).token_ids, f"request {i} differs from the single instance"
-        records.append(get_handoff(pd_stack.metaserver_url, got.headers["x-request-id"]))
+        records.append(get_handoff(pd_stack.metaserver_url, got.headers["x-request-id"], pd_stack.admin_token))
 
     served = Counter(r.prefill_instance_id for r in records)
     assert set(served) == ids, f"requests did not spread over both prefills: {served}"
@@ -60,7 +61,10 @@ def test_two_prefills_serve_and_decode_pulls_from_the_right_one(
         assert r.decode_instance_id == decode.instance_id
         assert r.location is not None and r.location.engine_id == engine_ids[r.prefill_instance_id]
     wait_for(
-        lambda: all(get_handoff(pd_stack.metaserver_url, r.transfer_id).state is HandoffState.DONE for r in records),
+        lambda: all(
+            get_handoff(pd_stack.metaserver_url, r.transfer_id, pd_stack.admin_token).state is HandoffState.DONE
+            for r in records
+        ),
         timeout=60,
         what="every handoff to be DONE",
     )
