@@ -1,24 +1,37 @@
 """`pdgate-router` / `python -m pdgate.router`: settings from env + flags, then uvicorn.
 
-uvicorn picks uvloop and httptools when installed (uvicorn[standard]); both matter for the router's
-CPU per request (see bench/router.py).
+uvicorn picks uvloop when installed; HTTP is uvicorn's httptools protocol wrapped by `pdgate.serving`
+(header and body timeouts, 413 on an over-long Content-Length before the body is read, a connection
+cap). Both matter for the router's CPU per request (see bench/router.py). Settings that do not
+validate (a bad instance URL, a secret file others can read) end the process with the reason, status 2.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 
 import uvicorn
-from pdgate.router.app import create_app
+from pdgate.router.app import create_app, serving_protocol
 from pdgate.router.logs import configure_logging
-from pdgate.router.settings import parse_cli
+from pdgate.router.settings import RouterSettings, parse_cli
+from pydantic import ValidationError
 
 __all__ = ["main"]
 
 
+def _settings(argv: Sequence[str] | None) -> RouterSettings:
+    try:
+        return parse_cli(argv)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        print(f"pdgate-router: invalid settings: {problems}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_cli(argv)
+    settings = _settings(argv)
     configure_logging(settings.log_level)
     logging.getLogger("pdgate.router").info(
         "router on %s:%d; instances from %s%s; policies prefill=%s decode=%s",
@@ -39,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         access_log=settings.access_log,
         log_config=None,
         loop="auto",
-        http="auto",
+        http=serving_protocol(settings),
         backlog=4096,
         timeout_keep_alive=30,
         proxy_headers=False,  # no X-Forwarded-* rewriting: saves a middleware on every request

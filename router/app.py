@@ -6,6 +6,13 @@ callable under uvicorn, which is a fifth of the router's budget. Everything else
 `GET /v1/models`, `GET /health`, `GET /metrics` and, with no `--metaserver`, the embedded metaserver's
 `/v1/instances` and `/v1/handoffs` routes on the same port.
 
+Who may do what (`access`): client API keys open the OpenAI routes; the admin token opens the embedded
+metaserver's routes and the instance URLs in `/health`; with no admin token the router is in protected
+mode (those rights belong to loopback peers only, said at start-up). Proxied requests that come back
+from a router get 508 (`loops`); a registration of the router's own address gets 422. Unknown routes,
+trailing slashes and wrong methods get JSON errors in the OpenAI shape (RFC 7807 under the
+metaserver's prefixes), a 405 with `Allow`.
+
 The FastAPI lifespan owns every resource: the upstream HTTP pool, the metaserver (an in-process
 `MetaService` + sweeper and its `LocalMetaClient`, or a `MetaClient`), the first registry snapshot and
 the background refresh and health tasks. Tests may inject `meta` (any `MetaAPI`), `upstream` (any
@@ -15,6 +22,7 @@ the background refresh and health tasks. Tests may inject `meta` (any `MetaAPI`)
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from random import Random
@@ -24,23 +32,65 @@ import orjson
 from fastapi import FastAPI, Request, Response
 from pdgate.metaserver.client import MetaAPI
 from pdgate.metaserver.settings import MetaSettings
+from pdgate.router.access import AdminCheck, ClientKeys
 from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.breaker import BreakerConfig
 from pdgate.router.discovery import Discovery
-from pdgate.router.errors import MethodNotAllowed, RouterError, Unauthorized
+from pdgate.router.errors import MethodNotAllowed, RouterError, Unauthorized, error_body
+from pdgate.router.health import health_body
+from pdgate.router.http_pool import HttpPool
+from pdgate.router.loops import is_own_address
 from pdgate.router.meta import PooledMetaClient
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import make_policy
-from pdgate.router.pool import Pool, Tracker
+from pdgate.router.pool import LiveInstance, Pool
 from pdgate.router.proxy import Proxy
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_error
-from pdgate.router.upstream import HttpPool, Upstream
+from pdgate.router.upstream import Upstream
+from pdgate.router.validation import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-__all__ = ["PROXY_PATHS", "RouterApp", "create_app"]
+from pdgate.errors import Code, info
+from pdgate.serving import ServerLimits, guarded_protocol
+
+__all__ = ["PROXY_PATHS", "RouterApp", "create_app", "embedded_meta_settings", "render_openai", "serving_protocol"]
+
+log = logging.getLogger("pdgate.router")
 
 PROXY_PATHS = frozenset({COMPLETIONS, CHAT})
+_META_PREFIXES = ("/v1/instances", "/v1/handoffs")
+_REGISTER = "/v1/instances"
+
+
+def render_openai(code: Code, detail: str) -> tuple[bytes, bytes]:
+    """A refusal of `pdgate.serving` (408, 413, 503 before the app runs) as an OpenAI error body."""
+    return b"application/json", error_body(detail, info(code).openai_type, code.value)
+
+
+def serving_protocol(s: RouterSettings) -> type[Any]:
+    """uvicorn's HTTP protocol for the router (`uvicorn.Config(http=...)`): slow clients are cut off,
+    an over-long Content-Length gets 413 before its body is read, connections are counted."""
+    limits = ServerLimits(
+        header_timeout_s=s.header_timeout_s,
+        body_timeout_s=s.body_timeout_s,
+        max_body_bytes=s.max_body_bytes,
+        max_connections=s.max_connections,
+    )
+    return guarded_protocol(limits, render_openai)
+
+
+def embedded_meta_settings(s: RouterSettings) -> MetaSettings:
+    """The embedded metaserver's settings: its own `PDGATE_*` environment (PDGATE_ADMIN_TOKEN included),
+    overridden only by what the router's settings actually set."""
+    overrides: dict[str, Any] = {"store": s.store}
+    if s.admin_token is not None:
+        overrides.update(admin_token=s.admin_token, admin_token_file=None)
+    if s.allowed_engine_networks:
+        overrides["allowed_engine_networks"] = s.allowed_engine_networks
+    return MetaSettings(**overrides)
 
 
 class RouterApp:
@@ -55,6 +105,9 @@ class RouterApp:
         metrics: RouterMetrics,
         holder: dict,
         rest: Callable[..., Any] | None = None,
+        *,
+        embedded: bool = False,
+        max_register_bytes: int = 1 << 20,
     ) -> None:
         self.api = api
         self._rest = rest or api  # the FastAPI app, behind the metaserver's fast path when embedded
@@ -63,6 +116,8 @@ class RouterApp:
         self.discovery = discovery
         self.metrics = metrics
         self._holder = holder
+        self._embedded = embedded
+        self._max_register = max_register_bytes
 
     @property
     def meta(self) -> MetaAPI:
@@ -78,7 +133,54 @@ class RouterApp:
             err = MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}; use POST")
             await send_error(send, err, [(b"allow", b"POST")], lambda: None)
             return
+        if self._embedded and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == _REGISTER:
+            receive = await self._refuse_own_address(scope, receive, send)
+            if receive is None:
+                return
         await self._rest(scope, receive, send)
+
+    async def _refuse_own_address(self, scope: dict[str, Any], receive: Callable, send: Callable) -> Callable | None:
+        """Read a registration; answer 422 when its URL is the socket it arrived on (the router itself),
+        else hand back a `receive` that replays the body to the metaserver's route."""
+        parts: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return None
+            parts.append(msg.get("body", b""))
+            size += len(parts[-1])
+            more = msg.get("more_body", False)
+            if size > self._max_register:
+                break  # the route refuses it with 413; no need to look
+        body = b"".join(parts)
+        if not more:
+            try:
+                url = orjson.loads(body).get("url")
+            except (orjson.JSONDecodeError, AttributeError):
+                url = None
+            server = scope.get("server")
+            if isinstance(url, str) and is_own_address(url, tuple(server) if server else None):
+                from pdgate.metaserver.errors import InvalidInput, problem_response
+
+                err = InvalidInput(
+                    f"body.url: {url} is this router's own address; registering it would make the router "
+                    "forward requests to itself"
+                )
+                await problem_response(err, instance=scope["path"])(scope, receive, send)
+                return None
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": more}
+            message: dict[str, Any] = await receive()
+            return message
+
+        return replay
 
 
 def create_app(
@@ -96,7 +198,7 @@ def create_app(
     holder: dict[str, Any] = {}
     inflight_children: dict[str, Any] = {}
 
-    def on_inflight(tr: Tracker) -> None:
+    def on_inflight(tr: LiveInstance) -> None:
         child = inflight_children.get(tr.id)
         if child is None:
             child = inflight_children[tr.id] = metrics.instance_inflight.labels(tr.id, tr.view.role.value)
@@ -123,7 +225,8 @@ def create_app(
     metrics.inflight.set_function(lambda: proxy.inflight)
     discovery = Discovery(s, pool, lambda: holder["meta"], lambda: holder["upstream"], metrics, clock)
     embedded = meta is None and s.embedded
-    msettings = meta_settings or (MetaSettings(store=s.store, admin_token=s.admin_token) if embedded else None)
+    msettings = meta_settings or (embedded_meta_settings(s) if embedded else None)
+    admin = AdminCheck(msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -137,6 +240,13 @@ def create_app(
             if meta is not None:
                 holder["meta"] = meta
             elif embedded:
+                if admin.token is None:
+                    log.warning(
+                        "protected mode: no admin token is set, so the embedded metaserver's /v1/instances and "
+                        "/v1/handoffs routes and the instance URLs in /health answer loopback peers only; set "
+                        "PDGATE_ROUTER_ADMIN_TOKEN (or PDGATE_ADMIN_TOKEN, or --admin-token-file) for engines "
+                        "on other hosts"
+                    )
                 from pdgate.metaserver.app import running_service
                 from pdgate.metaserver.local import LocalMetaClient
 
@@ -149,7 +259,7 @@ def create_app(
                 meta_pool = HttpPool(connect_timeout=s.connect_timeout_s)
                 stack.push_async_callback(meta_pool.aclose)
                 client = PooledMetaClient(
-                    s.metaserver, pool=meta_pool, token=s.metaserver_token, timeout=s.metaserver_timeout_s
+                    s.metaserver, pool=meta_pool, admin_token=s.metaserver_token, timeout=s.metaserver_timeout_s
                 )
                 stack.push_async_callback(client.aclose)
                 holder["meta"] = client
@@ -164,20 +274,54 @@ def create_app(
         title="pdgate router",
         description="OpenAI-compatible front door for prefill/decode disaggregated vLLM.",
         lifespan=lifespan,
+        redirect_slashes=False,  # a trailing slash is a JSON 404, not an empty 307
     )
-    keys = [k.encode() for k in s.api_key]
+    keys = ClientKeys(s.api_key)
 
     def check_key(request: Request) -> None:
-        if not keys:
-            return
-        header = request.headers.get("authorization", "")
-        if header[:7].lower() == "bearer " and header[7:].strip().encode() in keys:
-            return
-        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+        if not keys.allows(request.headers.get("authorization")):
+            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
     @api.exception_handler(RouterError)
     async def router_error(request: Request, exc: RouterError) -> Response:
         return Response(exc.body(), status_code=exc.status, headers={k.decode(): v.decode() for k, v in exc.headers()})
+
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed(api, request.scope) or headers.get("Allow", "")
+        path = request.url.path
+        if embedded and path.startswith(_META_PREFIXES):
+            from pdgate.metaserver.api import error_from_exception
+            from pdgate.metaserver.errors import problem_response
+
+            return problem_response(error_from_exception(exc), instance=path, headers=headers)
+        code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code, Code.INVALID_REQUEST)
+        message = {
+            404: f"no route {path}; the OpenAI routes are POST /v1/completions, POST /v1/chat/completions "
+            "and GET /v1/models",
+            405: f"{request.method} is not allowed on {path}; allowed: {headers.get('Allow', '')}",
+        }.get(exc.status_code, str(exc.detail))
+        body = error_body(message, "invalid_request_error", code.value)
+        headers["x-pdgate-error"] = code.value
+        return Response(body, status_code=exc.status_code, headers=headers, media_type="application/json")
+
+    openai_errors: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 502, 503, 504, 508)
+    }
+
+    # The two proxy routes are served by `Proxy` (RouterApp never lets these requests reach FastAPI);
+    # they are declared here so that the OpenAPI document describes them with the rule `Proxy` applies.
+    @api.post(
+        COMPLETIONS, tags=["openai"], responses=openai_errors, summary="Create a completion (prefill, then decode)"
+    )
+    async def completions_doc(body: CompletionRequest) -> Response:  # pragma: no cover - never routed here
+        raise StarletteHTTPException(404)
+
+    @api.post(CHAT, tags=["openai"], responses=openai_errors, summary="Create a chat completion (prefill, then decode)")
+    async def chat_doc(body: ChatCompletionRequest) -> Response:  # pragma: no cover - never routed here
+        raise StarletteHTTPException(404)
 
     @api.get("/v1/models", tags=["openai"])
     async def models(request: Request) -> Response:
@@ -188,40 +332,12 @@ def create_app(
         ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
-    @api.get("/health", tags=["ops"])
-    async def health() -> Response:
-        now = clock()
-        served = pool.models(now)
-        reason = None
-        if not served:
-            known = pool.known_models()
-            reason = (
-                "; ".join(pool.explain(m, now) for m in known)
-                if known
-                else "no prefill or decode instance is registered"
-            )
-        instances = [
-            {
-                "id": tr.id,
-                "role": tr.view.role.value,
-                "url": tr.view.url,
-                "model": tr.view.model,
-                "dp_rank": tr.view.dp_rank,
-                "available": (why := tr.unavailable(now)) is None,
-                "reason": why,
-                "inflight": tr.requests,
-                "breaker": tr.breaker.state(now).value,
-            }
-            for tr in pool.trackers.values()
-        ]
-        body = {
-            "status": "ok" if served else "unavailable",
-            "reason": reason,
-            "models": served,
-            "registry_error": discovery.registry_error,
-            "instances": instances,
-        }
-        return Response(orjson.dumps(body), status_code=200 if served else 503, media_type="application/json")
+    @api.get("/health", tags=["ops"], responses={503: {"description": "no compatible pair, or no registry"}})
+    async def health(request: Request) -> Response:
+        peer = request.client.host if request.client is not None else None
+        full = admin.holds(request.headers.get("authorization"), peer)
+        status, body = health_body(pool, discovery, clock(), full=full)
+        return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
     @api.get("/metrics", tags=["ops"])
     async def prometheus() -> Response:
@@ -240,4 +356,24 @@ def create_app(
         if msettings.fast_path:  # the engines' ledger calls skip FastAPI's per-request machinery
             rest = FastPath(api, get_service=lambda: holder["svc"], settings=msettings)
 
-    return RouterApp(api, proxy, pool, discovery, metrics, holder, rest)
+    return RouterApp(
+        api,
+        proxy,
+        pool,
+        discovery,
+        metrics,
+        holder,
+        rest,
+        embedded=embedded,
+        max_register_bytes=msettings.max_body_bytes if msettings is not None else 1 << 20,
+    )
+
+
+def _allowed(api: FastAPI, scope: dict[str, Any]) -> str:
+    """Every method some route serves on this path (Starlette names only the first route's)."""
+    methods: set[str] = set()
+    for route in api.router.routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))

@@ -141,3 +141,16 @@ def validate_request(body: dict[str, Any], endpoint: str) -> None:
             f"the request body cannot be forwarded ({exc}): JSON nested more than 250 levels deep is refused",
             None,
         ) from None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """An OpenAI error body, as every refusal of the proxy routes is shaped (documentation only)."""
+
+    error: ErrorDetail
