@@ -1,22 +1,25 @@
 """MetaClient: the one async client of the metaserver, used by the router and the connector.
 
 No other module formats a metaserver URL. Every answer is parsed into the models of
-`pdgate.metaserver.models`; every failure is raised as a `MetaError` subclass with a stable `code`, so a
-caller decides on types (retry on `MetaUnavailable`, give up on `MetaGone`), never on strings.
+`pdgate.metaserver.models`; every failure is raised as a `MetaError`, a `pdgate.errors.PDGateError`
+whose `code` (a `pdgate.errors.Code`) is the problem body's `code`, so a caller decides on types (retry
+on `MetaUnavailable`, give up on `MetaGone`) or codes, never on strings.
 
-Exception tree:
-    MetaError
+Exception families, chosen by the answer's HTTP status (`BY_STATUS`, this boundary's one table):
+    MetaError               any other status (code from the body, else internal_error)
     ├── MetaBadRequest      400/413/422: the body or a parameter was refused
     ├── MetaUnauthorized    401/403: missing or wrong admin token
     ├── MetaNotFound        404: unknown id (an instance whose lease lapsed is unknown)
     ├── MetaConflict        409: illegal transition / someone else won the claim (`current_state`)
     ├── MetaGone            410: the handoff is terminal (`current_state`)
-    └── MetaUnavailable     503, connection errors and timeouts: retryable
+    └── MetaUnavailable     502/503/504, connection errors and timeouts (`TRANSPORT_ERRORS`): retryable
+The service's own errors (`pdgate.metaserver.errors`) subclass these families, so an in-process caller
+(`LocalMetaClient`) catches the same types.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import httpx
 import orjson
@@ -40,6 +43,8 @@ from pdgate.metaserver.models import (
 )
 from pydantic import BaseModel
 
+from pdgate.errors import Code, PDGateError, info
+
 __all__ = [
     "MetaAPI",
     "MetaBadRequest",
@@ -56,53 +61,72 @@ __all__ = [
 M = TypeVar("M", bound=BaseModel)
 
 
-class MetaError(Exception):
-    code: str = "meta_error"
-    status: int = 500
-    retryable: bool = False
+class MetaError(PDGateError):
+    """Base of every metaserver failure, raised alike over HTTP and in-process.
+
+    `status` is the HTTP status the failure answers with (or answered with, when rebuilt from an
+    answer); `current_state` is set on 409/410 about a handoff.
+    """
+
+    code: ClassVar[Code] = Code.INTERNAL
 
     def __init__(
         self,
         detail: str,
         *,
+        code: Code | str | None = None,
         status: int | None = None,
-        code: str | None = None,
         current_state: HandoffState | None = None,
     ) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        if status is not None:
-            self.status = status
-        if code is not None:
-            self.code = code
+        super().__init__(detail, code=_known(code))
+        self._status = status
         self.current_state = current_state
+
+    @property
+    def detail(self) -> str:
+        return self.message
+
+    @property
+    def status(self) -> int:
+        return self._status if self._status is not None else info(self.code).status
+
+
+def _known(code: Code | str | None) -> Code | None:
+    """A code of the vocabulary, or None (the class's own) for one this version does not know."""
+    if code is None or isinstance(code, Code):
+        return code
+    try:
+        return Code(code)
+    except ValueError:
+        return None
 
 
 class MetaBadRequest(MetaError):
-    code, status = "bad_request", 400
+    code = Code.INVALID_REQUEST
 
 
 class MetaUnauthorized(MetaError):
-    code, status = "unauthorized", 401
+    code = Code.UNAUTHORIZED
 
 
 class MetaNotFound(MetaError):
-    code, status = "not_found", 404
+    code = Code.NOT_FOUND
 
 
 class MetaConflict(MetaError):
-    code, status = "conflict", 409
+    code = Code.ILLEGAL_TRANSITION
 
 
 class MetaGone(MetaError):
-    code, status = "gone", 410
+    code = Code.HANDOFF_TERMINAL
 
 
 class MetaUnavailable(MetaError):
-    code, status, retryable = "unavailable", 503, True
+    code = Code.METASERVER_UNAVAILABLE
 
 
-_BY_STATUS: dict[int, type[MetaError]] = {
+# An answer's HTTP status -> the family raised (any other status: MetaError).
+BY_STATUS: dict[int, type[MetaError]] = {
     400: MetaBadRequest,
     401: MetaUnauthorized,
     403: MetaUnauthorized,
@@ -114,6 +138,12 @@ _BY_STATUS: dict[int, type[MetaError]] = {
     502: MetaUnavailable,
     503: MetaUnavailable,
     504: MetaUnavailable,
+}
+
+# The HTTP layer's failures -> (error raised, what happened), first match wins.
+TRANSPORT_ERRORS: dict[type[Exception], tuple[type[MetaError], str]] = {
+    httpx.TimeoutException: (MetaUnavailable, "timed out"),
+    httpx.TransportError: (MetaUnavailable, "unreachable"),
 }
 
 
@@ -198,10 +228,8 @@ class MetaClient:
             resp = await self._http.request(
                 method, path, content=content, params=params, headers=headers, timeout=timeout
             )
-        except httpx.TimeoutException as exc:
-            raise MetaUnavailable(f"metaserver {method} {path} timed out: {exc!r}", code="timeout") from exc
         except httpx.TransportError as exc:
-            raise MetaUnavailable(f"metaserver {method} {path} unreachable: {exc!r}") from exc
+            raise transport_error(exc, method, path) from exc
         if resp.status_code >= 400:
             raise _error_from(resp, method, path)
         if resp.status_code == 204 or not resp.content:
@@ -279,17 +307,26 @@ class MetaClient:
         return result
 
 
+def transport_error(exc: Exception, method: str, path: str) -> MetaError:
+    """The `TRANSPORT_ERRORS` entry for `exc` (MetaUnavailable when none matches)."""
+    for kind, (cls, what) in TRANSPORT_ERRORS.items():
+        if isinstance(exc, kind):
+            return cls(f"metaserver {method} {path} {what}: {exc!r}")
+    return MetaUnavailable(f"metaserver {method} {path} failed: {exc!r}")
+
+
 def _error_from(resp: httpx.Response, method: str, path: str) -> MetaError:
     return error_from_answer(resp.status_code, resp.content, method, path)
 
 
 def error_from_answer(status: int, content: bytes, method: str, path: str) -> MetaError:
-    """Turn an RFC 7807 (or FastAPI `detail`) answer into the typed error for its status.
+    """Turn an RFC 7807 (or FastAPI `detail`) answer into the typed error for its status (`BY_STATUS`),
+    carrying the body's `code` and `current_state`.
 
     Public so that a subclass of `MetaClient` with another HTTP layer (the router's pooled client)
     raises exactly the errors this client raises.
     """
-    cls = _BY_STATUS.get(status, MetaError)
+    cls = BY_STATUS.get(status, MetaError)
     detail = f"metaserver {method} {path} answered {status}"
     code: str | None = None
     state: HandoffState | None = None

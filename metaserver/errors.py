@@ -1,8 +1,9 @@
-"""The metaserver's error tree and its RFC 7807 rendering.
+"""The metaserver's errors, the one table from the pure cores' refusals to them, and their RFC 7807 form.
 
-Every service error is a subclass of the client's typed errors (`pdgate.metaserver.client`), so the same
-exception means the same thing whether it crossed HTTP (MetaClient rebuilds it from the problem body)
-or was raised in-process (`LocalMetaClient`). Each class has a stable `code`.
+Every class is a `pdgate.errors.PDGateError` (through the client's families in
+`pdgate.metaserver.client`) whose `code` comes from `pdgate.errors.Code` and whose HTTP status comes
+from `pdgate.errors.CODES`, so the same exception means the same thing whether it crossed HTTP
+(MetaClient rebuilds it from the problem body) or was raised in-process (`LocalMetaClient`).
 
     MetaError
     ├── MetaBadRequest
@@ -22,11 +23,17 @@ or was raised in-process (`LocalMetaClient`). Each class has a stable `code`.
     │   └── HandoffTerminal     410 handoff_terminal   the record is DONE/ABORTED/EXPIRED
     ├── MetaUnavailable
     │   └── StoreUnavailable    503 store_unavailable  the store cannot be reached; retry
-    └── StoreFailure            500 store_error        the store answered something we did not expect
+    ├── StoreFailure            500 store_error        the store answered something we did not expect
+    └── InternalError           500 internal_error     a bug: logged with its traceback where it is caught
+
+The pure cores (`ledger`, `registry`) raise their own `PDGateError`s, which know nothing of HTTP;
+`core_errors` turns them into the classes above through `CORE_ERRORS`.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -41,10 +48,14 @@ from pdgate.metaserver.client import (
 )
 from pdgate.metaserver.ledger import IllegalTransition
 from pdgate.metaserver.models import Problem
+from pdgate.metaserver.registry import RegistrationInvalid
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from pdgate.errors import Code, PDGateError
+
 __all__ = [
+    "CORE_ERRORS",
     "PROBLEM_MEDIA_TYPE",
     "BodyTooLarge",
     "HandoffExists",
@@ -52,13 +63,15 @@ __all__ = [
     "HandoffTerminal",
     "IllegalState",
     "InstanceNotFound",
+    "InternalError",
     "InvalidInput",
     "MalformedBody",
     "RouteNotFound",
     "StoreFailure",
     "StoreUnavailable",
     "Unauthorized",
-    "from_illegal",
+    "core_errors",
+    "from_core",
     "from_validation_error",
     "problem_body",
     "problem_response",
@@ -69,51 +82,82 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 
 
 class InvalidInput(MetaBadRequest):
-    code, status = "validation_error", 422
+    code = Code.VALIDATION_ERROR
 
 
 class MalformedBody(MetaBadRequest):
-    code, status = "malformed_json", 400
+    code = Code.MALFORMED_JSON
 
 
 class BodyTooLarge(MetaBadRequest):
-    code, status = "body_too_large", 413
+    code = Code.BODY_TOO_LARGE
 
 
 class Unauthorized(MetaUnauthorized):
-    code, status = "unauthorized", 401
+    code = Code.UNAUTHORIZED
 
 
 class InstanceNotFound(MetaNotFound):
-    code = "instance_not_found"
+    code = Code.INSTANCE_NOT_FOUND
 
 
 class HandoffNotFound(MetaNotFound):
-    code = "handoff_not_found"
+    code = Code.HANDOFF_NOT_FOUND
 
 
 class RouteNotFound(MetaNotFound):
-    code = "not_found"
+    code = Code.NOT_FOUND
 
 
 class HandoffExists(MetaConflict):
-    code = "handoff_exists"
+    code = Code.HANDOFF_EXISTS
 
 
 class IllegalState(MetaConflict):
-    code = "illegal_transition"
+    code = Code.ILLEGAL_TRANSITION
 
 
 class HandoffTerminal(MetaGone):
-    code = "handoff_terminal"
+    code = Code.HANDOFF_TERMINAL
 
 
 class StoreUnavailable(MetaUnavailable):
-    code = "store_unavailable"
+    code = Code.STORE_UNAVAILABLE
 
 
 class StoreFailure(MetaError):
-    code, status = "store_error", 500
+    code = Code.STORE_ERROR
+
+
+class InternalError(MetaError):
+    code = Code.INTERNAL
+
+
+# A pure core's refusal (by its code) -> the error a caller of the service sees.
+CORE_ERRORS: dict[Code, type[MetaError]] = {
+    Code.ILLEGAL_TRANSITION: IllegalState,  # ledger.IllegalTransition on a live record: 409
+    Code.HANDOFF_TERMINAL: HandoffTerminal,  # ledger.IllegalTransition on a terminal record: 410
+    Code.VALIDATION_ERROR: InvalidInput,  # registry.RegistrationInvalid: 422
+}
+
+
+def from_core(exc: PDGateError, subject: str) -> MetaError:
+    """The `CORE_ERRORS` entry for `exc`: a refused move names the handoff (`subject`, its transfer id) and
+    the state it is in (409 while live, 410 once terminal); refused input names where it was (`subject`)."""
+    cls = CORE_ERRORS.get(exc.code, InternalError)
+    if isinstance(exc, IllegalTransition):
+        detail = f"handoff {subject}: {exc.detail} (it is {exc.current.value})"
+        return cls(detail, current_state=exc.current)
+    return cls(f"{subject}.{exc}")
+
+
+@contextlib.contextmanager
+def core_errors(subject: str) -> Iterator[None]:
+    """Re-raise the pure cores' refusals inside the block as `from_core` maps them."""
+    try:
+        yield
+    except (IllegalTransition, RegistrationInvalid) as exc:
+        raise from_core(exc, subject) from None
 
 
 _TITLES = {
@@ -128,13 +172,6 @@ _TITLES = {
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
-
-
-def from_illegal(exc: IllegalTransition, transfer_id: str) -> MetaError:
-    """409 while the record is live (someone else moved it), 410 once it is terminal."""
-    detail = f"handoff {transfer_id}: {exc.detail} (it is {exc.current.value})"
-    cls = HandoffTerminal if exc.terminal else IllegalState
-    return cls(detail, current_state=exc.current)
 
 
 def from_validation_error(exc: ValidationError, where: str = "body") -> InvalidInput:
@@ -152,7 +189,7 @@ def to_problem(exc: MetaError, *, instance: str | None = None) -> Problem:
         title=_TITLES.get(exc.status, "Error"),
         status=exc.status,
         detail=exc.detail,
-        code=exc.code,
+        code=exc.code.value if isinstance(exc.code, Code) else str(exc.code),
         current_state=exc.current_state,
         **extra,
     )

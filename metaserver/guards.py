@@ -41,15 +41,15 @@ _CURSOR = re.compile(r"^([0-9]{1,16})(?:-([0-9]{1,16}))?$")
 
 
 class Forbidden(MetaUnauthorized):
-    code, status = Code.FORBIDDEN.value, 403
+    code = Code.FORBIDDEN
 
 
 class InvalidCursor(InvalidInput):
-    code, status = Code.INVALID_CURSOR.value, 400
+    code = Code.INVALID_CURSOR
 
 
 class TooManyLongPolls(MetaError):
-    code, status, retryable = Code.TOO_MANY_REQUESTS.value, 429, True
+    code = Code.TOO_MANY_REQUESTS
 
 
 def check_cursor(cursor: str | None) -> str | None:

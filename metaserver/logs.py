@@ -1,7 +1,9 @@
-"""Logging set-up: every record carries the transfer id (or instance id) it is about.
+"""Logging set-up: every record carries the transfer id of the handoff it is about.
 
-Why a contextvar: the id is set once where a request enters (`api.py`, `service.py`) and every log line
-below it, in the store or the sweeper, carries it without passing it through each call.
+Why a contextvar: the id is set once where a ledger call enters (`service.py`) and every log line below
+it, in the store or the sweeper, carries it without passing it through each call. Registry calls set
+nothing (their lines name the instance themselves); a record outside any handoff shows "-". The
+router's log filter reads this variable for the lines its embedded metaserver logs.
 """
 
 from __future__ import annotations
@@ -9,26 +11,26 @@ from __future__ import annotations
 import contextvars
 import logging
 
-__all__ = ["ContextFilter", "configure_logging", "subject"]
+__all__ = ["TransferIdFilter", "configure_logging", "transfer_id"]
 
-subject: contextvars.ContextVar[str] = contextvars.ContextVar("pdgate_subject", default="-")
+transfer_id: contextvars.ContextVar[str] = contextvars.ContextVar("pdgate_metaserver_transfer_id", default="-")
 
-_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(subject)s] %(message)s"
+_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(transfer_id)s] %(message)s"
 
 
-class ContextFilter(logging.Filter):
-    """Adds `subject` (transfer or instance id of the current request) to each record."""
+class TransferIdFilter(logging.Filter):
+    """Adds `transfer_id` (of the handoff the current task is about) to each record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not hasattr(record, "subject"):
-            record.subject = subject.get()
+        if not hasattr(record, "transfer_id"):
+            record.transfer_id = transfer_id.get()
         return True
 
 
 def configure_logging(level: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(_FORMAT))
-    handler.addFilter(ContextFilter())
+    handler.addFilter(TransferIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -2,8 +2,8 @@
 
 Why a layer between routes and store: the same operations serve `api.py` (over HTTP) and
 `local.LocalMetaClient` (the router's embedded mode, no HTTP hop), with the same validation, the same
-errors (`errors.py`, subclasses of the client's typed errors) and the same metrics. The clock and the
-id factory are injected so tests can drive them.
+errors and the same metrics. This is where the pure cores' refusals become the service's errors
+(`errors.core_errors`). The clock and the id factory are injected so tests can drive them.
 """
 
 from __future__ import annotations
@@ -13,16 +13,9 @@ import time
 import uuid
 from collections.abc import Callable
 
-from pdgate.metaserver import registry
-from pdgate.metaserver.errors import (
-    HandoffNotFound,
-    InstanceNotFound,
-    InvalidInput,
-    from_illegal,
-)
+from pdgate.metaserver import logs, registry
+from pdgate.metaserver.errors import HandoffNotFound, InstanceNotFound, InvalidInput, core_errors
 from pdgate.metaserver.guards import check_cursor
-from pdgate.metaserver.ledger import IllegalTransition
-from pdgate.metaserver.logs import subject
 from pdgate.metaserver.metrics import MetaMetrics
 from pdgate.metaserver.models import (
     Handoff,
@@ -74,11 +67,8 @@ class MetaService:
 
     # -- registry ----------------------------------------------------------------------------
     async def register(self, reg: InstanceRegistration) -> RegisterResponse:
-        subject.set(reg.id)
-        try:
+        with core_errors("body"):
             registry.validate(reg)
-        except registry.RegistrationInvalid as exc:
-            raise InvalidInput(f"body.{exc}") from exc
         now = self.clock()
         inst = registry.new_instance(reg, now=now, default_lease_s=self.settings.instance_lease_s)
         inst = await self.store.register(inst, now=now)
@@ -122,7 +112,7 @@ class MetaService:
     # -- handoff ledger ----------------------------------------------------------------------
     async def create_handoff(self, body: HandoffCreate) -> Handoff:
         tid = body.transfer_id or self._new_transfer_id()
-        subject.set(tid)
+        logs.transfer_id.set(tid)
         s = self.settings
         rec = await self.store.create_handoff(
             body, transfer_id=tid, now=self.clock(), pending_lease_s=s.pending_lease_s, ready_lease_s=s.ready_lease_s
@@ -139,39 +129,31 @@ class MetaService:
         return rec
 
     async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
-        subject.set(check_id(transfer_id, "transfer_id"))
-        try:
+        logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
+        with core_errors(transfer_id):
             return self._moved(await self.store.mark_ready(transfer_id, location, now=self.clock()))
-        except IllegalTransition as exc:
-            raise from_illegal(exc, transfer_id) from None
 
     async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
-        subject.set(check_id(transfer_id, "transfer_id"))
+        logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
         check_id(decode_instance_id, "decode_instance_id")
         lease = lease_s if lease_s is not None else self.settings.claim_lease_s
-        try:
+        with core_errors(transfer_id):
             return self._moved(await self.store.claim(transfer_id, decode_instance_id, now=self.clock(), lease_s=lease))
-        except IllegalTransition as exc:
-            raise from_illegal(exc, transfer_id) from None
 
     async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
-        subject.set(check_id(transfer_id, "transfer_id"))
-        try:
+        logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
+        with core_errors(transfer_id):
             return self._moved(await self.store.done(transfer_id, decode_instance_id, now=self.clock()))
-        except IllegalTransition as exc:
-            raise from_illegal(exc, transfer_id) from None
 
     async def abort(self, transfer_id: str, reason: str) -> Handoff:
-        subject.set(check_id(transfer_id, "transfer_id"))
-        try:
+        logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
+        with core_errors(transfer_id):
             rec = self._moved(await self.store.abort(transfer_id, reason, now=self.clock()))
-        except IllegalTransition as exc:
-            raise from_illegal(exc, transfer_id) from None
         log.info("handoff aborted: %s", reason)
         return rec
 
     async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff:
-        subject.set(check_id(transfer_id, "transfer_id"))
+        logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
         timeout = min(max(wait or 0.0, 0.0), self.settings.max_wait_s)
         if timeout > 0:
             rec = await self.store.wait_handoff(transfer_id, timeout=timeout)
@@ -195,12 +177,12 @@ class MetaService:
             rec = m.handoff
             self.metrics.lease_expiries.labels(m.before.value, rec.state.value).inc()
             self.metrics.transitions.labels(m.before.value, rec.state.value).inc()
-            token = subject.set(rec.transfer_id)
+            context = logs.transfer_id.set(rec.transfer_id)
             if rec.state is HandoffState.EXPIRED:
                 log.info("handoff expired: %s (prefill %s)", rec.reason, rec.prefill_instance_id)
             else:
                 log.info("claim by a decode lapsed; handoff READY again (claims so far: %d)", rec.claims)
-            subject.reset(token)
+            logs.transfer_id.reset(context)
         return moved
 
     async def health(self) -> dict[str, object]:

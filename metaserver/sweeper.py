@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 
-from pdgate.metaserver.errors import MetaError
+from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.service import MetaService
 
 __all__ = ["Sweeper"]

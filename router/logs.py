@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextvars
 import logging
 
-from pdgate.metaserver.logs import subject
+from pdgate.metaserver.logs import transfer_id as metaserver_transfer_id
 
 __all__ = ["TransferIdFilter", "configure_logging", "transfer_id"]
 
@@ -25,7 +25,7 @@ class TransferIdFilter(logging.Filter):
         if tid is None:
             tid = transfer_id.get()
             if tid == "-":
-                tid = subject.get()
+                tid = metaserver_transfer_id.get()
             record.transfer_id = tid
         if not hasattr(record, "subject"):
             record.subject = tid

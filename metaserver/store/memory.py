@@ -260,7 +260,8 @@ class MemoryStore(Store):
         self, instance_id: str, cursor: str | None, *, wait: float, limit: int = 1000
     ) -> HandoffEvents:
         # One grammar for both stores (`<n>` or `<n>-<m>`); a feed's sequence is one number.
-        after = int(check_cursor(cursor).partition("-")[0]) if cursor is not None else 0
+        checked = check_cursor(cursor)
+        after = int(checked.partition("-")[0]) if checked is not None else 0
         loop = asyncio.get_running_loop()
         until = loop.time() + wait
         while True:

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
@@ -77,6 +77,9 @@ def _split_url(url: str) -> tuple[str, str]:
         else:
             rest.append((k, v))
     return urlunsplit(parts._replace(query=urlencode(rest))), prefix
+
+
+_Args = list[str | int | float]
 
 
 def _pairs(flat: list[Any]) -> dict[str, str]:
@@ -167,11 +170,14 @@ class RedisStore(Store):
         except OSError as exc:
             raise StoreUnavailable(f"redis store unavailable: {exc}") from exc
 
+    async def _hash(self, key: str) -> dict[str, str]:
+        return cast(dict[str, str], await self._guard(self._redis.hgetall(key)))
+
     async def _move(
         self, name: str, transfer_id: str, now: float, *, caller: str | None = None, value: str = "", lease: str = ""
     ) -> Moved:
         """One row of `ledger.MOVES`, applied by `move.lua`; its refusals are `ledger.refused`'s."""
-        args = [repr(now), transfer_id, name, caller or "", value, lease]
+        args: _Args = [repr(now), transfer_id, name, caller or "", value, lease]
         keys = [self.keys.deadlines, self.keys.handoff(transfer_id)]
         res = await self._guard(self._pipeliner.call(self._scripts["move"], keys, args))
         if res[0] == "ok":
@@ -201,7 +207,7 @@ class RedisStore(Store):
         doc = inst.model_dump_json(exclude={"lease_s", "registered_at", "last_heartbeat", "state", "load"})
         keys = [self.keys.instance(inst.id), self.keys.instances]
         fresh = inst.model_dump(mode="json", include=set(registry.KEPT_ON_REREGISTER))
-        args = [
+        args: _Args = [
             repr(now),
             inst.id,
             doc,
@@ -218,7 +224,7 @@ class RedisStore(Store):
 
     async def heartbeat(self, instance_id: str, load: InstanceLoad | None, *, now: float) -> Instance | None:
         keys = [self.keys.instance(instance_id), self.keys.instances]
-        args = [repr(now), instance_id, load.model_dump_json() if load is not None else "", INSTANCE_TTL_GRACE_S]
+        args: _Args = [repr(now), instance_id, load.model_dump_json() if load is not None else "", INSTANCE_TTL_GRACE_S]
         res = await self._guard(self._scripts["heartbeat"](keys=keys, args=args))
         return _instance(_pairs(res)) if res else None
 
@@ -238,12 +244,11 @@ class RedisStore(Store):
         return await self._guard(op())
 
     async def get_instance(self, instance_id: str, *, now: float) -> Instance | None:
-        d = await self._guard(self._redis.hgetall(self.keys.instance(instance_id)))
-        return _live_instance(d, now)
+        return _live_instance(await self._hash(self.keys.instance(instance_id)), now)
 
     async def list_instances(self, *, now: float) -> list[Instance]:
         async def op() -> list[dict[str, str]]:
-            ids = await self._redis.zrangebyscore(self.keys.instances, repr(now), "+inf")
+            ids = cast(list[str], await self._redis.zrangebyscore(self.keys.instances, repr(now), "+inf"))
             async with self._redis.pipeline(transaction=False) as pipe:
                 # Prune on read: entries whose lease lapsed (their hash expires by its own TTL).
                 pipe.zremrangebyscore(self.keys.instances, "-inf", f"({now!r}")
@@ -283,7 +288,7 @@ class RedisStore(Store):
         return rec.model_copy(update={"kv_key": int(res[1])})
 
     async def get_handoff(self, transfer_id: str) -> Handoff | None:
-        d = await self._guard(self._redis.hgetall(self.keys.handoff(transfer_id)))
+        d = await self._hash(self.keys.handoff(transfer_id))
         return _handoff(d) if d else None
 
     async def mark_ready(self, transfer_id: str, location: KVLocation, *, now: float) -> Moved:
@@ -299,7 +304,7 @@ class RedisStore(Store):
         return await self._move("abort", transfer_id, now, value=reason)
 
     async def expire_due(self, *, now: float, limit: int = 1000) -> list[Moved]:
-        args = [repr(now), "", limit]
+        args: _Args = [repr(now), "", limit]
         res = await self._guard(self._scripts["expire"](keys=[self.keys.deadlines], args=args))
         return [Moved(S(r[0]), _handoff(_pairs(r[1:]))) for r in res]
 
@@ -333,7 +338,7 @@ class RedisStore(Store):
                 await asyncio.sleep(0.5)
             finally:
                 try:
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
                 except Exception:
                     pass
 

@@ -3,17 +3,48 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 from pdgate.metaserver import client, errors
 from pdgate.metaserver.ledger import IllegalTransition
 from pdgate.metaserver.models import HandoffState, Problem
+from pdgate.metaserver.registry import RegistrationInvalid
+
+from pdgate.errors import CODES, PDGateError
 
 
 def test_illegal_transition_is_409_while_live_and_410_when_terminal() -> None:
-    live = errors.from_illegal(IllegalTransition(HandoffState.CLAIMED, HandoffState.CLAIMED), "t1")
+    live = errors.from_core(IllegalTransition(HandoffState.CLAIMED, HandoffState.CLAIMED), "t1")
     assert isinstance(live, client.MetaConflict) and live.status == 409 and live.current_state is HandoffState.CLAIMED
-    gone = errors.from_illegal(IllegalTransition(HandoffState.DONE, HandoffState.ABORTED), "t1")
+    gone = errors.from_core(IllegalTransition(HandoffState.DONE, HandoffState.ABORTED), "t1")
     assert isinstance(gone, client.MetaGone) and gone.status == 410 and gone.code == "handoff_terminal"
     assert "t1" in gone.detail
+
+
+def test_core_errors_maps_each_core_refusal_once() -> None:
+    with pytest.raises(errors.IllegalState) as err, errors.core_errors("t1"):
+        raise IllegalTransition(HandoffState.READY, HandoffState.DONE)
+    assert err.value.detail == "handoff t1: cannot move a READY handoff to DONE (it is READY)"
+    with pytest.raises(errors.InvalidInput) as bad, errors.core_errors("body"):
+        raise RegistrationInvalid("transport_addresses[1].tp_rank", "appears twice")
+    assert bad.value.detail == "body.transport_addresses[1].tp_rank: appears twice" and bad.value.status == 422
+
+
+def test_every_error_is_a_pdgate_error_with_a_code_of_the_vocabulary() -> None:
+    classes = [errors.InternalError, errors.StoreFailure, client.MetaError, IllegalTransition]
+    for cls in classes:
+        assert issubclass(cls, PDGateError) and cls.code in CODES
+    assert errors.StoreFailure("x").status == 500 and errors.InternalError("x").code == "internal_error"
+
+
+def test_an_answer_becomes_the_family_of_its_status_with_the_body_code() -> None:
+    body = b'{"code": "handoff_exists", "detail": "taken", "current_state": "PENDING"}'
+    err = client.error_from_answer(409, body, "POST", "/v1/handoffs")
+    assert type(err) is client.MetaConflict and err.code == "handoff_exists" and err.status == 409
+    assert err.current_state is HandoffState.PENDING and err.detail.endswith(": taken")
+    newer = client.error_from_answer(503, b'{"code": "a_code_of_a_newer_peer"}', "GET", "/health")
+    assert type(newer) is client.MetaUnavailable and newer.retryable and newer.status == 503
+    odd = client.error_from_answer(502, b"not json", "GET", "/health")
+    assert odd.status == 502 and odd.code == "pd_metaserver_unavailable"
 
 
 def test_problem_response_shape() -> None:
