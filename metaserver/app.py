@@ -41,6 +41,7 @@ from pdgate.metaserver.store import LedgerPolicy, open_store
 from pdgate.metaserver.sweeper import Sweeper
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from pdgate.errors import CODES, Code
 from pdgate.serving import ServerLimits
@@ -102,6 +103,16 @@ async def running_service(
         await store.close()
 
 
+def _allowed_methods(app: FastAPI, request: Request) -> str:
+    """Every method some route serves at this path (Starlette names only the first route's)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def create_app(settings: MetaSettings | None = None, *, registry: CollectorRegistry | None = None) -> FastAPI:
     settings = settings or MetaSettings()
     holder: dict[str, MetaService] = {}
@@ -145,7 +156,10 @@ def create_app(settings: MetaSettings | None = None, *, registry: CollectorRegis
 
     async def problem(request: Request, exc: Exception) -> Response:
         err = error_from_exception(exc)
-        return problem_response(err, instance=request.url.path, headers=error_headers(err, exc))
+        headers = error_headers(err, exc)
+        if err.status == 405:
+            headers = {"Allow": _allowed_methods(app, request)}
+        return problem_response(err, instance=request.url.path, headers=headers)
 
     app.add_exception_handler(StarletteHTTPException, problem)
     app.add_exception_handler(RequestValidationError, problem)
