@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request, Response
 from pdgate.metaserver.client import MetaAPI
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.access import AdminCheck, ClientKeys
+from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.breaker import BreakerConfig
 from pdgate.router.discovery import Discovery
@@ -103,14 +104,14 @@ class RouterApp:
         pool: Pool,
         discovery: Discovery,
         metrics: RouterMetrics,
-        holder: dict,
+        holder: dict[str, Any],
         rest: Callable[..., Any] | None = None,
         *,
         embedded: bool = False,
         max_register_bytes: int = 1 << 20,
     ) -> None:
         self.api = api
-        self._rest = rest or api  # the FastAPI app, behind the metaserver's fast path when embedded
+        self._rest: Callable[..., Any] = rest or api  # the FastAPI app, behind the metaserver's fast path when embedded
         self.proxy = proxy
         self.pool = pool
         self.discovery = discovery
@@ -125,7 +126,7 @@ class RouterApp:
         meta: MetaAPI = self._holder["meta"]
         return meta
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in PROXY_PATHS:
             if scope["method"] == "POST":
                 await self.proxy(scope, receive, send)
@@ -134,12 +135,13 @@ class RouterApp:
             await send_error(send, err, [(b"allow", b"POST")], lambda: None)
             return
         if self._embedded and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == _REGISTER:
-            receive = await self._refuse_own_address(scope, receive, send)
-            if receive is None:
+            replay = await self._refuse_own_address(scope, receive, send)
+            if replay is None:
                 return
+            receive = replay
         await self._rest(scope, receive, send)
 
-    async def _refuse_own_address(self, scope: dict[str, Any], receive: Callable, send: Callable) -> Callable | None:
+    async def _refuse_own_address(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """Read a registration; answer 422 when its URL is the socket it arrived on (the router itself),
         else hand back a `receive` that replays the body to the metaserver's route."""
         parts: list[bytes] = []
@@ -168,17 +170,17 @@ class RouterApp:
                     f"body.url: {url} is this router's own address; registering it would make the router "
                     "forward requests to itself"
                 )
-                await problem_response(err, instance=scope["path"])(scope, receive, send)
+                answer: Any = problem_response(err, instance=scope["path"])
+                await answer(scope, receive, send)
                 return None
         replayed = False
 
-        async def replay() -> dict[str, Any]:
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": more}
-            message: dict[str, Any] = await receive()
-            return message
+            return await receive()
 
         return replay
 
@@ -290,7 +292,7 @@ def create_app(
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
-            headers["Allow"] = _allowed(api, request.scope) or headers.get("Allow", "")
+            headers["Allow"] = _allowed(api, dict(request.scope)) or headers.get("Allow", "")
         path = request.url.path
         if embedded and path.startswith(_META_PREFIXES):
             from pdgate.metaserver.api import error_from_exception
@@ -308,7 +310,11 @@ def create_app(
         return Response(body, status_code=exc.status_code, headers=headers, media_type="application/json")
 
     openai_errors: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 502, 503, 504, 508)
+        200: {
+            "description": "the engine's answer: JSON, or server-sent events with stream=true",
+            "content": {"application/json": {}, "text/event-stream": {}},
+        },
+        **{status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 502, 503, 504, 508)},
     }
 
     # The two proxy routes are served by `Proxy` (RouterApp never lets these requests reach FastAPI);
@@ -354,7 +360,8 @@ def create_app(
         assert msettings is not None
         api.include_router(build_router(lambda: holder["svc"], msettings))
         if msettings.fast_path:  # the engines' ledger calls skip FastAPI's per-request machinery
-            rest = FastPath(api, get_service=lambda: holder["svc"], settings=msettings)
+            inner: Any = api
+            rest = FastPath(inner, get_service=lambda: holder["svc"], settings=msettings)
 
     return RouterApp(
         api,
