@@ -40,8 +40,12 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 DOCS = ROOT / "docs" / "RELIABILITY.md"
 
-QUICK = Knobs(streams=64, trickle=2.0, warmup_s=2.0, quiet_s=2.0, max_recover_s=30.0, stop_s=5.0, outage_s=2.0)
-FULL = Knobs(streams=256, trickle=4.0, warmup_s=5.0, quiet_s=4.0, max_recover_s=60.0, stop_s=10.0, outage_s=3.0)
+QUICK = Knobs(
+    streams=64, trickle=2.0, warmup_s=2.0, quiet_s=2.0, max_recover_s=30.0, stop_s=5.0, outage_s=2.0, partition_s=6.0
+)
+FULL = Knobs(
+    streams=256, trickle=4.0, warmup_s=5.0, quiet_s=4.0, max_recover_s=60.0, stop_s=10.0, outage_s=3.0, partition_s=15.0
+)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

@@ -75,7 +75,7 @@ class Load:
         self.a = args
         self.urls: list[str] = args.url
         limits = httpx.Limits(max_connections=args.streams + 64, max_keepalive_connections=args.streams + 64)
-        timeout = httpx.Timeout(args.request_timeout, connect=5.0)
+        timeout = httpx.Timeout(args.request_timeout, connect=args.connect_timeout)
         self.http = httpx.AsyncClient(limits=limits, timeout=timeout)
         self.clients = [
             openai.AsyncOpenAI(base_url=u.rstrip("/") + "/v1", api_key="chaos", max_retries=0, http_client=self.http)
@@ -140,8 +140,8 @@ class Load:
         self.record(rec)
 
     async def streamer(self, worker: int) -> None:
-        # Spread the starts over a second so the fault does not meet a lock-step wave.
-        await asyncio.sleep((worker % 100) / 100)
+        # Spread the starts (over a second by default) so the fault does not meet a lock-step wave.
+        await asyncio.sleep(self.a.ramp_s * worker / max(1, self.a.streams))
         seq = 0
         while not self.stopping() and seq < self.a.max_per_worker:
             await self.request(worker, seq, True)
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--request-timeout", type=float, default=30.0)
     p.add_argument("--max-per-worker", type=int, default=100_000)
     p.add_argument("--failover", action="store_true")
+    p.add_argument("--ramp-s", type=float, default=1.0, help="start the streaming clients over this long")
+    p.add_argument("--connect-timeout", type=float, default=5.0)
     args = p.parse_args(argv)
     try:
         import uvloop

@@ -43,7 +43,8 @@ class Knobs:
     quiet_s: float = 4.0
     max_recover_s: float = 60.0
     stop_s: float = 10.0  # SIGSTOP length
-    outage_s: float = 3.0  # Redis / metaserver / network down time
+    outage_s: float = 3.0  # Redis / metaserver down time
+    partition_s: float = 15.0  # network cut
     max_tokens: int = 16
     request_timeout_s: float = 30.0
 
@@ -85,6 +86,7 @@ def start_load(
     failover: bool = False,
     cap_s: float = 300,
     per_worker: int | None = None,
+    ramp_s: float = 1.0,
 ) -> Any:
     argv = [sys.executable, str(HERE / "chaos_load.py"), "--out", str(out), "--stop-file", str(stop)]
     argv += ["--streams", str(knobs.streams), "--trickle", str(knobs.trickle), "--duration", str(cap_s)]
@@ -93,6 +95,7 @@ def start_load(
         argv += ["--url", u]
     if failover:
         argv.append("--failover")
+    argv += ["--ramp-s", str(ramp_s), "--connect-timeout", str(max(5.0, 2 * ramp_s))]
     if per_worker is not None:
         argv += ["--max-per-worker", str(per_worker)]
     return procs.start("load", argv)
@@ -167,6 +170,7 @@ def run_scenario(
     failover: bool = False,
     timing: Timing | None = None,
     after: Callable[[Ctx], None] | None = None,
+    stack_opts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one scenario on a fresh stack; every process it started is killed before it returns."""
     procs = Procs()
@@ -178,9 +182,9 @@ def run_scenario(
     row: dict[str, Any] = {"scenario": name, "title": title}
     t_start = time.time()
     try:
-        stack = Stack(procs, timing=timing, routers_n=routers, aof=aof).start()
+        stack = Stack(procs, timing=timing, routers_n=routers, aof=aof, **(stack_opts or {})).start()
         ctx = Ctx(stack, knobs, out)
-        cap = knobs.warmup_s + knobs.stop_s + knobs.outage_s + knobs.max_recover_s + 60
+        cap = knobs.warmup_s + knobs.stop_s + knobs.outage_s + 2 * knobs.partition_s + knobs.max_recover_s + 60
         load = start_load(procs, [r.url for r in stack.routers], knobs, out, stop, failover=failover, cap_s=cap)
         _wait_load_started(ctx, time.time() + 30)
         time.sleep(knobs.warmup_s)
@@ -210,6 +214,7 @@ def run_scenario(
     finally:
         row["logs"] = str(procs.log_dir)
         procs.close()
+        row["pids"] = sorted(set(procs.started))
         stop.unlink(missing_ok=True)
     row["wall_s"] = round(time.time() - t_start, 1)
     row["load_avg"] = os.getloadavg()[0]

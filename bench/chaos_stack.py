@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +114,7 @@ class Procs:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdgate-chaos-"))
         self.procs: list[Proc] = []
         self.redis: list[RedisServer] = []
+        self.started: list[int] = []  # every PID this run started, for the check that none outlives it
         atexit.register(self.close)
 
     def start(
@@ -131,6 +132,7 @@ class Procs:
             )
         proc = Proc(name, list(argv), popen, log, url, port)
         self.procs.append(proc)
+        self.started.append(popen.pid)
         return proc
 
     def close(self) -> None:
@@ -138,6 +140,8 @@ class Procs:
             proc.kill()
         self.procs.clear()
         for server in self.redis:
+            if server.pid is not None:
+                self.started.append(server.pid)
             with contextlib.suppress(Exception):
                 server.close()
         self.redis.clear()
@@ -169,21 +173,27 @@ class Stack:
     timing: Timing = field(default_factory=Timing)
     routers_n: int = 1
     aof: bool = False
-    sim_host: str = "127.0.0.1"
     redis: RedisServer | None = None
     metaserver: Proc | None = None
     routers: list[Proc] = field(default_factory=list)
     prefills: list[Proc] = field(default_factory=list)
     decodes: list[Proc] = field(default_factory=list)
     meta_port: int = 0
+    # Where a component runs: name -> (argv prefix, listen address). Default: this host, loopback.
+    # The partition scenario puts components into network namespaces with it.
+    place: Callable[[str], tuple[list[str], str]] | None = None
+    redis_args: list[str] = field(default_factory=list)
+
+    def where(self, name: str) -> tuple[list[str], str]:
+        return self.place(name) if self.place is not None else ([], "127.0.0.1")
 
     @property
     def meta_url(self) -> str:
-        return f"http://127.0.0.1:{self.meta_port}"
+        return f"http://{self.where('metaserver')[1]}:{self.meta_port}"
 
     def start(self) -> Stack:
         extra = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.aof else []
-        self.redis = RedisServer(extra_args=extra).start()
+        self.redis = RedisServer(extra_args=[*extra, *self.redis_args]).start()
         self.procs.redis.append(self.redis)
         self.meta_port = free_port()
         self.metaserver = self.start_metaserver()
@@ -202,10 +212,13 @@ class Stack:
     def start_metaserver(self) -> Proc:
         t = self.timing
         assert self.redis is not None
+        redis_url = self.redis.url.replace("127.0.0.1", self.where("redis")[1])
+        prefix, host = self.where("metaserver")
         argv = [
-            str(BIN / "pdgate-metaserver"),
+            *prefix, str(BIN / "pdgate-metaserver"),
+            "--host", host,
             "--port", str(self.meta_port),
-            "--store", f"{self.redis.url}?prefix=chaos",
+            "--store", f"{redis_url}?prefix=chaos",
             "--admin-token", TOKEN,
             "--instance-lease-s", str(t.instance_lease_s),
             "--pending-lease-s", str(t.pending_lease_s),
@@ -220,8 +233,10 @@ class Stack:
     def start_router(self, port: int | None = None) -> Proc:
         t = self.timing
         port = port or free_port()
+        prefix, host = self.where("router")
         argv = [
-            str(BIN / "pdgate-router"),
+            *prefix, str(BIN / "pdgate-router"),
+            "--host", host,
             "--port", str(port),
             "--metaserver", self.meta_url,
             "--metaserver-token", TOKEN,
@@ -235,26 +250,27 @@ class Stack:
             "--max-inflight", "8192",
             "--log-level", "warning",
         ]  # fmt: skip
-        return self.procs.start("router", argv, url=f"http://127.0.0.1:{port}", port=port)
+        return self.procs.start("router", argv, url=f"http://{host}:{port}", port=port)
 
     def start_sim(self, role: str, iid: str, port: int | None = None) -> Proc:
         t = self.timing
         port = port or free_port()
+        prefix, host = self.where(iid)
         argv = [
-            str(BIN / "pdgate-sim"),
+            *prefix, str(BIN / "pdgate-sim"),
             "--role", role,
-            "--host", self.sim_host,
+            "--host", host,
             "--port", str(port),
             "--instance-id", iid,
             "--metaserver", self.meta_url,
-            "--metaserver-token", TOKEN,
+            "--admin-token", TOKEN,
             "--metaserver-timeout-s", str(t.metaserver_timeout_s),
             "--lease-s", str(t.instance_lease_s),
             "--claim-wait-s", str(t.claim_wait_s),
             "--claim-lease-s", str(t.claim_lease_s),
             "--token-delay", str(t.token_delay_s),
         ]  # fmt: skip
-        return self.procs.start(f"sim-{iid}", argv, url=f"http://{self.sim_host}:{port}", port=port)
+        return self.procs.start(f"sim-{iid}", argv, url=f"http://{host}:{port}", port=port)
 
     @property
     def sims(self) -> list[Proc]:

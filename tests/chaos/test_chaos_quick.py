@@ -1,0 +1,81 @@
+"""The chaos suite's zeros in CI: `bench/chaos.py --quick` for scenarios 1-5 at 64 streams.
+
+One run of the real script (its own process, as users run it) feeds every test here: a fault per
+scenario against a real stack (redis-server, metaserver, router, 2P2D pdgate-sim), load on the official
+`openai` client. What must hold for each fault: nothing untyped reaches a client, no handoff is left
+READY/CLAIMED past its leases, no prefill block stays held, and the stack recovers. The run must also
+leave no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.chaos
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = ["1-kill-decode", "2-kill-prefill", "3-stop-decode", "4a-redis-restart", "4b-redis-restart-aof"]
+SCENARIOS += ["5-metaserver-restart"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("chaos") / "chaos-quick.json"
+    argv = [sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick", "--streams", "64", "--no-docs"]
+    argv += ["--out", str(out), "--only", "1", "2", "3", "4a", "4b", "5"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=230, check=False)
+    assert out.exists(), f"bench/chaos.py wrote no results (rc {proc.returncode}):\n{proc.stdout[-3000:]}"
+    result = json.loads(out.read_text())
+    rows = {r["scenario"]: r for r in result["rows"]}
+    assert sorted(rows) == sorted(SCENARIOS), proc.stdout[-3000:]
+    return rows
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_fault_loses_nothing(quick: dict[str, dict[str, Any]], name: str) -> None:
+    row = quick[name]
+    assert "error" not in row, row.get("error")
+    assert row["sent"] >= 64 and row["ok"] > 0, row
+    assert row["untyped"] == 0, row["untyped_examples"]
+    assert row["stranded_handoffs"] == 0, row["handoffs_live"]
+    assert row["held_blocks"] == 0, row["held_blocks_by_prefill"]
+    assert row["recovered"], f"errors still flowing {row['recovery_s']} s after the fault"
+    failed = {k: v for k, v in row["checks"].items() if k.startswith("ok_") and not v}
+    assert not failed, row["checks"]
+
+
+def test_redis_down_answers_typed_503_fast_and_health_says_why(quick: dict[str, dict[str, Any]]) -> None:
+    for name in ("4a-redis-restart", "4b-redis-restart-aof"):
+        checks = quick[name]["checks"]
+        assert checks["probe_answers"], checks
+        assert all("pd_metaserver_unavailable" in k or k.startswith("200") for k in checks["probe_answers"]), checks
+        assert checks["probe_max_latency_s"] <= 2.5, checks
+        assert "redis" in (checks["health_during_outage"] or {}).get("registry_error", ""), checks
+        assert checks["kv_keys_seen"] > 0 and checks["kv_keys_repeated"] == 0, checks
+
+
+def test_late_decode_after_sigstop_gets_no_wrong_kv_and_rejoins(quick: dict[str, dict[str, Any]]) -> None:
+    checks = quick["3-stop-decode"]["checks"]
+    assert checks["kv_mismatches"] == 0 and checks["claimed_after_cont"] > 0, checks
+
+
+def test_every_started_process_is_gone(quick: dict[str, dict[str, Any]]) -> None:
+    alive = []
+    for row in quick.values():
+        assert row["pids"], row["scenario"]
+        for pid in row["pids"]:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            stat = Path(f"/proc/{pid}/stat").read_text().split()
+            if stat[2] != "Z":  # a zombie of another parent is not a running process
+                alive.append((row["scenario"], pid))
+    assert not alive

@@ -1,0 +1,132 @@
+"""A decode vLLM dies under load (SIGKILL) in a real 1P2D stack: nothing untyped, nothing held.
+
+The chaos suite (bench/chaos.py) measures faults against simulated engines; this is the same fault on
+real vLLM engines with the real connector: the engine process and its EngineCore are killed mid-stream.
+What must hold:
+- every one of 8 concurrent streaming clients gets either its full answer or a typed error (an HTTP
+  error or an SSE error event with a pdgate code), never a truncated answer or a bare reset;
+- the prefill's KV usage returns to idle within the handoff lease (its held blocks are freed: DONE for
+  the answered requests, abort or expiry for the ones the dead decode took with it);
+- the next 8 requests are answered in full by the surviving decode.
+The stack is this module's own (it ends with a dead engine, so no other test may share it).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from pdgate.deploy.local.procs import free_port
+from pdgate.deploy.local.stack import LocalStack, StackConfig
+from pdgate.deploy.local.tiny_model import MODEL_NAME
+from pdgate.deploy.local.vllm_env import VllmEnv
+
+from pdgate.errors import Code
+from tests.e2e.pdclient import observe, openai_client, prompt_ids, wait_for
+
+pytestmark = pytest.mark.e2e
+
+CODES = {c.value for c in Code}
+LONG = 400  # tokens per stream: long enough to be in flight when the decode dies
+READY_LEASE_S = 30.0  # the embedded metaserver's default READY lease
+
+
+def _log(msg: str) -> None:
+    print(f"[e2e faults] {msg}", flush=True)
+
+
+@pytest.fixture(scope="module")
+def stack_1p2d(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[LocalStack]:
+    cfg = StackConfig(
+        n_prefill=1,
+        n_decode=2,
+        port=free_port(),
+        model_dir=model_dir,
+        run_dir=e2e_run_dir / "faults-1p2d",
+        venv=vllm_env.venv,
+        install=False,
+        router_args=["--decode-policy", "round_robin", "--health-interval-s", "1"],
+    )
+    stack = LocalStack(cfg, log=_log)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+def _idle(counters: dict[str, float]) -> bool:
+    return counters.get("holding", 0) == 0 and counters["kv_usage"] == 0.0 and counters["running"] == 0
+
+
+def _stream(client: openai.OpenAI, seed: int, max_tokens: int) -> dict[str, Any]:
+    """One streaming request, classified: ok (all tokens, a finish_reason), typed, or untyped."""
+    n, finish = 0, None
+    try:
+        resp = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt_ids(120, seed=seed),
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in resp:
+            for c in chunk.choices:
+                n += 1 if c.text else 0
+                finish = c.finish_reason or finish
+    except openai.APIStatusError as exc:
+        code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
+        return {"kind": "typed" if code in CODES else "untyped", "code": code, "detail": str(exc)[:200]}
+    except openai.APIConnectionError as exc:
+        return {"kind": "untyped", "code": None, "detail": f"connection: {exc!r}"[:200]}
+    except openai.APIError as exc:  # an SSE error event
+        code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
+        return {"kind": "typed" if code in CODES else "untyped", "code": code, "detail": str(exc)[:200]}
+    if finish is None or n < max_tokens * 0.9:  # detokenised chunks may merge a few tokens
+        return {"kind": "untyped", "code": None, "detail": f"truncated: {n} chunks, finish_reason {finish}"}
+    return {"kind": "ok", "code": None, "detail": ""}
+
+
+def test_sigkill_decode_under_load(stack_1p2d: LocalStack) -> None:
+    stack = stack_1p2d
+    [prefill] = stack.by_role("prefill")
+    decodes = stack.by_role("decode")
+    wait_for(lambda: all(_idle(observe(e)) for e in [prefill, *decodes]), timeout=60, what="an idle stack")
+    client = openai_client(stack.openai_base_url, timeout=240)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(_stream, client, 800 + i, LONG) for i in range(8)]
+        # Kill a decode while it is generating for some of the clients.
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            busy = [d for d in decodes if observe(d)["running"] > 0]
+            if len(busy) == len(decodes) or (busy and time.monotonic() > deadline - 100):
+                victim = busy[0]
+            time.sleep(0.2)
+        assert victim is not None, "no decode ever had a request running"
+        running_at_kill = observe(victim)["running"]
+        victim.proc.signal_group(signal.SIGKILL)  # the API server and its EngineCore, at once
+        _log(f"killed {victim.instance_id} with {running_at_kill:.0f} requests running")
+        results = [f.result(timeout=300) for f in futures]
+
+    untyped = [r for r in results if r["kind"] == "untyped"]
+    assert not untyped, results
+    assert running_at_kill > 0
+    _log(f"outcomes: {[r['kind'] + (':' + r['code'] if r['code'] else '') for r in results]}")
+
+    # Every block the prefill held is freed within the handoff lease (plus a sweep and a feed round).
+    wait_for(lambda: _idle(observe(prefill)), timeout=READY_LEASE_S + 15, what="the prefill's KV usage back to idle")
+
+    survivor = next(d for d in decodes if d is not victim)
+    before = observe(survivor).get("finished_length", 0.0)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        after = list(pool.map(lambda i: _stream(client, 900 + i, 16), range(8)))
+    assert [r["kind"] for r in after] == ["ok"] * 8, after
+    assert observe(survivor).get("finished_length", 0.0) - before == 8
