@@ -30,12 +30,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.errors import (
+    AdminTokenRequired,
     BodyTooLarge,
     InvalidInput,
     MalformedBody,
     RouteNotFound,
     StoreFailure,
-    Unauthorized,
     from_validation_error,
     problem_response,
 )
@@ -125,7 +125,7 @@ def error_from_exception(exc: Exception) -> MetaError:
 
 def error_headers(err: MetaError, exc: BaseException | None = None) -> dict[str, str] | None:
     """Headers an error answer carries: WWW-Authenticate on 401, Retry-After on 429, Allow on 405."""
-    if isinstance(err, Unauthorized):
+    if isinstance(err, AdminTokenRequired):
         return {"WWW-Authenticate": "Bearer"}
     if isinstance(err, TooManyLongPolls):
         return {"Retry-After": "1"}

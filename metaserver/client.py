@@ -182,12 +182,12 @@ class MetaClient:
         self,
         base_url: str,
         *,
-        token: str | None = None,
+        admin_token: str | None = None,
         timeout: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 256,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._timeout = timeout
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),

@@ -11,7 +11,7 @@ from `pdgate.errors.CODES`, so the same exception means the same thing whether i
     │   ├── MalformedBody       400 malformed_json     the body is not JSON
     │   └── BodyTooLarge        413 body_too_large
     ├── MetaUnauthorized
-    │   └── Unauthorized        401 unauthorized       missing or wrong admin token
+    │   └── AdminTokenRequired  401 unauthorized       missing or wrong admin token
     ├── MetaNotFound
     │   ├── InstanceNotFound    404 instance_not_found (includes instances whose lease lapsed)
     │   ├── HandoffNotFound     404 handoff_not_found
@@ -57,6 +57,7 @@ from pdgate.errors import Code, PDGateError
 __all__ = [
     "CORE_ERRORS",
     "PROBLEM_MEDIA_TYPE",
+    "AdminTokenRequired",
     "BodyTooLarge",
     "HandoffExists",
     "HandoffNotFound",
@@ -69,7 +70,6 @@ __all__ = [
     "RouteNotFound",
     "StoreFailure",
     "StoreUnavailable",
-    "Unauthorized",
     "core_errors",
     "from_core",
     "from_validation_error",
@@ -93,7 +93,7 @@ class BodyTooLarge(MetaBadRequest):
     code = Code.BODY_TOO_LARGE
 
 
-class Unauthorized(MetaUnauthorized):
+class AdminTokenRequired(MetaUnauthorized):
     code = Code.UNAUTHORIZED
 
 

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdgate.metaserver.api import error_from_exception, parse_body
-from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, BodyTooLarge, InvalidInput, Unauthorized, problem_body
+from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, AdminTokenRequired, BodyTooLarge, InvalidInput, problem_body
 from pdgate.metaserver.guards import AccessGuard
 from pdgate.metaserver.models import AbortBody, ClaimBody, DoneBody, HandoffCreate, KVLocation
 from pdgate.metaserver.service import MetaService
@@ -134,7 +134,7 @@ class FastPath:
             err = error_from_exception(exc)
             status, body = err.status, problem_body(err, instance=scope["path"])
             headers = [(b"content-type", _PROBLEM)]
-            if isinstance(err, Unauthorized):
+            if isinstance(err, AdminTokenRequired):
                 headers.append((b"www-authenticate", b"Bearer"))
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterator
 
 from pdgate.metaserver.client import MetaError, MetaUnauthorized
-from pdgate.metaserver.errors import InvalidInput, Unauthorized
+from pdgate.metaserver.errors import AdminTokenRequired, InvalidInput
 from pdgate.metaserver.models import MAX_SAFE_INT
 from pdgate.metaserver.settings import MetaSettings
 
@@ -69,14 +69,14 @@ class AccessGuard:
     """Decides, per request, whether the caller may use a /v1 route (see the module docstring)."""
 
     def __init__(self, settings: MetaSettings) -> None:
-        self.token = settings.admin_token
+        self.admin_token = settings.admin_token
         self.auth_reads = settings.auth_reads
 
     def check(self, authorization: str | None, peer: str | None, *, write: bool) -> None:
-        """Raise Unauthorized (401) or Forbidden (403) unless the caller may go on."""
+        """Raise AdminTokenRequired (401) or Forbidden (403) unless the caller may go on."""
         if not write and not self.auth_reads:
             return
-        if self.token is None:
+        if self.admin_token is None:
             if not is_loopback(peer):
                 raise Forbidden(
                     "protected mode: no admin token is configured, so /v1 routes answer loopback peers only; "
@@ -84,8 +84,8 @@ class AccessGuard:
                     "'Authorization: Bearer <token>'"
                 )
             return
-        if not credential_matches(bearer(authorization), self.token):
-            raise Unauthorized("this route needs 'Authorization: Bearer <admin token>'")
+        if not credential_matches(bearer(authorization), self.admin_token):
+            raise AdminTokenRequired("this route needs 'Authorization: Bearer <admin token>'")
 
 
 class LongPolls:

@@ -61,7 +61,7 @@ def test_every_error_is_a_typed_client_error() -> None:
         (errors.InvalidInput, client.MetaBadRequest, 422),
         (errors.MalformedBody, client.MetaBadRequest, 400),
         (errors.BodyTooLarge, client.MetaBadRequest, 413),
-        (errors.Unauthorized, client.MetaUnauthorized, 401),
+        (errors.AdminTokenRequired, client.MetaUnauthorized, 401),
         (errors.InstanceNotFound, client.MetaNotFound, 404),
         (errors.HandoffNotFound, client.MetaNotFound, 404),
         (errors.HandoffExists, client.MetaConflict, 409),
