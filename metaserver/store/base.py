@@ -1,14 +1,15 @@
 """The Store interface: the only way the metaserver reads or writes shared state.
 
-Two backends implement it with the same semantics, checked by one contract suite
-(`tests/contract/test_store.py`): `memory.MemoryStore` (one process) and `redis.RedisStore` (several
-metaserver replicas on one Redis). Callers pass `now` (epoch seconds) to every call that compares or sets
-a deadline, so the rules are the ones of the pure cores (`ledger.py`, `registry.py`) and tests may move
-time forward without sleeping. Each transition is atomic (a compare-and-set): two replicas racing on one
-record see exactly one winner.
+Two backends implement it with the same semantics, checked by one contract suite (`tests/contract/`):
+`memory.MemoryStore` (one process) and `redis.RedisStore` (several metaserver replicas on one Redis).
+Callers pass `now` (epoch seconds) to every call that compares or sets a deadline, so the rules are the
+ones of the pure cores (`ledger.MOVES`, `registry.py`) and tests may move time forward without
+sleeping. Each transition is atomic (a compare-and-set): two replicas racing on one record see exactly
+one winner.
 
 Errors: `errors.HandoffNotFound`, `errors.HandoffExists`, `ledger.IllegalTransition` (carrying the state
-found) and `errors.StoreUnavailable` when the backend cannot be reached.
+found; `ledger.refused` builds it for both stores) and `errors.StoreUnavailable` when the backend cannot
+be reached.
 """
 
 from __future__ import annotations
