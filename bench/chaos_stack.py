@@ -40,6 +40,7 @@ __all__ = ["BIN", "Proc", "Procs", "Stack", "Timing"]
 
 BIN = Path(sys.executable).parent
 TOKEN = "chaos-admin"
+SIM_ENV = {"PDGATE_SIM_ADMIN_TOKEN": TOKEN, "PDGATE_SIM_METASERVER_TOKEN": TOKEN}
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,6 @@ class Stack:
             "--host", host,
             "--port", str(self.meta_port),
             "--store", f"{redis_url}?prefix=chaos",
-            "--admin-token", TOKEN,
             "--instance-lease-s", str(t.instance_lease_s),
             "--pending-lease-s", str(t.pending_lease_s),
             "--ready-lease-s", str(t.ready_lease_s),
@@ -228,7 +228,8 @@ class Stack:
             "--sweep-interval-s", str(t.sweep_interval_s),
             "--log-level", "warning",
         ]  # fmt: skip
-        return self.procs.start("metaserver", argv, url=self.meta_url, port=self.meta_port)
+        env = {"PDGATE_ADMIN_TOKEN": TOKEN}  # secrets through the environment, never argv
+        return self.procs.start("metaserver", argv, url=self.meta_url, port=self.meta_port, env=env)
 
     def start_router(self, port: int | None = None) -> Proc:
         t = self.timing
@@ -239,7 +240,6 @@ class Stack:
             "--host", host,
             "--port", str(port),
             "--metaserver", self.meta_url,
-            "--metaserver-token", TOKEN,
             "--metaserver-timeout-s", str(t.metaserver_timeout_s),
             "--refresh-interval-s", str(t.refresh_interval_s),
             "--decode-timeout-s", str(t.decode_timeout_s),
@@ -250,7 +250,8 @@ class Stack:
             "--max-inflight", "8192",
             "--log-level", "warning",
         ]  # fmt: skip
-        return self.procs.start("router", argv, url=f"http://{host}:{port}", port=port)
+        env = {"PDGATE_ROUTER_METASERVER_TOKEN": TOKEN}
+        return self.procs.start("router", argv, url=f"http://{host}:{port}", port=port, env=env)
 
     def start_sim(self, role: str, iid: str, port: int | None = None) -> Proc:
         t = self.timing
@@ -263,14 +264,13 @@ class Stack:
             "--port", str(port),
             "--instance-id", iid,
             "--metaserver", self.meta_url,
-            "--admin-token", TOKEN,
             "--metaserver-timeout-s", str(t.metaserver_timeout_s),
             "--lease-s", str(t.instance_lease_s),
             "--claim-wait-s", str(t.claim_wait_s),
             "--claim-lease-s", str(t.claim_lease_s),
             "--token-delay", str(t.token_delay_s),
         ]  # fmt: skip
-        return self.procs.start(f"sim-{iid}", argv, url=f"http://{host}:{port}", port=port)
+        return self.procs.start(f"sim-{iid}", argv, url=f"http://{host}:{port}", port=port, env=SIM_ENV)
 
     @property
     def sims(self) -> list[Proc]:

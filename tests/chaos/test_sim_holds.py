@@ -21,9 +21,10 @@ pytestmark = pytest.mark.chaos
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from chaos_stack import BIN, TOKEN, Procs, sim_stats, wait_ready  # noqa: E402
+from chaos_stack import BIN, SIM_ENV, TOKEN, Procs, sim_stats, wait_ready  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+READY_LEASE_S = 5.0
 
 
 class Pair:
@@ -35,14 +36,14 @@ class Pair:
         port = free_port()
         self.sim_url = f"http://127.0.0.1:{port}"
         argv = [str(BIN / "pdgate-sim"), "--role", "prefill", "--port", str(port), "--instance-id", "p0"]
-        argv += ["--metaserver", self.meta_url, "--metaserver-token", TOKEN, "--lease-s", "2"]
-        self.sim = procs.start("sim", argv, url=self.sim_url, port=port)
+        argv += ["--metaserver", self.meta_url, "--lease-s", "2"]
+        self.sim = procs.start("sim", argv, url=self.sim_url, port=port, env=SIM_ENV)
         wait_ready(self.sim_url, proc=self.sim)
 
     def start_meta(self) -> object:
-        argv = [str(BIN / "pdgate-metaserver"), "--port", str(self.meta_port), "--admin-token", TOKEN]
-        argv += ["--ready-lease-s", "30", "--log-level", "warning"]
-        proc = self.procs.start("metaserver", argv, port=self.meta_port)
+        argv = [str(BIN / "pdgate-metaserver"), "--port", str(self.meta_port)]
+        argv += ["--ready-lease-s", str(READY_LEASE_S), "--log-level", "warning"]
+        proc = self.procs.start("metaserver", argv, port=self.meta_port, env={"PDGATE_ADMIN_TOKEN": TOKEN})
         wait_ready(self.meta_url, proc=proc)
         return proc
 
@@ -90,6 +91,6 @@ def test_record_lost_with_the_store_is_freed(pair: Pair) -> None:
     pair.meta.kill()  # type: ignore[attr-defined]
     pair.meta = pair.start_meta()  # memory store: every record is gone, as after a Redis restart without AOF
     t0 = time.monotonic()
-    wait_until(lambda: pair.held() == 0, timeout=40, what="blocks freed once the record is found missing")
-    assert time.monotonic() - t0 < 35  # within the READY lease (30 s) plus one check
+    wait_until(lambda: pair.held() == 0, timeout=READY_LEASE_S + 10, what="blocks freed once the record is missing")
+    assert time.monotonic() - t0 < READY_LEASE_S + 2  # within the READY lease plus a check or two
     assert (sim_stats(pair.sim_url) or {})["freed"] == {"record_lost": 1}
