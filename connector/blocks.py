@@ -1,5 +1,6 @@
 """Block bookkeeping for a pull: how many prompt tokens to load, which remote block fills which local
-block, and which prefill TP rank each decode TP rank reads from. Pure functions, no vLLM, no I/O.
+block, and which prefill TP rank each decode TP rank reads from (the TP rule itself is
+`pdgate.metaserver.contract`'s, which the router applies too). Pure functions, no vLLM, no I/O.
 
 How many tokens the decode loads (the off-by-one, decided here once):
 
@@ -22,27 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = [
-    "BlockPlan",
-    "BlockPlanError",
-    "TPLayoutError",
-    "blocks_for_tokens",
-    "plan_pull",
-    "tokens_to_load",
-    "tp_sources",
-]
+from pdgate.connector.errors import BlockPlanError, TPLayoutError
+from pdgate.metaserver.contract import source_rank, tp_mismatch
+from pdgate.metaserver.models import TransportKind
 
-
-class BlockPlanError(ValueError):
-    """The prefill's blocks cannot fill the decode's blocks (counts disagree)."""
-
-    code = "pd_block_plan_invalid"
-
-
-class TPLayoutError(ValueError):
-    """The prefill's and decode's tensor-parallel layouts cannot be mapped onto each other."""
-
-    code = "pd_tp_layout_unsupported"
+__all__ = ["BlockPlan", "blocks_for_tokens", "plan_pull", "tokens_to_load", "tp_sources"]
 
 
 @dataclass(frozen=True)
@@ -88,26 +73,18 @@ def plan_pull(remote_block_ids: Sequence[int], local_block_ids: Sequence[int], n
     return BlockPlan(tuple(remote_block_ids[start : start + need]), tuple(local_block_ids))
 
 
-def tp_sources(prefill_tp: int, decode_tp: int, kv_replicated: bool) -> tuple[int, ...]:
-    """The prefill TP rank each decode TP rank pulls from (index = decode rank).
+def tp_sources(
+    prefill_tp: int, decode_tp: int, kv_replicated: bool, transport: TransportKind | None
+) -> tuple[int, ...]:
+    """The prefill TP rank each decode TP rank pulls from (index = decode rank), by the contract's rule.
 
-    Equal TP: rank r reads rank r (each holds the same heads). Prefill TP > decode TP works only when the
-    KV is replicated on every rank (MLA): then any prefill rank has all of it, and decode ranks are spread
-    over the prefill ranks. Everything else would need re-sharding heads across ranks, which no transport
-    here does, so it is refused with the reason.
+    Equal TP: rank r reads rank r. With KV replicated on every rank (MLA) any TP pair works, decode rank
+    r reading prefill rank r * P_tp // D_tp, except that a transport in `TP_GE_TRANSPORTS` needs
+    P tp >= D tp. Sharded KV with unequal TP is refused with the reason (`TPLayoutError`).
     """
     if prefill_tp < 1 or decode_tp < 1:
         raise TPLayoutError(f"tensor-parallel sizes must be >= 1 (prefill {prefill_tp}, decode {decode_tp})")
-    if prefill_tp == decode_tp:
-        return tuple(range(decode_tp))
-    if prefill_tp > decode_tp:
-        if not kv_replicated:
-            raise TPLayoutError(
-                f"prefill tp {prefill_tp} > decode tp {decode_tp} needs KV replicated on every TP rank (MLA); "
-                "this model's KV is sharded by head, so one decode rank would need several prefill shards"
-            )
-        return tuple(r * prefill_tp // decode_tp for r in range(decode_tp))
-    raise TPLayoutError(
-        f"prefill tp {prefill_tp} < decode tp {decode_tp} is not supported: each decode rank would need a slice "
-        "of one prefill rank's heads; use equal TP, or a larger prefill TP with an MLA model"
-    )
+    refused = tp_mismatch(prefill_tp, decode_tp, kv_replicated=kv_replicated, transport=transport)
+    if refused is not None:
+        raise TPLayoutError(refused.describe())
+    return tuple(source_rank(r, prefill_tp, decode_tp) for r in range(decode_tp))

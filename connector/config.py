@@ -3,7 +3,13 @@
 Why a hand-written parser and not `get_from_extra_config` calls spread over the code: every key is read
 here, once, with its type checked, so a typo (`metaserver_ulr`) or a wrong type fails at engine start with
 a sentence naming the key and the allowed ones, instead of silently falling back to a default deep inside
-a worker thread. Nothing here imports vLLM; `server_facts` in `connector.py` gathers what we need from
+a worker thread. Each key is declared once, as a field of `ConnectorConfig` carrying its `Setting` (which
+check applies, what it means, its default): the parser reads the checks from there, and README.md's table
+is rendered from there (`python -m pdgate.connector.config` prints it; a test keeps the two equal). The
+checks are hand-written rather than pydantic's so that every message names the key as the operator wrote
+it, `kv_connector_extra_config.<key>`, with the sentence the README shows.
+
+Nothing here imports vLLM; `server_facts` in `connector.py` gathers what we need from
 the `VllmConfig` into `ServerFacts`, and passes the process environment for the two keys that may come
 from it instead (`PDGATE_METASERVER_URL`, `PDGATE_METASERVER_TOKEN`): a secret in
 `--kv-transfer-config` is visible to anyone on the host who can run `ps`, an environment variable is not.
@@ -20,20 +26,23 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
+
+from pdgate.connector.errors import ConfigError
 
 __all__ = [
     "ALLOWED_KEYS",
     "DEFAULT_HCCN_CONF",
     "ENV_METASERVER_TOKEN",
     "ENV_METASERVER_URL",
-    "ConfigError",
     "ConnectorConfig",
     "ServerFacts",
+    "Setting",
     "discover_server",
     "parse_config",
     "role_for_kv_role",
+    "settings_table",
 ]
 
 TRANSPORTS = ("nixl", "llmdatadist")
@@ -52,12 +61,6 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 _ID_BAD_CHARS = re.compile(r"[^A-Za-z0-9._:\-]+")
 
 
-class ConfigError(ValueError):
-    """`kv_connector_extra_config` is wrong; the message names the key and says what is expected."""
-
-    code = "connector_config_invalid"
-
-
 @dataclass(frozen=True)
 class ServerFacts:
     """What the connector learns about its own server from vLLM and the environment (not from the user)."""
@@ -71,35 +74,104 @@ class ServerFacts:
 
 
 @dataclass(frozen=True)
-class ConnectorConfig:
-    """Everything the connector is configured with. Field docs are in `_FIELDS` (one place)."""
+class Setting:
+    """How one `kv_connector_extra_config` key is checked and documented.
 
-    metaserver_url: str
-    instance_id: str
-    url: str
-    model: str
-    role: str  # "prefill" | "decode" | "both"
-    metaserver_token: str | None = None
-    transport: str = "nixl"
-    transport_options: Mapping[str, Any] = field(default_factory=dict)
-    rank_table: str | None = None
-    server_id: str | None = None
-    device_ips: Mapping[int, str] = field(default_factory=dict)
-    super_device_ids: Mapping[int, int] = field(default_factory=dict)
-    super_pod_id: str | None = None
-    hccn_conf: str = DEFAULT_HCCN_CONF
-    lease_s: float = 15.0
-    heartbeat_s: float = 5.0
-    pull_timeout_s: float = 30.0
-    kv_lease_s: float = 30.0
-    free_margin_s: float = 10.0
-    ready_wait_s: float = 30.0
-    claim_lease_s: float | None = None
-    feed_wait_s: float = 5.0
-    stats_file: str | None = None
-    labels: Mapping[str, str] = field(default_factory=dict)
-    corrupt_pulled_bytes: bool = False
-    log_level: str = "info"
+    `kind` picks the check in `_check`; `doc` is the README's "Meaning" and the hint in the error message
+    for a wrong value; `shown` is the README's "Default" when the default is not a plain value.
+    """
+
+    kind: str
+    doc: str
+    shown: str | None = None
+
+
+def _key(kind: str, doc: str, *, default: Any = MISSING, shown: str | None = None, factory: Any = MISSING) -> Any:
+    return field(default=default, default_factory=factory, metadata={"setting": Setting(kind, doc, shown)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorConfig:
+    """Everything the connector is configured with: the one declaration of every key, its check, its
+    default and its documentation (`settings_table` renders README.md's table from it)."""
+
+    metaserver_url: str = _key(
+        "url",
+        "Base URL of the metaserver, e.g. http://10.0.0.2:8300. Required, from one of the two.",
+        shown=f"`${ENV_METASERVER_URL}`",
+    )
+    metaserver_token: str | None = _key(
+        "str",
+        "Bearer token for the metaserver's write routes. The key wins over the variable, which keeps the "
+        "token off the command line.",
+        default=None,
+        shown=f"`${ENV_METASERVER_TOKEN}`",
+    )
+    url: str = _key(
+        "url",
+        "The URL the router calls for this server. Required when it cannot be discovered.",
+        shown="`http://<VLLM_HOST_IP or --host>:<--port>`",
+    )
+    instance_id: str = _key(
+        "id",
+        "Registry id. `-dp<rank>` is appended when `dp_size > 1`.",
+        shown="`<role>-<host>-<port>-dp<rank>`",
+    )
+    model: str = _key("str", "The model name to advertise.", shown="the served model name")
+    transport: str = _key("transport", "`nixl` or `llmdatadist`.", default="nixl")
+    transport_options: Mapping[str, Any] = _key(
+        "dict", "Keyword arguments for the transport (see `transport/README.md`).", factory=dict
+    )
+    rank_table: str | None = _key(
+        "str",
+        "llmdatadist: the global rank table. Optional. If given it wins (and is checked against the KV "
+        "cache's device).",
+        default=None,
+    )
+    server_id: str | None = _key(
+        "str",
+        "This host's id in the rank table (needed with `rank_table`). It is also advertised in the registry.",
+        default=None,
+    )
+    device_ips: Mapping[int, str] = _key(
+        "ip_table",
+        'llmdatadist without a rank table: the IPv4 of each NPU, as a list indexed by device id or `{"<id>": ip}`.',
+        factory=dict,
+        shown="`$PDGATE_DEVICE_IP`, then `hccn_conf`",
+    )
+    super_device_ids: Mapping[int, int] = _key(
+        "int_table",
+        "Atlas A3: the super device id of each NPU, as a list or object like `device_ips`.",
+        factory=dict,
+        shown="none",
+    )
+    super_pod_id: str | None = _key("str", "Atlas A3: the super pod of this host.", default=None)
+    hccn_conf: str = _key("str", "The file with the `address_<device id>=<ip>` lines.", default=DEFAULT_HCCN_CONF)
+    lease_s: float = _key("pos", "The registry lease of this instance, in seconds.", default=15.0)
+    heartbeat_s: float = _key("pos", "The heartbeat interval. Must be below `lease_s`.", default=5.0)
+    pull_timeout_s: float = _key(
+        "pos", "The deadline of one KV pull (NIXL). It is also part of D's overall load deadline.", default=30.0
+    )
+    kv_lease_s: float = _key("pos", "The handoff lease assumed when the ledger did not say.", default=30.0)
+    free_margin_s: float = _key(
+        "nonneg", "Extra seconds before P frees held blocks locally while the metaserver is unreachable.", default=10.0
+    )
+    ready_wait_s: float = _key("pos", "How long D waits for a PENDING handoff to become READY.", default=30.0)
+    claim_lease_s: float | None = _key("pos", "The claim lease D asks for.", default=None, shown="the metaserver's")
+    feed_wait_s: float = _key(
+        "pos", "The long-poll wait of P's handoff-event feed. Must be below `kv_lease_s + free_margin_s`.", default=5.0
+    )
+    stats_file: str | None = _key(
+        "str", "A JSON file with the counters, rewritten atomically (at most every 0.2 s).", default=None
+    )
+    labels: Mapping[str, str] = _key("labels", "Free-form string labels for the registry record.", factory=dict)
+    corrupt_pulled_bytes: bool = _key(
+        "bool", "TEST ONLY: XOR the pulled bytes on D (negative control). CPU KV caches only.", default=False
+    )
+    log_level: str = _key(
+        "level", "The level of the connector's own logs: debug, info, warning, error.", default="info"
+    )
+    role: str  # "prefill" | "decode" | "both", from vLLM's kv_role (not a key)
 
     @property
     def can_prefill(self) -> bool:
@@ -110,47 +182,35 @@ class ConnectorConfig:
         return self.role in ("decode", "both")
 
 
-# key -> (type tag, help). The help text is what an operator reads in the error message.
-_FIELDS: dict[str, tuple[str, str]] = {
-    "metaserver_url": (
-        "url",
-        f"base URL of the metaserver, e.g. http://10.0.0.2:8300 (required; default: ${ENV_METASERVER_URL})",
-    ),
-    "metaserver_token": (
-        "str",
-        f"bearer token for the metaserver, if it requires one (default: ${ENV_METASERVER_TOKEN}, "
-        "which keeps it off the command line)",
-    ),
-    "instance_id": ("id", "registry id of this instance (default: <role>-<host>-<port>-dp<rank>)"),
-    "url": ("url", "base URL the router calls for this server (default: http://<VLLM_HOST_IP>:<--port>)"),
-    "model": ("str", "model name to advertise (default: the served model name)"),
-    "transport": ("transport", "KV transport: 'nixl' (default) or 'llmdatadist'"),
-    "transport_options": ("dict", "extra keyword arguments for the transport, e.g. {'ucx_net_devices': 'lo'}"),
-    "rank_table": ("str", "path of the global rank table (llmdatadist; optional, wins over device discovery)"),
-    "server_id": ("str", "server id to advertise (host identity in a rank table)"),
-    "device_ips": (
-        "ip_table",
-        "llmdatadist without a rank table: IPv4 of each NPU of this host, a list indexed by device id or an "
-        "object {device id: ip} (default: $PDGATE_DEVICE_IP, then hccn_conf)",
-    ),
-    "super_device_ids": ("int_table", "Atlas A3: super device id of each NPU, a list or object like device_ips"),
-    "super_pod_id": ("str", "Atlas A3: the super pod of this host"),
-    "hccn_conf": ("str", f"file with the NPUs' address_<device id>=<ip> lines (default {DEFAULT_HCCN_CONF})"),
-    "lease_s": ("pos", "registry lease of this instance in seconds (default 15)"),
-    "heartbeat_s": ("pos", "heartbeat interval in seconds (default 5, must be below lease_s)"),
-    "pull_timeout_s": ("pos", "deadline of one KV pull in seconds (default 30)"),
-    "kv_lease_s": ("pos", "handoff lease assumed when the ledger did not say (default 30)"),
-    "free_margin_s": ("nonneg", "extra seconds before blocks are freed locally when the metaserver is away"),
-    "ready_wait_s": ("pos", "how long a decode waits for a PENDING handoff to become READY (default 30)"),
-    "claim_lease_s": ("pos", "claim lease asked for by a decode (default: the metaserver's)"),
-    "feed_wait_s": ("pos", "long-poll wait of the prefill's handoff-event feed (default 5)"),
-    "stats_file": ("str", "JSON file the connector keeps its counters in (for tests and operators)"),
-    "labels": ("labels", "free-form string labels for the registry record"),
-    "corrupt_pulled_bytes": ("bool", "TEST ONLY: XOR the pulled KV bytes on decode (negative control)"),
-    "log_level": ("level", "level of the connector's own log lines: debug, info (default), warning, error"),
-}
+_SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(ConnectorConfig) if f.metadata}
 
-ALLOWED_KEYS: tuple[str, ...] = tuple(sorted(_FIELDS))
+ALLOWED_KEYS: tuple[str, ...] = tuple(sorted(_SETTINGS))
+
+
+def settings_table() -> str:
+    """README.md's table of `kv_connector_extra_config` keys, rendered from `ConnectorConfig`."""
+    rows = ["| Key | Default | Meaning |", "|---|---|---|"]
+    for f in fields(ConnectorConfig):
+        if not f.metadata:
+            continue
+        setting: Setting = f.metadata["setting"]
+        rows.append(f"| `{f.name}` | {setting.shown or _shown_default(f)} | {setting.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def _shown_default(f: Field[Any]) -> str:
+    value = f.default_factory() if f.default_factory is not MISSING else f.default
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, dict):
+        return "`{}`" if not value else f"`{value}`"
+    return f"`{value}`"
 
 
 def role_for_kv_role(kv_role: str | None) -> str:
@@ -169,7 +229,7 @@ def parse_config(
     and `metaserver_token` when the extra config does not set them.
     """
     extra = dict(extra or {})
-    unknown = sorted(k for k in extra if k not in _FIELDS)
+    unknown = sorted(k for k in extra if k not in _SETTINGS)
     if unknown:
         raise ConfigError(
             f"unknown kv_connector_extra_config key(s) {unknown} for PDGateConnector; "
@@ -185,7 +245,7 @@ def parse_config(
     if "metaserver_url" not in values:
         raise ConfigError(
             f"kv_connector_extra_config.metaserver_url is required (or the environment variable "
-            f"{ENV_METASERVER_URL}): " + _FIELDS["metaserver_url"][1]
+            f"{ENV_METASERVER_URL}): " + _SETTINGS["metaserver_url"].doc
         )
 
     url = values.pop("url", None)
@@ -294,7 +354,8 @@ def _url_host(host: str) -> str:
 
 
 def _check(key: str, value: Any, *, where: str | None = None) -> Any:
-    kind, help_text = _FIELDS[key]
+    setting = _SETTINGS[key]
+    kind, help_text = setting.kind, setting.doc
     where = where or f"kv_connector_extra_config.{key}"
 
     def bad(expected: str) -> ConfigError:
@@ -343,3 +404,7 @@ def _check(key: str, value: Any, *, where: str | None = None) -> Any:
             raise bad("an object of string -> string")
         return dict(value)
     raise AssertionError(f"unhandled field kind {kind}")  # pragma: no cover
+
+
+if __name__ == "__main__":  # regenerate README.md's table: python -m pdgate.connector.config
+    print(settings_table(), end="")

@@ -18,19 +18,23 @@ installed, as plain `{"kv_connector": "PDGateConnector"}` through the `vllm.gene
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdgate.connector.config import ConfigError, ConnectorConfig, ServerFacts, discover_server, parse_config
+from pdgate.connector.config import ConnectorConfig, ServerFacts, discover_server, parse_config
 from pdgate.connector.control import ControlThread
+from pdgate.connector.errors import ConfigError
+from pdgate.connector.location import EngineFacts
 from pdgate.connector.messages import FeedStatus, Register, UpdateLoad, WriteStats
 from pdgate.connector.metadata import PullOutcome, StepMetadata
 from pdgate.connector.registration import build_registration, kv_layout_tag
-from pdgate.connector.scheduler import EngineFacts, SchedulerHalf
+from pdgate.connector.scheduler import SchedulerHalf
 from pdgate.connector.stats import PDGatePromMetrics, PDGateStats
 from pdgate.connector.transport.factory import make_transport
 from pdgate.connector.worker import WorkerHalf
@@ -94,7 +98,7 @@ def server_facts(
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None
     return ServerFacts(
-        kv_role=kv.kv_role if kv is not None else "",
+        kv_role=(kv.kv_role or "") if kv is not None else "",
         dp_rank=vllm_config.parallel_config.data_parallel_rank,
         dp_size=vllm_config.parallel_config.data_parallel_size,
         host=host,
@@ -150,7 +154,10 @@ class PDGateConnector(KVConnectorBase_V1):
         self._published_load: tuple[int, int, float] | None = None
         self._stats_seen: dict[str, int] = {}
         block_size, kv_dtype, kv_layout = _kv_facts(vllm_config, kv_cache_config)
-        self._reg_facts = dict(
+        # Everything the registry record needs but the workers' addresses, which arrive with the handshake.
+        self._registration = functools.partial(
+            build_registration,
+            self._cfg,
             dp_rank=parallel.data_parallel_rank,
             dp_size=parallel.data_parallel_size,
             tp_size=parallel.tensor_parallel_size,
@@ -280,7 +287,7 @@ class PDGateConnector(KVConnectorBase_V1):
         assert self._sched is not None and self._control is not None
         addresses = {rank: m.address for rank, m in metadata.items() if isinstance(m, PDGateHandshake)}
         models = self._sched.set_addresses(addresses)
-        registration = build_registration(self._cfg, addresses=models, **self._reg_facts)
+        registration = self._registration(addresses=models)
         self._control.submit([Register(registration)])
 
     def get_kv_connector_stats(self) -> PDGateStats | None:
@@ -362,9 +369,11 @@ def _setup_logging(level: str) -> None:
 
 def _tp_rank() -> int:
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+        from vllm.distributed import parallel_state
 
-        if model_parallel_is_initialized():
+        initialized: Callable[[], bool] = parallel_state.model_parallel_is_initialized
+        get_tensor_model_parallel_rank = parallel_state.get_tensor_model_parallel_rank
+        if initialized():
             return int(get_tensor_model_parallel_rank())
     except Exception as exc:  # pragma: no cover - depends on the vLLM build
         logger.debug("TP rank unavailable (%r); assuming 0", exc)

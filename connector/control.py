@@ -6,12 +6,17 @@ an HTTP call there would stall every request in the batch. Commands (`pdgate.con
 that the scheduler half drains at its next hook. The feed's liveness is a single float
 (`feed_ok_at`) this thread writes and the engine thread reads: a monotonic timestamp, published whole.
 
-Per command, the retry rules:
+Per command, the retry rules (decided on the client's exception types, never on messages):
   MarkReady  retry while unreachable, up to the handoff lease; gone/unknown/refused -> free now.
   Claim      long-poll while PENDING, up to `ready_wait_s`; gone/unknown/claimed elsewhere -> fail.
-  Done       retry while unreachable for a few seconds; gone -> the KV may have been freed: invalid.
+  Done       retry while unreachable for a few seconds; gone -> the KV may have been freed: invalid;
+             a conflict (our claim lapsed back to READY) -> the record is live, the KV was held: valid.
   Abort      best effort, a few retries; gone/unknown are fine (nothing to abort).
   Check      one try; unknown -> the record is lost, free; unreachable -> keep (local deadline).
+
+A failure that reaches the scheduler half carries a `pdgate.errors.Code`: the metaserver client's own
+(`MetaError.code`, from the answer's problem body), or one of the control thread's (`KV_NOT_READY` when
+no READY came in time, `HANDOFF_TERMINAL` when the long-poll saw the record end).
 """
 
 from __future__ import annotations
@@ -49,15 +54,10 @@ from pdgate.connector.messages import (
     WriteStats,
 )
 from pdgate.connector.registration import Registrar, backoff
-from pdgate.metaserver.client import (
-    MetaClient,
-    MetaConflict,
-    MetaError,
-    MetaGone,
-    MetaNotFound,
-    MetaUnavailable,
-)
+from pdgate.metaserver.client import MetaClient, MetaConflict, MetaError, MetaGone, MetaNotFound, MetaUnavailable
 from pdgate.metaserver.models import TERMINAL_STATES, HandoffState, InstanceLoad, RegisterResponse
+
+from pdgate.errors import Code
 
 __all__ = ["ControlThread"]
 
@@ -81,7 +81,7 @@ class ControlThread:
         self._cfg = cfg
         self._clock = clock
         self._client_factory = client_factory or (
-            lambda: MetaClient(cfg.metaserver_url, token=cfg.metaserver_token, timeout=5.0)
+            lambda: MetaClient(cfg.metaserver_url, admin_token=cfg.metaserver_token, timeout=5.0)
         )
         self._results: queue.SimpleQueue[Result] = queue.SimpleQueue()
         self._loop = asyncio.new_event_loop()
@@ -240,74 +240,80 @@ class ControlThread:
             return
 
     async def _claim(self, cmd: Claim) -> None:
-        tid = cmd.transfer_id
+        transfer_id = cmd.transfer_id
         me = self._instance_id()
         deadline = self._clock() + self._cfg.ready_wait_s
         attempt = 0
         while True:
             remaining = deadline - self._clock()
             if remaining <= 0:
-                self._results.put(ClaimFailed(tid, "pd_kv_not_ready", f"not READY within {self._cfg.ready_wait_s}s"))
+                self._results.put(
+                    ClaimFailed(transfer_id, Code.KV_NOT_READY, f"not READY within {self._cfg.ready_wait_s}s")
+                )
                 return
             try:
-                h = await self._meta.claim(tid, me, self._cfg.claim_lease_s)
-                self._results.put(Claimed(tid, h))
+                h = await self._meta.claim(transfer_id, me, self._cfg.claim_lease_s)
+                self._results.put(Claimed(transfer_id, h))
                 return
             except MetaConflict as exc:
                 if exc.current_state not in (None, HandoffState.PENDING, HandoffState.READY):
-                    self._results.put(ClaimFailed(tid, "claimed_elsewhere", exc.detail))
+                    self._results.put(ClaimFailed(transfer_id, exc.code, f"claimed elsewhere: {exc.detail}"))
                     return
                 # Still PENDING (the prefill's READY is on its way): wait for the record to move.
                 try:
-                    h = await self._meta.get_handoff(tid, wait=min(remaining, _LONG_POLL_CAP_S))
+                    h = await self._meta.get_handoff(transfer_id, wait=min(remaining, _LONG_POLL_CAP_S))
                 except MetaError:
                     await asyncio.sleep(backoff(attempt, base=0.02, cap=0.5))
                     attempt += 1
                     continue
                 if h.state in TERMINAL_STATES:
-                    self._results.put(ClaimFailed(tid, "gone", f"handoff became {h.state.value}: {h.reason}"))
+                    self._results.put(
+                        ClaimFailed(transfer_id, Code.HANDOFF_TERMINAL, f"handoff became {h.state.value}: {h.reason}")
+                    )
                     return
             except MetaGone as exc:
                 state = exc.current_state.value if exc.current_state else "terminal"
-                self._results.put(ClaimFailed(tid, "gone", f"handoff is {state}: {exc.detail}"))
+                self._results.put(ClaimFailed(transfer_id, exc.code, f"handoff is {state}: {exc.detail}"))
                 return
             except MetaNotFound as exc:
-                self._results.put(ClaimFailed(tid, "not_found", exc.detail))
+                self._results.put(ClaimFailed(transfer_id, exc.code, exc.detail))
                 return
             except MetaUnavailable:
                 await asyncio.sleep(backoff(attempt, base=0.05, cap=1.0))
                 attempt += 1
             except MetaError as exc:
-                self._results.put(ClaimFailed(tid, exc.code, exc.detail))
+                self._results.put(ClaimFailed(transfer_id, exc.code, exc.detail))
                 return
 
     async def _done(self, cmd: Done) -> None:
-        tid = cmd.transfer_id
+        transfer_id = cmd.transfer_id
         deadline = self._clock() + 5.0
         attempt = 0
         while True:
             try:
-                await self._meta.done(tid, self._instance_id())
-                self._results.put(DoneResult(tid, True))
+                await self._meta.done(transfer_id, self._instance_id())
+                self._results.put(DoneResult(transfer_id, True))
                 return
             except MetaGone as exc:
                 # ABORTED/EXPIRED while we read: the prefill may already have reused the blocks.
-                self._results.put(DoneResult(tid, False, "gone", exc.detail))
+                self._results.put(DoneResult(transfer_id, False, exc.code, exc.detail))
                 return
             except MetaConflict as exc:
                 # Our claim lapsed back to READY (or another decode claimed it): the record is live, so
                 # the prefill still held the blocks while we read them.
-                logger.warning("transfer %s: DONE refused (%s); the KV was still held, using it", tid, exc.detail)
-                self._results.put(DoneResult(tid, True, exc.code, exc.detail))
+                logger.warning(
+                    "transfer %s: DONE refused (%s); the KV was still held, using it", transfer_id, exc.detail
+                )
+                self._results.put(DoneResult(transfer_id, True, exc.code, exc.detail))
                 return
             except MetaUnavailable as exc:
                 if self._clock() >= deadline:
-                    self._results.put(DoneResult(tid, False, "metaserver_unavailable", exc.detail))
+                    self._results.put(DoneResult(transfer_id, False, exc.code, exc.detail))
                     return
                 await asyncio.sleep(backoff(attempt, base=0.02, cap=0.5))
                 attempt += 1
             except MetaError as exc:
-                self._results.put(DoneResult(tid, False, exc.code, exc.detail))
+                self._results.put(DoneResult(transfer_id, False, exc.code, exc.detail))
                 return
 
     async def _abort(self, cmd: Abort) -> None:

@@ -38,7 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.errors import DeviceNotFound
 
 if TYPE_CHECKING:
     from pdgate.connector.ranktable import DevicePlacement
@@ -47,7 +48,6 @@ __all__ = [
     "ENV_DEVICE_IP",
     "ENV_VISIBLE_DEVICES",
     "DeviceIdentity",
-    "DeviceNotFound",
     "cluster_id_for_ip",
     "discover",
     "from_placement",
@@ -60,12 +60,6 @@ ENV_DEVICE_IP = "PDGATE_DEVICE_IP"
 ENV_VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
 
 _HCCN_ADDRESS = re.compile(r"^\s*address_(\d+)\s*=\s*(\S*)\s*$")
-
-
-class DeviceNotFound(ConfigError):
-    """No source names this worker's device IP (or the sources disagree with a rank table)."""
-
-    code = "connector_device_unknown"
 
 
 @dataclass(frozen=True)

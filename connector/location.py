@@ -1,11 +1,12 @@
 """The KV location: what a prefill records in the ledger, and what a decode checks before pulling from it.
 
-Both ends of the same record live here so that one reading shows the whole contract between a prefill
+Both ends of the same record live here so that one reading shows the whole exchange between a prefill
 and a decode engine: `location_for` writes the `KVLocation` a prefill marks READY with, and
-`plan_from_location` is the decode's side, which refuses an incompatible location with a typed reason
-(block size, transport, KV layout, TP layout, missing addresses, too few blocks) before a byte moves.
-Pure: `EngineFacts` in, `KVLocation` / `RecvPlan` out. The scheduler half (`scheduler.py`) owns the
-state around them.
+`plan_from_location` is the decode's side. Before a byte moves it applies the P/D compatibility rule of
+`pdgate.metaserver.contract` (the one the router pairs with) to the location and this engine, then checks
+what only the location can tell (every source rank advertised, enough blocks), and refuses with a
+`LocationError` whose code and sentence say why. Pure: `EngineFacts` in, `KVLocation` / `RecvPlan` out.
+The scheduler half (`scheduler.py`) owns the state around them.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdgate.connector.blocks import BlockPlanError, TPLayoutError, blocks_for_tokens, plan_pull, tp_sources
-from pdgate.connector.config import ConfigError
+from pdgate.connector.blocks import blocks_for_tokens, plan_pull, tp_sources
+from pdgate.connector.errors import BlockPlanError, ConfigError, LocationError, TPLayoutError
 from pdgate.connector.metadata import RecvPlan, address_from_model, address_to_model
+from pdgate.metaserver.contract import KVFacts, mismatch
 from pdgate.metaserver.models import Handoff, KVLocation, TransportAddress, TransportKind
 
-__all__ = ["EngineFacts", "LocationError", "addresses_from_workers", "location_for", "plan_for", "plan_from_location"]
+from pdgate.errors import Code
+
+__all__ = ["EngineFacts", "addresses_from_workers", "location_for", "plan_for", "plan_from_location"]
 
 
 @dataclass(frozen=True)
@@ -38,14 +42,16 @@ class EngineFacts:
     kv_replicated: bool
     transport: str
 
-
-class LocationError(Exception):
-    """A decode cannot use this location; `code` is the stable reason (metrics, the abort reason)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    def shape(self) -> KVFacts:
+        """This engine as the compatibility rule sees it."""
+        return KVFacts(
+            block_size=self.block_size,
+            kv_dtype=self.kv_dtype,
+            kv_layout=self.kv_layout,
+            transport=TransportKind(self.transport),
+            tp_size=self.tp_size,
+            kv_replicated=self.kv_replicated,
+        )
 
 
 def addresses_from_workers(addresses: Mapping[int, Mapping[str, Any]]) -> list[TransportAddress]:
@@ -105,7 +111,7 @@ def plan_from_location(
 ) -> RecvPlan:
     """The pull every decode worker runs for a claimed handoff, or `LocationError` saying why not."""
     if handoff.location is None:
-        raise LocationError("ledger_no_location", "the handoff carries no KV location")
+        raise LocationError("the handoff carries no KV location")
     return plan_for(
         handoff.location,
         facts,
@@ -128,30 +134,30 @@ def plan_for(
     hit_blocks: int,
 ) -> RecvPlan:
     """The pull for one location: the ledger's (claimed), or the prefill's copy in the params (early)."""
-    if loc.block_size is not None and loc.block_size != facts.block_size:
-        raise LocationError(
-            "pd_block_size_mismatch", f"prefill block size {loc.block_size} != decode {facts.block_size}"
-        )
-    if loc.transport is not None and loc.transport.value != facts.transport:
-        raise LocationError(
-            "pd_transport_mismatch", f"prefill transport {loc.transport.value} != decode {facts.transport}"
-        )
-    if loc.kv_layout and facts.kv_layout and loc.kv_layout != facts.kv_layout:
-        raise LocationError(
-            "pd_kv_layout_mismatch", f"prefill KV layout {loc.kv_layout!r} != decode {facts.kv_layout!r}"
-        )
+    decode = facts.shape()
+    # The location does not say whether the prefill's KV is replicated; it is the same model, so ours does.
+    prefill = KVFacts(
+        block_size=loc.block_size,
+        kv_dtype=loc.kv_dtype,
+        kv_layout=loc.kv_layout,
+        transport=loc.transport,
+        tp_size=loc.tp_size,
+        kv_replicated=facts.kv_replicated,
+    )
+    refused = mismatch(prefill, decode)
+    if refused is not None:
+        code = Code.TP_LAYOUT_UNSUPPORTED if refused.field == "tp_size" else Code.LOCATION_MISMATCH
+        raise LocationError(refused.describe("the prefill", "this decode"), code=code)
     if not loc.block_ids:
-        raise LocationError("ledger_no_blocks", "the handoff lists no blocks")
+        raise LocationError("the handoff lists no blocks")
     try:
-        ranks = tp_sources(loc.tp_size, facts.tp_size, facts.kv_replicated)
+        ranks = tp_sources(loc.tp_size, facts.tp_size, facts.kv_replicated, decode.transport)
         by_rank = {a.tp_rank: a for a in loc.transport_addresses}
         missing = [r for r in ranks if r not in by_rank]
         if missing:
-            raise LocationError(
-                "pd_no_transport_address", f"the prefill advertised no transport address for tp rank(s) {missing}"
-            )
+            raise LocationError(f"the prefill advertised no transport address for tp rank(s) {missing}")
         plan = plan_pull(loc.block_ids[0], local_block_ids, hit_blocks)
     except (TPLayoutError, BlockPlanError) as exc:
-        raise LocationError(exc.code, str(exc)) from None
+        raise LocationError(exc.message, code=exc.code) from None
     sources = tuple(address_from_model(by_rank[r]) for r in ranks)
     return RecvPlan(req_id, transfer_id, kv_key, plan.remote_block_ids, plan.local_block_ids, sources)

@@ -3,7 +3,8 @@
 The scheduler half never waits on I/O inside a vLLM hook: it appends a command here, the facade hands it
 to the control thread, and the answer comes back as a result that the next hook drains. Both directions
 are frozen dataclasses; `at` stamps are `time.monotonic()` of the control thread (same process, same
-clock as the scheduler half's `now`).
+clock as the scheduler half's `now`). A failed result carries a `pdgate.errors.Code`, which is what the
+scheduler half branches on.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdgate.metaserver.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation
+
+from pdgate.errors import Code
 
 __all__ = [
     "Abort",
@@ -111,7 +114,7 @@ class ReadyFailed:
     """`terminal`: the ledger will never need these blocks (gone, unknown, refused): free them now."""
 
     transfer_id: str
-    code: str
+    code: Code
     message: str
     terminal: bool
 
@@ -125,7 +128,7 @@ class Claimed:
 @dataclass(frozen=True)
 class ClaimFailed:
     transfer_id: str
-    code: str
+    code: Code
     message: str
 
 
@@ -135,7 +138,7 @@ class DoneResult:
 
     transfer_id: str
     valid: bool
-    code: str | None = None
+    code: Code | None = None
     message: str | None = None
 
 

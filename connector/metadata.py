@@ -1,149 +1,28 @@
 """Everything that crosses from the scheduler half to the workers, and back, as frozen data.
 
-* `PrefillParams` / `DecodeParams`: the typed view of a request's `kv_transfer_params` (the router's
-  dict), validated once. vLLM shares that dict with the request; we never write into it, the scheduler
-  half keeps its own state.
 * `StepMetadata`: the one per-step message from the scheduler half to every worker (wrapped in a vLLM
   `KVConnectorMetadata` by the facade). It is the only path from scheduler to worker.
 * `PullOutcome`: what one worker reports about one pull (wrapped in a `KVConnectorWorkerMetadata`,
   which vLLM aggregates over the workers and hands to the scheduler half).
+* `address_to_model` / `address_from_model`: a worker's transport address as the contract's
+  `TransportAddress`, and back.
 
-All of it is plain Python (pickled by vLLM between processes); nothing here imports vLLM or torch.
+A request's `kv_transfer_params` are read and written through `pdgate.metaserver.contract.KVTransferParams`.
+vLLM shares that dict with the request; the connector never writes into it, the scheduler half keeps its
+own state. All of it is plain Python (pickled by vLLM between processes); nothing here imports vLLM or torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdgate.metaserver.models import MAX_KV_KEY, KVLocation, TransportAddress, is_valid_id
-from pydantic import ValidationError
+from pdgate.metaserver.models import TransportAddress
 
-__all__ = [
-    "DecodeParams",
-    "InvalidTransferParams",
-    "PrefillParams",
-    "PullOutcome",
-    "RecvDone",
-    "RecvPlan",
-    "StepMetadata",
-    "address_from_model",
-    "address_to_model",
-    "prefill_result_params",
-]
+from pdgate.errors import Code
 
-
-class InvalidTransferParams(ValueError):
-    """`kv_transfer_params` lacks a field we need or carries a wrong type."""
-
-    code = "pd_bad_transfer_params"
-
-
-def _transfer_id(params: Mapping[str, Any]) -> str:
-    tid = params.get("transfer_id")
-    if not isinstance(tid, str) or not is_valid_id(tid):
-        raise InvalidTransferParams(f"kv_transfer_params.transfer_id must be a URL-safe id string, got {tid!r}")
-    return tid
-
-
-def _optional_int(params: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidTransferParams(f"kv_transfer_params.{key} must be an int in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class PrefillParams:
-    """What the router sends a prefill: `{"do_remote_decode": true, "transfer_id": ..., "kv_key": ...}`."""
-
-    transfer_id: str
-    kv_key: int | None = None  # absent when the router had none; the ledger's answer then supplies it
-
-    @classmethod
-    def parse(cls, params: Mapping[str, Any]) -> PrefillParams:
-        return cls(_transfer_id(params), _optional_int(params, "kv_key", 1, MAX_KV_KEY))
-
-
-@dataclass(frozen=True)
-class DecodeParams:
-    """What a decode receives: the prefill's answer (see `prefill_result_params`), forwarded by the router."""
-
-    transfer_id: str
-    kv_key: int | None = None
-    remote_num_tokens: int | None = None
-    remote_block_ids: tuple[int, ...] | None = None
-    prefill_instance_id: str | None = None
-    # The prefill's own copy of the READY record (`remote_location`), so the pull can start before the
-    # claim answers. Unreadable -> None: the decode then waits for the ledger's copy, as before.
-    location: KVLocation | None = None
-
-    @classmethod
-    def parse(cls, params: Mapping[str, Any]) -> DecodeParams:
-        tid = _transfer_id(params)
-        kv_key = _optional_int(params, "kv_key", 1, MAX_KV_KEY)
-        num_tokens = _optional_int(params, "remote_num_tokens", 0, 2**40)
-        blocks = params.get("remote_block_ids")
-        block_ids: tuple[int, ...] | None = None
-        if blocks is not None:
-            # Accept the flat list (one KV group) and NIXL's per-group nesting with one group.
-            if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
-                blocks = blocks[0]
-            if not isinstance(blocks, list) or any(
-                isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in blocks
-            ):
-                raise InvalidTransferParams("kv_transfer_params.remote_block_ids must be a list of block ids >= 0")
-            block_ids = tuple(blocks)
-        pid = params.get("prefill_instance_id")
-        if pid is not None and not (isinstance(pid, str) and is_valid_id(pid)):
-            raise InvalidTransferParams(f"kv_transfer_params.prefill_instance_id must be an id, got {pid!r}")
-        location = None
-        raw_location = params.get("remote_location")
-        if isinstance(raw_location, Mapping):
-            try:
-                location = KVLocation.model_validate(raw_location)
-            except ValidationError:
-                location = None
-        return cls(tid, kv_key, num_tokens, block_ids, pid, location)
-
-
-def prefill_result_params(
-    *,
-    transfer_id: str,
-    kv_key: int | None,
-    block_ids: Sequence[int],
-    num_tokens: int,
-    engine_id: str | None,
-    prefill_instance_id: str,
-    remote_request_id: str,
-    location: KVLocation | None = None,
-) -> dict[str, Any]:
-    """The `kv_transfer_params` a prefill returns; the router forwards them verbatim to the decode.
-
-    `do_remote_prefill`/`do_remote_decode` keep vLLM's meaning (the scheduler adds
-    `remote_prefill_cached_tokens` when `do_remote_prefill` is set). The decode trusts the ledger's
-    location over these fields; they are here for the router, logs and `get_num_new_matched_tokens`.
-    `remote_location` is the READY record itself: the decode may start pulling from it while its claim
-    is in flight, and uses the data only once the claim succeeded and the ledger's record matches it.
-    """
-    out: dict[str, Any] = {
-        "transfer_id": transfer_id,
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": list(block_ids),
-        "remote_engine_id": engine_id,
-        "remote_num_tokens": num_tokens,
-        "remote_request_id": remote_request_id,
-        "prefill_instance_id": prefill_instance_id,
-    }
-    if kv_key is not None:
-        out["kv_key"] = kv_key
-    if location is not None:
-        out["remote_location"] = location.model_dump(mode="json", exclude_none=True)
-    return out
+__all__ = ["PullOutcome", "RecvDone", "RecvPlan", "StepMetadata", "address_from_model", "address_to_model"]
 
 
 @dataclass(frozen=True)
@@ -188,7 +67,7 @@ class PullOutcome:
     transfer_id: str
     tp_rank: int
     ok: bool
-    code: str | None = None
+    code: Code | None = None
     message: str | None = None
     nbytes: int = 0
     nblocks: int = 0

@@ -1,9 +1,11 @@
-"""``pdgate-ranktable``: validate a global rank table, or generate one from host/device lists.
+"""`pdgate-ranktable`: validate a global rank table, or generate one from host/device lists.
 
-``generate`` builds the table from ``HOST:[ID=]DEVICE_IP[/SUPER_DEVICE_ID],...`` specs and validates
-it exactly as a file is validated (``pdgate.connector.ranktable.parse_rank_table``), so a generated table is
-never one the connector would refuse. Exit codes: 0 valid/written, 1 invalid rank table, 2 bad command
-line. The console script points at ``pdgate.connector.ranktable:main``, a thin wrapper around ``main`` here.
+`validate` reads either shape `pdgate.connector.ranktable` describes (MindCluster's server_group_list, as
+vllm-ascend's first llm_datadist connector used it, or the device lists of vllm-ascend's gen_ranktable.py)
+and prints what each device becomes (`--show`). `generate` builds a server_group_list table from
+`HOST:[ID=]DEVICE_IP[/SUPER_DEVICE_ID],...` specs and checks it exactly as a file is checked
+(`pdgate.connector.ranktable_parse.parse_rank_table`), so a generated table is never one the connector
+would refuse. Exit codes: 0 valid/written, 1 invalid rank table, 2 bad command line.
 """
 
 from __future__ import annotations
@@ -16,17 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdgate.connector.ranktable import (
-    VERSION_A2,
-    VERSION_A3,
-    RankTable,
-    RankTableError,
-    Role,
-    assign_ranks,
-    dump_rank_table,
-    load_rank_table,
-    parse_rank_table,
-)
+from pdgate.connector.errors import RankTableError
+from pdgate.connector.ranktable import VERSION_A2, VERSION_A3, RankTable, Role, assign_ranks, dump_rank_table
+from pdgate.connector.ranktable_parse import load_rank_table, parse_rank_table
 
 __all__ = ["HostSpec", "generate", "main", "parse_host_spec"]
 
@@ -115,7 +109,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="pdgate-ranktable",
         description="Validate or generate the global rank table that maps prefill/decode NPU devices "
-        "to llm_datadist clusters (group 0 router, 1 prefill, 2 decode).",
+        "to llm_datadist clusters (server_group_list: group 0 router, 1 prefill, 2 decode; or "
+        "gen_ranktable.py's prefill_device_list/decode_device_list).",
     )
     sub = ap.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check a rank table file; exit 0 if valid, 1 with the fault if not")

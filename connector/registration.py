@@ -75,7 +75,7 @@ def build_registration(
 
 def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:
     """Capped exponential delay before retry `attempt` (0-based). Deterministic: no jitter source here."""
-    return min(cap, base * (2 ** min(attempt, 16)))
+    return min(cap, base * float(1 << min(attempt, 16)))
 
 
 class Registrar:

@@ -26,12 +26,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.errors import ConfigError
 from pdgate.connector.metadata import PullOutcome, RecvDone, StepMetadata
 from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport, TransportError
-from pdgate.connector.transport.factory import make_transport  # re-exported: older imports name it here
 
-__all__ = ["WorkerHalf", "kv_device_index", "make_transport", "regions_from_kv_caches"]
+from pdgate.errors import Code
+
+__all__ = ["WorkerHalf", "kv_device_index", "regions_from_kv_caches"]
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +322,7 @@ class WorkerHalf:
             if self._thread is None or self.tp_rank >= len(plan.sources):
                 why = "no KV caches registered" if self._thread is None else f"no source for tp rank {self.tp_rank}"
                 self._outcomes.append(
-                    PullOutcome(plan.req_id, plan.transfer_id, self.tp_rank, False, "transport_bad_request", why)
+                    PullOutcome(plan.req_id, plan.transfer_id, self.tp_rank, False, Code.TRANSPORT_BAD_REQUEST, why)
                 )
                 continue
             self._inflight[plan.req_id] = plan.transfer_id

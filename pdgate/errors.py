@@ -57,6 +57,8 @@ class Code(str, Enum):
     PREFILL_FAILED = "pd_prefill_failed"
     DECODE_FAILED = "pd_decode_failed"
     KV_EXPIRED = "pd_kv_expired"
+    KV_NOT_READY = "pd_kv_not_ready"  # a decode's claim found no READY handoff in time
+    KV_LOAD_TIMEOUT = "pd_kv_timeout"  # a decode's KV load outlived its deadline
     NO_COMPATIBLE_PAIR = "pd_no_compatible_pair"
     OVERLOADED = "pd_overloaded"
     UPSTREAM_TIMEOUT = "pd_upstream_timeout"
@@ -80,6 +82,8 @@ class Code(str, Enum):
     TRANSPORT_PULL_TIMEOUT = "transport_pull_timeout"
     # -- configuration (start-up) ----------------------------------------------------------------
     CONFIG_ERROR = "config_error"
+    DEVICE_NOT_FOUND = "connector_device_unknown"
+    RANKTABLE_INVALID = "ranktable_invalid"
     # -- anything else ---------------------------------------------------------------------------
     INTERNAL = "internal_error"
 
@@ -119,6 +123,8 @@ CODES: dict[Code, CodeInfo] = {
     Code.SERVER_BUSY: CodeInfo(503, retryable=True),
     Code.DECODE_FAILED: CodeInfo(502, retryable=True),
     Code.KV_EXPIRED: CodeInfo(504),
+    Code.KV_NOT_READY: CodeInfo(504),
+    Code.KV_LOAD_TIMEOUT: CodeInfo(504),
     Code.NO_COMPATIBLE_PAIR: CodeInfo(503),
     Code.OVERLOADED: CodeInfo(429, retryable=True, openai_type="rate_limit_error"),
     Code.UPSTREAM_TIMEOUT: CodeInfo(504, retryable=True),
@@ -139,6 +145,8 @@ CODES: dict[Code, CodeInfo] = {
     Code.TRANSPORT_LINK_FAILED: CodeInfo(502, retryable=True),
     Code.TRANSPORT_PULL_TIMEOUT: CodeInfo(504, retryable=True),
     Code.CONFIG_ERROR: CodeInfo(500),
+    Code.DEVICE_NOT_FOUND: CodeInfo(500),
+    Code.RANKTABLE_INVALID: CodeInfo(500),
     Code.INTERNAL: CodeInfo(500),
 }
 

@@ -1,8 +1,8 @@
 """The transport seam: how a decode worker pulls KV blocks out of a prefill worker's memory.
 
-Every engine we support reduces to the same four steps (see the reference
-``kv-transfer-engines.md``, "Interface shape"): register memory, export an opaque peer
-description, pull a list of (remote block, local block) pairs, learn when it finished.
+Every engine we support (NIXL, llm_datadist, and the other pull engines we looked at: Mooncake's
+transfer engine, UCX directly) reduces to the same four steps: register memory, export an opaque
+peer description, pull a list of (remote block, local block) pairs, learn when it finished.
 This module fixes that shape once so the worker half of the connector never imports an
 engine, and tests can swap in a fake.
 
@@ -18,17 +18,20 @@ as a failed :class:`PullResult` carrying a typed :class:`TransportError` (a BadR
 arrive that way too when only the engine could tell). A failed pull may have written part of
 its destination blocks; they stay owned by the request until the ledger finishes it.
 
-Exception tree (``code`` is stable and goes into metrics and the handoff ledger)::
+Exception tree (``code``, from :class:`pdgate.errors.Code`, is stable and goes into the pull's
+outcome and the reason of the handoff's abort). A failed pull is not retried: the decode reports its
+blocks as load errors and vLLM fails or recomputes the request (``kv_load_failure_policy``)::
 
-    TransportError                  transport_error               retryable=False
-    ├── BadRequest                  transport_bad_request         False
-    ├── RegistrationError           transport_registration_failed False
-    ├── TransportClosed             transport_closed              False
-    ├── RemoteKVMissing             transport_remote_kv_missing   False
-    ├── EngineError                 transport_engine_error        False
-    ├── PeerUnreachable             transport_peer_unreachable    True
-    ├── LinkError                   transport_link_failed         True
-    └── PullTimeout                 transport_pull_timeout        True
+    PDGateError (pdgate.errors)
+    └── TransportError              transport_error
+        ├── BadRequest              transport_bad_request
+        ├── RegistrationError       transport_registration_failed
+        ├── TransportClosed         transport_closed
+        ├── RemoteKVMissing         transport_remote_kv_missing
+        ├── EngineError             transport_engine_error
+        ├── PeerUnreachable         transport_peer_unreachable
+        ├── LinkError               transport_link_failed
+        └── PullTimeout             transport_pull_timeout
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from pdgate.errors import Code, PDGateError
 
 logger = logging.getLogger(__name__)
 
@@ -81,76 +86,71 @@ RemotePeer = Mapping[str, Any]
 # --------------------------------------------------------------------------------------------
 
 
-class TransportError(Exception):
+class TransportError(PDGateError):
     """Base of every transport failure.
 
-    ``code`` and ``retryable`` are class attributes so callers can switch on them without
-    string matching. ``engine_code`` keeps the engine's own status (``LLM_LINK_FAILED``,
+    ``code`` (a :class:`pdgate.errors.Code`) is a class attribute so callers can switch on the type or
+    the code without string matching. ``engine_code`` keeps the engine's own status (``LLM_LINK_FAILED``,
     ``nixlBackendError``) for diagnostics; it is never used for control flow.
     """
 
-    code: ClassVar[str] = "transport_error"
-    retryable: ClassVar[bool] = False
+    code = Code.TRANSPORT_ERROR
 
     def __init__(self, message: str, *, engine_code: str | None = None) -> None:
         super().__init__(message)
-        self.message = message
         self.engine_code = engine_code
 
     def __str__(self) -> str:
         suffix = f" [{self.engine_code}]" if self.engine_code else ""
-        return f"{self.code}: {self.message}{suffix}"
+        return f"{self.code.value}: {self.message}{suffix}"
 
 
 class BadRequest(TransportError):
     """The request can never succeed as written (mismatched lists, ids out of range, wrong peer kind)."""
 
-    code = "transport_bad_request"
+    code = Code.TRANSPORT_BAD_REQUEST
 
 
 class RegistrationError(TransportError):
     """Memory could not be registered (bad region, engine limit such as llm_datadist's 240 addresses)."""
 
-    code = "transport_registration_failed"
+    code = Code.TRANSPORT_REGISTRATION_FAILED
 
 
 class TransportClosed(TransportError):
     """The transport was used after ``close()``."""
 
-    code = "transport_closed"
+    code = Code.TRANSPORT_CLOSED
 
 
 class RemoteKVMissing(TransportError):
     """The peer is reachable but has no cache under the key we asked for."""
 
-    code = "transport_remote_kv_missing"
+    code = Code.TRANSPORT_REMOTE_KV_MISSING
 
 
 class EngineError(TransportError):
-    """The engine failed in a way we have no better name for; not worth retrying blindly."""
+    """The engine failed in a way we have no better name for."""
 
-    code = "transport_engine_error"
+    code = Code.TRANSPORT_ENGINE_ERROR
 
 
 class PeerUnreachable(TransportError):
     """The peer cannot be reached or went away mid-transfer (process died, connection refused)."""
 
-    code = "transport_peer_unreachable"
-    retryable = True
+    code = Code.TRANSPORT_PEER_UNREACHABLE
 
 
 class LinkError(TransportError):
     """Building or using the link to the peer failed; a fresh link may work."""
 
-    code = "transport_link_failed"
-    retryable = True
+    code = Code.TRANSPORT_LINK_FAILED
 
 
 class PullTimeout(TransportError):
     """The pull did not finish within its deadline. The link to that peer has been torn down."""
 
-    code = "transport_pull_timeout"
-    retryable = True
+    code = Code.TRANSPORT_PULL_TIMEOUT
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,8 +342,7 @@ def check_pull(req: PullRequest, *, local_num_blocks: int, remote_num_blocks: in
 
 
 def _check_ids(label: str, ids: Sequence[int], num_blocks: int) -> None:
-    # Fast path for the common, valid case (a 4096-id pull is checked in well under 1 ms); the
-    # loop below only runs to name the first offending index.
+    # Fast path for the common, valid case; the loop below only runs to name the first offending index.
     if all(type(b) is int for b in ids) and min(ids) >= 0 and max(ids) < num_blocks:
         return
     for i, b in enumerate(ids):

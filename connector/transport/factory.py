@@ -3,7 +3,8 @@ transport's constructor arguments.
 
 Runs on the worker's transfer thread (`pdgate.connector.worker`), which then owns the transport. This is the
 I/O edge of device placement for llm_datadist: it reads the rank table, `/etc/hccn.conf` and the
-environment, and leaves the decisions to the pure `pdgate.connector.devices` and `pdgate.connector.ranktable`.
+environment, and leaves the decisions to the pure `pdgate.connector.devices` and `pdgate.connector.ranktable`
+(`ranktable_parse` reads the file).
 Engines are imported lazily, by `transport_class`, only for the kind configured.
 """
 
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.devices import DeviceIdentity
+from pdgate.connector.errors import ConfigError
 from pdgate.connector.transport import transport_class
 from pdgate.connector.transport.base import Transport
 
@@ -40,39 +42,39 @@ def make_transport(
     """
     options = dict(cfg.transport_options)
     try:
-        cls = transport_class(cfg.transport)  # the one kind -> class map, imported lazily
+        # The one kind -> class map, imported lazily; each class takes its own keyword arguments.
+        cls: Callable[..., Transport] = transport_class(cfg.transport)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if cfg.transport == "nixl":
         options.setdefault("agent_name", f"{cfg.instance_id}-tp{tp_rank}-{os.getpid()}")
         return cls(pull_timeout_s=cfg.pull_timeout_s, **options)
-    if cfg.transport == "llmdatadist":
-        if cfg.role not in ("prefill", "decode"):
-            raise ConfigError("the llmdatadist transport needs kv_role kv_producer or kv_consumer, not kv_both")
-        ident = llmdatadist_device(
-            cfg, tp_rank=tp_rank, dp_rank=dp_rank, tp_size=tp_size, device_index=device_index, env=env
-        )
-        logger.info(
-            "tp rank %d: NPU %d (visible as %d) at %s (from %s), llm_datadist cluster %d",
-            tp_rank,
-            ident.device_id,
-            ident.visible_device_id,
-            ident.device_ip,
-            ident.source,
-            ident.cluster_id,
-        )
-        return cls(
-            role=cfg.role,
-            cluster_id=ident.cluster_id,
-            device_id=ident.device_id,
-            visible_device_id=ident.visible_device_id,
-            device_ip=ident.device_ip,
-            server_id=cfg.server_id,
-            super_device_id=ident.super_device_id,
-            super_pod_id=ident.super_pod_id,
-            **options,
-        )
-    raise ConfigError(f"unknown transport {cfg.transport!r}")
+    # llmdatadist: `transport_class` knows no other kind.
+    if cfg.role not in ("prefill", "decode"):
+        raise ConfigError("the llmdatadist transport needs kv_role kv_producer or kv_consumer, not kv_both")
+    ident = llmdatadist_device(
+        cfg, tp_rank=tp_rank, dp_rank=dp_rank, tp_size=tp_size, device_index=device_index, env=env
+    )
+    logger.info(
+        "tp rank %d: NPU %d (visible as %d) at %s (from %s), llm_datadist cluster %d",
+        tp_rank,
+        ident.device_id,
+        ident.visible_device_id,
+        ident.device_ip,
+        ident.source,
+        ident.cluster_id,
+    )
+    return cls(
+        role=cfg.role,
+        cluster_id=ident.cluster_id,
+        device_id=ident.device_id,
+        visible_device_id=ident.visible_device_id,
+        device_ip=ident.device_ip,
+        server_id=cfg.server_id,
+        super_device_id=ident.super_device_id,
+        super_pod_id=ident.super_pod_id,
+        **options,
+    )
 
 
 def llmdatadist_device(
@@ -92,7 +94,8 @@ def llmdatadist_device(
 
     env = os.environ if env is None else env
     if cfg.rank_table:
-        from pdgate.connector.ranktable import Role, assign_ranks, find_placement, load_rank_table
+        from pdgate.connector.ranktable import Role, assign_ranks, find_placement
+        from pdgate.connector.ranktable_parse import load_rank_table
 
         if not cfg.server_id:
             raise ConfigError(

@@ -1,8 +1,8 @@
 """CANN ``llm_datadist`` transport in CacheManager mode: the Ascend path.
 
-Written against the documented Python API (reference ``vllm-connector-api.md`` section 5,
-and vllm-ascend's ``LLMDataDistCMgrConnector``, section 4.2) so it runs unchanged on Ascend;
-tests drive it with ``tests/fakes/fake_llmdatadist.py`` passed as ``llm_datadist=``.
+Written against CANN's documented ``llm_datadist`` Python API (the CacheManager interface that
+vllm-ascend's ``LLMDataDistCMgrConnector`` also uses) so it runs unchanged on Ascend; tests drive it
+with ``tests/fakes/fake_llmdatadist.py`` passed as ``llm_datadist=``.
 
 Shape of the calls:
 
@@ -19,12 +19,12 @@ Shape of the calls:
   BlocksCacheKey(cluster_id, model_id=<group index>))``. Blocks are opaque bytes, so no torch
   dtype is needed (and no torch/torch_npu import on this path).
 * Links are built lazily, per remote cluster, with ``link_clusters([LLMClusterInfo], timeout)``
-  (device IP + port on both ends, as PR #684 did); they return status codes rather than raise.
+  (device IP + port on both ends); they return status codes rather than raise.
 * :meth:`start_pull` queues the pull on ONE worker thread (``pull_blocks`` blocks, and link
   calls are serialised by the library anyway); results come back through a queue that
   :meth:`poll` drains. Only that thread touches links after construction.
 * A pull that times out (``LLM_WAIT_PROCESS_TIMEOUT``/``LLM_TIMEOUT``) leaves the link
-  "unrecoverable and must be re-established" (reference 5.5): we unlink it and the next pull
+  "unrecoverable and must be re-established" (CANN's words): we unlink it and the next pull
   to that cluster links again. Any other link-class failure does the same.
 
 Keys: in CacheManager mode blocks are addressed by ``BlocksCacheKey(remote cluster_id,
@@ -89,14 +89,14 @@ __all__ = [
 ]
 
 #: link_clusters accepts at most 16 clusters per call; more returns LLM_CLUSTER_NUM_EXCEED_LIMIT
-#: (reference 5.1 "Max 16 clusters per call", 5.5, 5.6 "Link limits").
+#: (CANN's link limits).
 MAX_CLUSTERS_PER_LINK_CALL = 16
 #: register_cache + register_blocks_cache together may hold at most 240 addresses per process
-#: (reference 5.4; 256 in CANN 8.0 docs, we use the stricter current figure).
+#: (256 in CANN 8.0's documentation; we use the stricter current figure).
 MAX_REGISTERED_ADDRS = 240
-#: HCCS needs page-aligned registered memory, "recommend 2 MB alignment" (reference 5.4).
+#: HCCS needs page-aligned registered memory; CANN recommends 2 MB alignment.
 RECOMMENDED_ALIGNMENT = 2 * 1024 * 1024
-#: Listen port on the device IP; PR #684 used 26000 (reference 4.7).
+#: Listen port on the device IP; vllm-ascend's llm_datadist connectors listen on 26000 too.
 DEFAULT_LISTEN_PORT = 26000
 DEFAULT_SYNC_KV_TIMEOUT_MS = 10_000
 DEFAULT_LINK_TIMEOUT_MS = 10_000
@@ -230,27 +230,6 @@ class LLMDataDistTransport(Transport):
         self._closed = False
         logger.info(
             "llm_datadist cluster %d (%s, device %d, %s) initialised", cluster_id, role, device_id, self.device_ip
-        )
-
-    @classmethod
-    def from_placement(cls, placement: Any, *, device_id: int | None = None, **kwargs: Any) -> LLMDataDistTransport:
-        """Build from a ``pdgate.connector.ranktable.DevicePlacement``: role, cluster_id, IPs, A3 ids.
-
-        ``device_id`` is the id LLMConfig wants, i.e. the device as this process sees it; it differs
-        from the rank table's host-level id when ``ASCEND_RT_VISIBLE_DEVICES`` remaps devices
-        (vllm-ascend passes the local rank), so pass it when that is the case. The published address
-        keeps the table's id.
-        """
-        return cls(
-            role=placement.role.value,
-            cluster_id=placement.cluster_id,
-            device_id=placement.device_id,
-            visible_device_id=device_id,
-            device_ip=placement.device_ip,
-            server_id=placement.server_id,
-            super_device_id=placement.super_device_id,
-            super_pod_id=placement.super_pod_id,
-            **kwargs,
         )
 
     # ------------------------------------------------------------------ registration

@@ -1,6 +1,6 @@
 """NIXL transport (pip ``nixl==1.5.1``, UCX backend): the portable pull-by-block-id path.
 
-Why it looks like this (facts from the reference ``kv-transfer-engines.md``, section 2):
+Why it looks like this (what NIXL 1.5 and its UCX backend do, checked on CPU hosts):
 
 * ``enable_prog_thread=False``. The default progress thread busy-polls a whole core per agent
   even when idle. Without it someone must poll: the decode side polls ``check_xfer_state``

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from pdgate.connector.blocks import (
-    BlockPlan,
-    BlockPlanError,
-    TPLayoutError,
-    blocks_for_tokens,
-    plan_pull,
-    tokens_to_load,
-    tp_sources,
-)
+from pdgate.connector.blocks import BlockPlan, blocks_for_tokens, plan_pull, tokens_to_load, tp_sources
+from pdgate.connector.errors import BlockPlanError, TPLayoutError
+from pdgate.metaserver.models import TransportKind
+
+from pdgate.errors import Code
+
+NIXL, LLMDD = TransportKind.NIXL, TransportKind.LLMDATADIST
 
 
 @pytest.mark.parametrize(("tokens", "blocks"), [(0, 0), (1, 1), (31, 1), (32, 1), (33, 2), (64, 2), (65, 3)])
@@ -58,19 +56,31 @@ def test_plan_refuses_counts_that_do_not_fit(remote: list[int], local: list[int]
 
 
 def test_tp_equal() -> None:
-    assert tp_sources(4, 4, False) == (0, 1, 2, 3)
+    assert tp_sources(4, 4, False, NIXL) == (0, 1, 2, 3)
 
 
 def test_tp_prefill_larger_with_replicated_kv_spreads_over_prefill_ranks() -> None:
-    assert tp_sources(4, 2, True) == (0, 2)
-    assert tp_sources(8, 1, True) == (0,)
+    assert tp_sources(4, 2, True, NIXL) == (0, 2)
+    assert tp_sources(8, 1, True, LLMDD) == (0,)
 
 
-def test_tp_prefill_larger_with_sharded_kv_is_refused_with_the_reason() -> None:
-    with pytest.raises(TPLayoutError, match="replicated"):
-        tp_sources(4, 2, False)
+def test_tp_unequal_with_sharded_kv_is_refused_with_the_reason() -> None:
+    for ptp, dtp in ((4, 2), (2, 4)):
+        with pytest.raises(TPLayoutError, match="not replicated") as info:
+            tp_sources(ptp, dtp, False, NIXL)
+        assert info.value.code is Code.TP_LAYOUT_UNSUPPORTED
 
 
-def test_tp_prefill_smaller_is_refused() -> None:
-    with pytest.raises(TPLayoutError, match="not supported"):
-        tp_sources(1, 2, True)
+def test_tp_decode_larger_with_replicated_kv_reads_shared_prefill_ranks_over_one_sided_reads() -> None:
+    assert tp_sources(1, 2, True, NIXL) == (0, 0)
+    assert tp_sources(2, 4, True, NIXL) == (0, 0, 1, 1)
+
+
+def test_tp_decode_larger_is_refused_on_a_transport_that_needs_p_tp_ge_d_tp() -> None:
+    with pytest.raises(TPLayoutError, match="llmdatadist needs P tp >= D tp"):
+        tp_sources(1, 2, True, LLMDD)
+
+
+def test_tp_sizes_below_one_are_refused() -> None:
+    with pytest.raises(TPLayoutError, match=">= 1"):
+        tp_sources(0, 1, True, NIXL)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pdgate.connector.config import (
     ALLOWED_KEYS,
-    ConfigError,
     ServerFacts,
     discover_server,
     parse_config,
     role_for_kv_role,
+    settings_table,
 )
+from pdgate.connector.errors import ConfigError
 
 FACTS = ServerFacts(kv_role="kv_producer", dp_rank=1, host="10.0.0.5", port=8100, served_model="tiny")
 BASE = {"metaserver_url": "http://10.0.0.2:8300/"}
@@ -174,3 +177,13 @@ def test_data_parallel_ranks_get_their_own_ids() -> None:
     assert parse_config({**BASE, "instance_id": "d0"}, facts).instance_id == "d0-dp2"
     assert parse_config({**BASE, "instance_id": "d0-dp2"}, facts).instance_id == "d0-dp2"
     assert parse_config(BASE, facts).instance_id == "decode-h-1-dp2"
+
+
+def test_the_readme_table_is_the_declaration() -> None:
+    readme = (Path(__file__).resolve().parents[3] / "connector" / "README.md").read_text()
+    table = settings_table()
+    assert table in readme, "connector/README.md is stale: paste `python -m pdgate.connector.config` into it"
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    keys = [line.split("`")[1] for line in rows if line.split("`")[1] in ALLOWED_KEYS]
+    assert sorted(keys) == sorted(ALLOWED_KEYS)  # every key once, none twice
+

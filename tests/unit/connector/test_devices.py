@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.devices import (
-    DeviceNotFound,
     cluster_id_for_ip,
     discover,
     from_placement,
@@ -15,6 +14,7 @@ from pdgate.connector.devices import (
     parse_hccn_conf,
     physical_device_id,
 )
+from pdgate.connector.errors import ConfigError, DeviceNotFound
 from pdgate.connector.ranktable import Role, assign_ranks
 from pdgate.connector.ranktable_cli import generate, parse_host_spec
 

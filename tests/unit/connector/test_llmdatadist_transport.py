@@ -412,7 +412,14 @@ def test_rank_table_placements_build_linked_transports() -> None:
     bufs = {p.cluster_id: np.full(NUM_BLOCKS * BLOCK_LEN, p.cluster_id + 1, dtype=np.uint8) for p in placements}
     ranks = {}
     for p in placements:
-        t = LLMDataDistTransport.from_placement(p, llm_datadist=fake)
+        t = LLMDataDistTransport(
+            role=p.role.value,
+            cluster_id=p.cluster_id,
+            device_id=p.device_id,
+            device_ip=p.device_ip,
+            server_id=p.server_id,
+            llm_datadist=fake,
+        )
         t.register([KVRegion.dense("kv", bufs[p.cluster_id].ctypes.data, BLOCK_LEN, NUM_BLOCKS)])
         ranks[(p.role, p.tp_rank)] = t
     try:

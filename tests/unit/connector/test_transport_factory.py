@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pdgate.connector.config import ConfigError, ConnectorConfig
-from pdgate.connector.devices import DeviceNotFound, cluster_id_for_ip
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.devices import cluster_id_for_ip
+from pdgate.connector.errors import ConfigError, DeviceNotFound
 from pdgate.connector.location import EngineFacts, addresses_from_workers, location_for, plan_from_location
 from pdgate.connector.ranktable import dump_rank_table
 from pdgate.connector.ranktable_cli import generate, parse_host_spec
 from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult
 from pdgate.connector.transport.factory import make_transport
 from pdgate.connector.transport.llmdatadist import LLMDataDistTransport
-from pdgate.connector.worker import make_transport as make_transport_from_worker
 from pdgate.metaserver.models import Handoff, HandoffState
 
 from tests.fakes import fake_llmdatadist as fake
@@ -165,7 +165,6 @@ def test_without_a_rank_table_or_device_addresses_the_transport_is_refused() -> 
     with pytest.raises(DeviceNotFound) as err:
         make_transport(cfg("prefill"), tp_rank=0, dp_rank=0, tp_size=1, env={})
     assert "IP of NPU 0 is unknown" in str(err.value) and "PDGATE_DEVICE_IP" in str(err.value)
-    assert make_transport_from_worker is make_transport  # the old import path still works
     with pytest.raises(ConfigError, match="kv_both"):
         make_transport(cfg("both"), tp_rank=0, dp_rank=0, tp_size=1, env={"PDGATE_DEVICE_IP": "10.0.0.1"})
 

@@ -26,6 +26,7 @@ from pdgate.metaserver.models import (
 )
 from pdgate.metaserver.settings import MetaSettings
 
+from pdgate.errors import Code
 from tests.support.meta import uid
 from tests.support.ports import free_port, wait_until
 from tests.support.servers import UvicornThread
@@ -142,7 +143,7 @@ def test_claim_of_an_aborted_handoff_fails_as_gone(
     meta(url, lambda c: c.abort(h.transfer_id, "test"))
     control.submit([Claim(h.transfer_id)])
     failed = Collector(control).wait_for(ClaimFailed)
-    assert failed.code == "gone"
+    assert failed.code is Code.HANDOFF_TERMINAL
 
 
 def test_feed_reports_terminal_states_and_stays_alive(

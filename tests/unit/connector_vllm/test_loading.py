@@ -8,8 +8,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from pdgate.connector.config import ConfigError
 from pdgate.connector.connector import PDGateConnector
+from pdgate.connector.errors import ConfigError
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from pdgate.connector.config import ConfigError, ConnectorConfig
+from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.connector import PDGateConnector, PDGateConnectorMetadata, PDGateHandshake, PDGateWorkerMeta
+from pdgate.connector.errors import ConfigError
 from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan, StepMetadata
 from pdgate.connector.transport.base import PullTimeout
 from pdgate.connector.worker import WorkerHalf, regions_from_kv_caches

@@ -1,4 +1,4 @@
-"""The scheduler half's bookkeeping, driven with vLLM's own Request and KV block objects.
+"""The scheduler half's decode side (`scheduler_decode.py`), driven with vLLM's own Request and KV blocks.
 
 No I/O: commands are read from `take_commands()` and the control thread's answers are fed back as the
 result messages it would produce. `now` is passed explicitly, so leases and deadlines need no sleeping.
@@ -6,120 +6,25 @@ result messages it would produce. `now` is passed explicitly, so leases and dead
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
-from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.messages import (
     Abort,
-    Check,
-    CheckResult,
     Claim,
     Claimed,
     ClaimFailed,
     Done,
     DoneResult,
-    FeedStatus,
-    MarkReady,
-    ReadyFailed,
-    ReadyRecorded,
-    Terminal,
 )
 from pdgate.connector.metadata import PullOutcome, RecvDone
-from pdgate.connector.scheduler import EngineFacts, SchedulerHalf
-from pdgate.metaserver.models import Handoff, HandoffState, KVLocation, TransportAddress, TransportKind
+from pdgate.connector.scheduler import SchedulerHalf
+from pdgate.metaserver.models import KVLocation
 from vllm.v1.request import RequestStatus
 
-from tests.unit.connector_vllm.conftest import BLOCK_SIZE, make_blocks, make_request
-
-LAYOUT = "LBHNC/bfloat16/L2/H2/D32/B32"
-
-
-def cfg(**over: Any) -> ConnectorConfig:
-    base: dict[str, Any] = dict(
-        metaserver_url="http://127.0.0.1:1",
-        instance_id="node-a",
-        url="http://127.0.0.1:8100",
-        model="tiny",
-        role="both",
-        kv_lease_s=30.0,
-        free_margin_s=10.0,
-        ready_wait_s=30.0,
-        pull_timeout_s=30.0,
-    )
-    base.update(over)
-    return ConnectorConfig(**base)
-
-
-def half(*, world_size: int = 1, tp_size: int = 1, replicated: bool = False, **over: Any) -> SchedulerHalf:
-    facts = EngineFacts(
-        instance_id="node-a",
-        engine_id="engine-a",
-        host="127.0.0.1",
-        dp_rank=0,
-        tp_size=tp_size,
-        world_size=world_size,
-        block_size=BLOCK_SIZE,
-        kv_dtype="bfloat16",
-        kv_layout=LAYOUT,
-        kv_replicated=replicated,
-        transport="nixl",
-    )
-    h = SchedulerHalf(cfg(**over), facts)
-    h.set_addresses(
-        {r: {"kind": "nixl", "agent_name": f"a-tp{r}", "agent_metadata": "QQ==", "regions": []} for r in range(tp_size)}
-    )
-    return h
-
-
-def d_params(tid: str = "t-1", num_tokens: int | None = None, **extra: Any) -> dict[str, Any]:
-    p: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid}
-    if num_tokens is not None:
-        p["remote_num_tokens"] = num_tokens
-    p.update(extra)
-    return p
-
-
-def p_params(tid: str = "t-1", kv_key: int | None = 5) -> dict[str, Any]:
-    p: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
-    if kv_key is not None:
-        p["kv_key"] = kv_key
-    return p
-
-
-def handoff(tid: str, block_ids: list[int], *, num_tokens: int, tp_size: int = 1, **loc: Any) -> Handoff:
-    location = KVLocation(
-        block_ids=[block_ids],
-        num_tokens=num_tokens,
-        engine_id="engine-p",
-        tp_size=tp_size,
-        block_size=loc.pop("block_size", BLOCK_SIZE),
-        kv_dtype="bfloat16",
-        kv_layout=loc.pop("kv_layout", LAYOUT),
-        transport=TransportKind.NIXL,
-        transport_addresses=loc.pop(
-            "addresses",
-            [TransportAddress(tp_rank=r, meta={"kind": "nixl", "agent_name": f"p-tp{r}"}) for r in range(tp_size)],
-        ),
-    )
-    return Handoff(
-        transfer_id=tid,
-        kv_key=9,
-        state=HandoffState.CLAIMED,
-        prefill_instance_id="p0",
-        decode_instance_id="node-a",
-        location=location,
-        created_at=0.0,
-        updated_at=0.0,
-        lease_s=30.0,
-    )
-
-
-def finish(req: Any, status: RequestStatus, computed: int | None = None) -> None:
-    req.status = status
-    req.num_computed_tokens = req.num_prompt_tokens if computed is None else computed
-
+from pdgate.errors import Code
+from tests.unit.connector_vllm.conftest import make_blocks, make_request
+from tests.unit.connector_vllm.scheduler_support import d_params, finish, half, handoff, p_params
 
 # ---- decode: how many tokens -------------------------------------------------------------------
 
@@ -185,7 +90,7 @@ def test_decode_claims_plans_pulls_and_reports_without_waiting_for_done() -> Non
     # load is reported at once and DONE is recorded behind it.
     assert h.take_commands() == [Done("t-1")]
     assert h.build([], now=0.3).recv_done == (RecvDone("d1", True),)
-    h.on_result(DoneResult("t-1", False, "gone", "late"), now=0.4)  # too late to matter: ignored
+    h.on_result(DoneResult("t-1", False, Code.HANDOFF_TERMINAL, "late"), now=0.4)  # too late to matter: ignored
     assert h.build([], now=0.4).recv_done == ()
     c = h.counters
     assert (c["recv_ok"], c["tokens_loaded"], c["blocks_pulled"], c["bytes_pulled"]) == (1, 38, 2, 4096)
@@ -291,7 +196,7 @@ def test_early_pull_whose_claim_fails_is_a_load_error() -> None:
     h.take_commands()
     h.build([], now=0.0)
     h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.01)
-    h.on_result(ClaimFailed("t-1", "gone", "handoff is ABORTED"), now=0.02)
+    h.on_result(ClaimFailed("t-1", Code.HANDOFF_TERMINAL, "handoff is ABORTED"), now=0.02)
     assert h.build([], now=0.02).recv_done == (RecvDone("d1", False, (1, 2)),)
     assert h.take_commands() == []
     assert h.counters["recv_ok"] == 0 and h.counters["recv_failed"] == 1
@@ -330,7 +235,7 @@ def test_failed_pull_reports_load_errors_and_aborts() -> None:
     _claimed(h, tp_size=2)
     h.build([], now=0.0)
     h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.0)
-    h.on_worker_output([PullOutcome("d1", "t-1", 1, False, "transport_pull_timeout", "slow peer")], now=0.0)
+    h.on_worker_output([PullOutcome("d1", "t-1", 1, False, Code.TRANSPORT_PULL_TIMEOUT, "slow peer")], now=0.0)
     step = h.build([], now=1.0)
     assert step.recv_done == (RecvDone("d1", False, (1, 2)),)
     (abort,) = h.take_commands()
@@ -341,9 +246,9 @@ def test_failed_pull_reports_load_errors_and_aborts() -> None:
 @pytest.mark.parametrize(
     ("loc", "code"),
     [
-        ({"block_size": 16}, "block size"),
-        ({"kv_layout": "LBHNC/float16/L2/H2/D32/B32"}, "KV layout"),
-        ({"tp_size": 2}, "replicated"),
+        ({"block_size": 16}, "pd_location_mismatch: this decode has block_size 32, the prefill has 16"),
+        ({"kv_layout": "LBHNC/float16/L2/H2/D32/B32"}, "pd_location_mismatch: this decode has kv_layout"),
+        ({"tp_size": 2}, "pd_tp_layout_unsupported: this decode has tp 1, the prefill has tp 2 and its KV is not"),
         ({"addresses": []}, "no transport address"),
     ],
 )
@@ -367,7 +272,7 @@ def test_claim_of_a_gone_handoff_fails_without_abort() -> None:
     req = make_request("d1", 40, d_params())
     h.update_state_after_alloc(req, make_blocks([1, 2]), 40, now=0.0)
     h.take_commands()
-    h.on_result(ClaimFailed("t-1", "gone", "handoff is EXPIRED"), now=0.0)
+    h.on_result(ClaimFailed("t-1", Code.HANDOFF_TERMINAL, "handoff is EXPIRED"), now=0.0)
     assert h.build([], now=0.0).recv_done == (RecvDone("d1", False, (1, 2)),)
     assert h.take_commands() == []
     assert h.counters["claims_failed"] == 1
@@ -378,7 +283,7 @@ def test_claim_that_timed_out_fails_and_aborts() -> None:
     req = make_request("d1", 40, d_params())
     h.update_state_after_alloc(req, make_blocks([1, 2]), 40, now=0.0)
     h.take_commands()
-    h.on_result(ClaimFailed("t-1", "pd_kv_not_ready", "not READY within 30s"), now=0.0)
+    h.on_result(ClaimFailed("t-1", Code.KV_NOT_READY, "not READY within 30s"), now=0.0)
     h.build([], now=0.0)
     assert [type(c) for c in h.take_commands()] == [Abort]
 
@@ -389,7 +294,7 @@ def test_ledger_refusing_done_means_the_kv_may_be_gone() -> None:
     h.build([], now=0.0)
     h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=20.0)  # past half the lease
     h.take_commands()
-    h.on_result(DoneResult("t-1", False, "gone", "handoff is EXPIRED"), now=21.0)
+    h.on_result(DoneResult("t-1", False, Code.HANDOFF_TERMINAL, "handoff is EXPIRED"), now=21.0)
     assert h.build([], now=21.0).recv_done == (RecvDone("d1", False, (1, 2)),)
     assert h.take_commands() == []  # already terminal: nothing to abort
 
@@ -436,144 +341,6 @@ def test_decode_aborted_while_loading_keeps_going_until_reported() -> None:
     assert h.take_commands() == []
     # The pull still runs (vLLM keeps the blocks until finished_recving) and is confirmed as usual.
     assert len(h.build([], now=0.0).pulls) == 1
-
-
-# ---- prefill ------------------------------------------------------------------------------------
-
-
-def test_finished_prefill_is_held_and_answers_with_the_location() -> None:
-    h = half()
-    req = make_request("p1", 70, p_params("t-7", kv_key=5), max_tokens=1)
-    finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-    keep, params = h.request_finished(req, [4, 5, 6], now=0.0)
-    assert keep is True
-    assert params == {
-        "transfer_id": "t-7",
-        "kv_key": 5,
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": [4, 5, 6],
-        "remote_engine_id": "engine-a",
-        "remote_num_tokens": 70,
-        "remote_request_id": "p1",
-        "prefill_instance_id": "node-a",
-        "remote_location": params["remote_location"],
-    }
-    (cmd,) = h.take_commands()
-    assert isinstance(cmd, MarkReady) and cmd.transfer_id == "t-7"
-    loc = cmd.location
-    # The params carry the READY record itself (for the decode's early pull), as JSON.
-    assert KVLocation.model_validate(params["remote_location"]) == loc
-    json.dumps(params)
-    assert (loc.block_ids, loc.num_tokens, loc.block_size, loc.kv_layout) == ([[4, 5, 6]], 70, BLOCK_SIZE, LAYOUT)
-    assert loc.transport_addresses[0].meta["agent_name"] == "a-tp0"
-    assert h.build(["p1"], now=0.0).holds == ("p1",)
-    assert h.has_holds()
-
-
-def test_stopped_prefill_is_held_too_and_extra_blocks_are_not_advertised() -> None:
-    h = half()
-    req = make_request("p1", 64, p_params(), max_tokens=1)
-    finish(req, RequestStatus.FINISHED_STOPPED, computed=65)  # one token computed past the prompt
-    keep, params = h.request_finished(req, [1, 2, 3], now=0.0)
-    assert keep and params is not None
-    assert params["remote_block_ids"] == [1, 2] and params["remote_num_tokens"] == 64
-
-
-@pytest.mark.parametrize(
-    ("status", "blocks", "params"),
-    [
-        (RequestStatus.FINISHED_ABORTED, [1, 2], p_params()),
-        (RequestStatus.FINISHED_ERROR, [1, 2], p_params()),
-        (RequestStatus.FINISHED_LENGTH_CAPPED, [], p_params()),
-        (RequestStatus.FINISHED_LENGTH_CAPPED, [1, 2], {"do_remote_decode": True}),
-    ],
-)
-def test_prefill_without_kv_to_keep_frees_at_once(
-    status: RequestStatus, blocks: list[int], params: dict[str, Any]
-) -> None:
-    h = half()
-    req = make_request("p1", 40, params, max_tokens=1)
-    finish(req, status)
-    assert h.request_finished(req, blocks, now=0.0) == (False, None)
-    assert h.take_commands() == [] and not h.has_holds()
-    assert h.counters["prefill_not_kept"] == 1
-
-
-def _held(h: SchedulerHalf, tid: str = "t-1", rid: str = "p1", now: float = 0.0) -> None:
-    req = make_request(rid, 40, p_params(tid), max_tokens=1)
-    finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-    assert h.request_finished(req, [1, 2], now=now)[0]
-    h.take_commands()
-
-
-def test_prefill_blocks_are_freed_only_when_the_ledger_says_done() -> None:
-    h = half()
-    _held(h)
-    h.on_result(ReadyRecorded("t-1", 5, 30.0), now=0.0)
-    assert h.build(["p1"], now=1.0).frees == ()
-    h.on_result(Terminal("t-1", "DONE"), now=2.0)
-    assert h.build([], now=2.0).frees == ("p1",)
-    assert h.build([], now=3.0).frees == ()  # exactly once
-    assert not h.has_holds()
-    assert h.counters["sends_freed_done"] == 1
-
-
-def test_a_free_waits_until_vllm_announced_the_request_finished() -> None:
-    h = half()
-    _held(h)
-    h.on_result(Terminal("t-1", "ABORTED"), now=0.0)
-    assert h.build([], now=0.0).frees == ()  # vLLM has not listed p1 in finished_req_ids yet
-    assert h.build(["p1"], now=0.1).frees == ("p1",)
-    assert h.counters["sends_freed_aborted"] == 1
-
-
-def test_events_for_unknown_transfers_are_ignored() -> None:
-    h = half()
-    _held(h)
-    h.on_result(Terminal("t-other", "DONE"), now=0.0)
-    assert h.build(["p1"], now=0.0).frees == ()
-
-
-def test_refused_ready_frees_at_once() -> None:
-    h = half()
-    _held(h)
-    h.on_result(ReadyFailed("t-1", "gone", "handoff is ABORTED", terminal=True), now=0.0)
-    assert h.build(["p1"], now=0.0).frees == ("p1",)
-    assert h.counters["sends_freed_ready_failed"] == 1
-
-
-def test_lease_expiry_while_the_metaserver_is_unreachable_frees_locally() -> None:
-    h = half(kv_lease_s=30.0, free_margin_s=10.0)
-    h.on_result(FeedStatus(True, 0.0), now=0.0)
-    _held(h, now=1.0)
-    h.on_result(ReadyFailed("t-1", "unavailable", "metaserver unreachable", terminal=False), now=31.0)
-    assert h.build(["p1"], now=40.9).frees == ()
-    # 40 s (lease + margin) after both the hold and the last word from the metaserver: free locally.
-    assert h.build([], now=41.1).frees == ("p1",)
-    assert h.counters["sends_freed_local_deadline"] == 1
-
-
-def test_lease_overrun_with_a_live_metaserver_asks_instead_of_freeing() -> None:
-    h = half(kv_lease_s=30.0, free_margin_s=10.0)
-    _held(h, now=0.0)
-    h.on_result(FeedStatus(True, 41.0), now=41.0)
-    assert h.build(["p1"], now=41.0).frees == ()
-    assert h.take_commands() == [Check("t-1")]
-    assert h.build([], now=50.0).frees == () and h.take_commands() == []  # next check one lease later
-    h.on_result(CheckResult("t-1", HandoffState.CLAIMED), now=50.0)
-    assert h.build([], now=50.0).frees == ()
-    h.on_result(CheckResult("t-1", None, found=False), now=51.0)
-    assert h.build([], now=51.0).frees == ("p1",)
-    assert h.counters["sends_freed_not_found"] == 1
-
-
-def test_a_second_prefill_with_the_same_transfer_is_not_held() -> None:
-    h = half()
-    _held(h, rid="p1")
-    req = make_request("p2", 40, p_params("t-1"), max_tokens=1)
-    finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-    assert h.request_finished(req, [3], now=0.0) == (False, None)
 
 
 def test_load_counts_requests_and_waiting_loads() -> None:

@@ -1,0 +1,348 @@
+"""The scheduler half's decode side: claim a handoff, have the workers pull it, report the load.
+
+A request with `do_remote_prefill` in its `kv_transfer_params`:
+  get_num_new_matched_tokens -> (prompt tokens to load, async); update_state_after_alloc -> command
+  Claim, and, when the params carry the prefill's location (`remote_location`), a RecvPlan for the
+  workers at once (the pull runs while the claim is in flight); otherwise Claimed -> the RecvPlan.
+  Claimed (ledger location equal to the one pulled from) + every worker's PullOutcome ok -> the workers
+  report the request as finished receiving, and command Done goes out without being waited for. Any
+  failure (claim, layout, location mismatch, pull, deadline) -> the workers report it finished with its
+  blocks as load errors (vLLM then fails or recomputes it, per `kv_load_failure_policy`) and the handoff
+  is aborted so P frees at once.
+
+Why the pulled data may be used without waiting for DONE (or for the claim before the pull starts):
+  P holds a transfer's blocks from `request_finished` (before its answer reaches the router, hence
+  before D sees the params) until the ledger record is terminal (DONE, ABORTED, EXPIRED), or until its
+  local deadline (lease + margin, tens of seconds, with the metaserver unreachable). Terminal states are
+  final, so a successful claim at ledger time t_c proves the record was live, and the blocks held, for
+  the whole read up to t_c. After t_c the record is CLAIMED by us: it cannot expire before the claim
+  lease lapses (a lapse returns it to READY, still live), and DONE is ours to write. It can still be
+  ABORTED: by us (we then fail the load anyway), by P shutting down (its memory goes with it, so the
+  read fails), or by the router, which aborts only when it has given up on this decode's answer (client
+  gone, decode failed or timed out), so nothing computed from these blocks reaches a client. Hence: a
+  pull that D observed finished within the claim lease, measured from when D sent the claim (t_c is
+  later), read held blocks. Past that bound, D waits for DONE, and a refusal with the record gone is a
+  load error. The ledger stays the authority on where the KV is: the early plan is used only if the
+  claimed record yields the very same plan.
+
+Pure bookkeeping like the rest of the scheduler half: `now` is an argument, I/O leaves as commands.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdgate.connector.blocks import tokens_to_load
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.errors import LocationError
+from pdgate.connector.location import EngineFacts, plan_for, plan_from_location
+from pdgate.connector.messages import Abort, Claim, Claimed, ClaimFailed, Done, DoneResult
+from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan
+from pdgate.connector.outbox import Outbox
+from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
+
+from pdgate.errors import Code
+
+__all__ = ["DecodeSide"]
+
+logger = logging.getLogger(__name__)
+
+# A claim that failed for one of these left nothing to abort: the record is terminal or unknown.
+_NOTHING_TO_ABORT = frozenset({Code.HANDOFF_TERMINAL, Code.HANDOFF_NOT_FOUND, Code.NOT_FOUND})
+
+
+class _State(enum.Enum):
+    CLAIMING = "claiming"  # no pull yet: waiting for the claim (and the ledger's location)
+    PULLING = "pulling"  # the workers are pulling (claimed or not yet)
+    PULLED = "pulled"  # every worker pulled; waiting for the claim
+    CONFIRMING = "confirming"  # claimed and pulled, but past the claim lease: waiting for DONE
+
+
+@dataclass
+class _Recv:
+    req_id: str
+    transfer_id: str
+    local_block_ids: tuple[int, ...]
+    hit_blocks: int
+    num_tokens: int
+    deadline: float
+    state: _State = _State.CLAIMING
+    outcomes: dict[int, PullOutcome] = field(default_factory=dict)
+    early: RecvPlan | None = None  # the plan started from the params' location, before the claim
+    claimed: bool = False
+    claim_lease_s: float = 0.0
+    # Monotonic stamps of each phase, for the one log line per transfer. `started_at` is also when the
+    # claim was sent (the ledger's claim time is later), the base of the claim-lease bound.
+    started_at: float = 0.0
+    claimed_at: float | None = None
+    pull_started_at: float | None = None
+    pulled_at: float | None = None
+
+
+def read_decode_params(params: Mapping[str, Any]) -> KVTransferParams:
+    """A decode's `kv_transfer_params`, with what it cannot work without (the handoff id, one KV group)."""
+    kv = KVTransferParams.parse(params)
+    kv.require_transfer_id()
+    kv.block_ids()
+    return kv
+
+
+class DecodeSide:
+    """See the module docstring. One per scheduler half; engine-core thread only."""
+
+    def __init__(self, cfg: ConnectorConfig, facts: EngineFacts, out: Outbox) -> None:
+        self._cfg = cfg
+        self._facts = facts
+        self._out = out
+        self._recv: dict[str, _Recv] = {}  # req_id -> pull in progress
+        self._recv_by_transfer: dict[str, str] = {}  # transfer_id -> req_id
+        self._consumed: set[str] = set()  # req ids whose handoff was set up or released
+        self._new_pulls: list[RecvPlan] = []
+        self._new_done: list[RecvDone] = []
+
+    # ---- vLLM hooks ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Side-effect free: how many prompt tokens this request will load asynchronously."""
+        if request.request_id in self._consumed:
+            return 0, False
+        try:
+            remote_num_tokens = read_decode_params(request.kv_transfer_params).remote_num_tokens
+        except InvalidTransferParams:
+            # Still take the async path: the load then fails visibly (load errors) instead of the
+            # request silently being prefilled here.
+            remote_num_tokens = None
+        count = tokens_to_load(request.num_prompt_tokens, remote_num_tokens, num_computed_tokens)
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, *, now: float) -> None:
+        req_id = request.request_id
+        if req_id in self._consumed:
+            return
+        self._consumed.add(req_id)
+        kv: KVTransferParams | None
+        try:
+            kv = read_decode_params(request.kv_transfer_params)
+        except InvalidTransferParams as exc:
+            self._out.bump("bad_params")
+            logger.error("request %s: %s", req_id, exc)
+            kv = None
+        if num_external_tokens <= 0:
+            # Nothing to load (e.g. the prefix was cached here): release the prefill's blocks now.
+            if kv is not None:
+                self._out.bump("recv_released")
+                self._out.send(Abort(kv.require_transfer_id(), "decode did not need the KV (local prefix cache hit)"))
+            return
+        group = blocks.blocks[0] if blocks.blocks else ()
+        hit = 0
+        for block in group:
+            if block.block_hash is None or block.is_null:
+                break
+            hit += 1
+        local = tuple(b.block_id for b in group if b.block_hash is None and not b.is_null)
+        self._out.bump("recv_started")
+        if kv is None:
+            self._fail_unstarted(req_id, local)
+            return
+        transfer_id = kv.require_transfer_id()
+        if transfer_id in self._recv_by_transfer:
+            logger.error("transfer %s: a second decode request (%s) carries it; failing it", transfer_id, req_id)
+            self._fail_unstarted(req_id, local)
+            return
+        deadline = now + self._cfg.ready_wait_s + self._cfg.pull_timeout_s + self._cfg.free_margin_s
+        rec = _Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, started_at=now)
+        self._recv[req_id] = rec
+        self._recv_by_transfer[transfer_id] = req_id
+        self._out.send(Claim(transfer_id))
+        location = kv.location()
+        if location is not None and kv.kv_key is not None:
+            try:
+                rec.early = plan_for(
+                    location,
+                    self._facts,
+                    transfer_id=transfer_id,
+                    kv_key=kv.kv_key,
+                    req_id=req_id,
+                    local_block_ids=local,
+                    hit_blocks=hit,
+                )
+            except LocationError as exc:
+                # Only a hint: the claimed record decides (and fails the load if it is this same location).
+                logger.debug("transfer %s: no early pull (%s): %s", transfer_id, exc.code.value, exc.message)
+            else:
+                rec.state = _State.PULLING
+                rec.pull_started_at = now
+                self._new_pulls.append(rec.early)
+        logger.debug("transfer %s: decode %s claims, %d local blocks (%d cached)", transfer_id, req_id, len(local), hit)
+
+    def request_finished(self, request: Any) -> None:
+        req_id = request.request_id
+        if req_id in self._consumed:
+            # Set up (or released) already; an in-flight pull finishes on its own and vLLM keeps the
+            # blocks until it is reported.
+            self._consumed.discard(req_id)
+            return
+        # Finished before it was ever scheduled (aborted, rejected): tell the prefill to free now.
+        try:
+            transfer_id = read_decode_params(request.kv_transfer_params).require_transfer_id()
+        except InvalidTransferParams:
+            self._out.bump("bad_params")
+            return
+        self._out.bump("recv_released")
+        self._out.send(Abort(transfer_id, "decode request ended before its KV was pulled"))
+
+    def on_worker_output(self, outcomes: Sequence[PullOutcome], *, now: float) -> None:
+        """Per-rank pull outcomes (aggregated over the workers by vLLM, possibly over several steps)."""
+        for oc in outcomes:
+            rec = self._recv.get(oc.req_id)
+            if rec is None or rec.transfer_id != oc.transfer_id or rec.state is not _State.PULLING:
+                continue  # a late outcome for a request already failed (deadline) or finished
+            rec.outcomes[oc.tp_rank] = oc
+            if oc.ok:
+                self._out.bump("blocks_pulled", oc.nblocks)
+                self._out.bump("bytes_pulled", oc.nbytes)
+            else:
+                self._out.bump("pulls_failed")
+            if len(rec.outcomes) < self._facts.world_size:
+                continue
+            failed = [o for o in rec.outcomes.values() if not o.ok]
+            if failed:
+                first = failed[0]
+                code = first.code or Code.TRANSPORT_ERROR
+                self._fail(rec, code, f"tp rank {first.tp_rank}: {first.message}", abort=True)
+            else:
+                rec.pulled_at = now
+                if rec.claimed:
+                    self._pulled_and_claimed(rec, now)
+                else:
+                    rec.state = _State.PULLED
+
+    # ---- control-thread results ---------------------------------------------------------------------
+
+    def on_claimed(self, result: Claimed, now: float) -> None:
+        rec = self._recv_for(result.transfer_id)
+        if rec is None or rec.claimed:
+            return
+        rec.claimed_at = now
+        try:
+            plan = plan_from_location(
+                result.handoff,
+                self._facts,
+                req_id=rec.req_id,
+                local_block_ids=rec.local_block_ids,
+                hit_blocks=rec.hit_blocks,
+            )
+        except LocationError as exc:
+            self._fail(rec, exc.code, exc.message, abort=True)
+            return
+        rec.claimed = True
+        rec.claim_lease_s = result.handoff.lease_s
+        if rec.early is None:
+            rec.state = _State.PULLING
+            rec.pull_started_at = now
+            self._new_pulls.append(plan)
+            return
+        if plan != rec.early:
+            self._fail(
+                rec,
+                Code.LOCATION_MISMATCH,
+                "the ledger's KV location differs from the one in kv_transfer_params (pulled from the latter)",
+                abort=True,
+            )
+            return
+        if rec.state is _State.PULLED:
+            self._pulled_and_claimed(rec, now)
+
+    def on_claim_failed(self, result: ClaimFailed) -> None:
+        self._out.bump("claims_failed")
+        rec = self._recv_for(result.transfer_id)
+        if rec is not None and not rec.claimed:
+            self._fail(rec, result.code, result.message, abort=result.code not in _NOTHING_TO_ABORT)
+
+    def on_done(self, result: DoneResult, now: float) -> None:
+        rec = self._recv_for(result.transfer_id)
+        if rec is None or rec.state is not _State.CONFIRMING:
+            return
+        if result.valid:
+            self._complete_ok(rec, now)
+        else:
+            code = result.code or Code.INTERNAL
+            self._fail(rec, code, result.message or "", abort=code is not Code.HANDOFF_TERMINAL)
+
+    # ---- per step -----------------------------------------------------------------------------------
+
+    def take_step(self, now: float) -> tuple[tuple[RecvPlan, ...], tuple[RecvDone, ...]]:
+        """Fail the loads past their deadline, then hand over the new pulls and the finished loads."""
+        for rec in list(self._recv.values()):
+            if now >= rec.deadline:
+                self._fail(rec, Code.KV_LOAD_TIMEOUT, f"KV load still {rec.state.value} at its deadline", abort=True)
+        pulls, done = tuple(self._new_pulls), tuple(self._new_done)
+        self._new_pulls, self._new_done = [], []
+        return pulls, done
+
+    @property
+    def loading(self) -> int:
+        """Requests whose KV load is in progress."""
+        return len(self._recv)
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _recv_for(self, transfer_id: str) -> _Recv | None:
+        req_id = self._recv_by_transfer.get(transfer_id)
+        return self._recv.get(req_id) if req_id is not None else None
+
+    def _pulled_and_claimed(self, rec: _Recv, now: float) -> None:
+        """Report the load now if the pull ended within the claim lease; else wait for DONE (see top)."""
+        self._out.send(Done(rec.transfer_id))
+        # Half the lease: room for the metaserver's clock running at another rate than ours.
+        if now - rec.started_at < rec.claim_lease_s / 2:
+            self._complete_ok(rec, now)
+        else:
+            rec.state = _State.CONFIRMING
+
+    def _complete_ok(self, rec: _Recv, now: float) -> None:
+        # claim: until the claim's answer; pull: from the plan to every worker's outcome (it overlaps the
+        # claim when it started early); confirm: from the later of the two to the report.
+        claimed = rec.claimed_at if rec.claimed_at is not None else now
+        pulled = rec.pulled_at if rec.pulled_at is not None else now
+        pull_from = rec.pull_started_at if rec.pull_started_at is not None else claimed
+        pull_s = max((o.elapsed_s for o in rec.outcomes.values()), default=0.0)
+        logger.info(
+            "transfer %s: %s loaded %d tokens in %.1f ms (claim %.1f, pull %.1f [transport %.1f], confirm %.1f)",
+            rec.transfer_id,
+            rec.req_id,
+            rec.num_tokens,
+            (now - rec.started_at) * 1e3,
+            (claimed - rec.started_at) * 1e3,
+            max(pulled - pull_from, 0.0) * 1e3,
+            pull_s * 1e3,
+            max(now - max(claimed, pulled), 0.0) * 1e3,
+        )
+        self._drop(rec)
+        self._new_done.append(RecvDone(rec.req_id, True))
+        self._out.bump("recv_ok")
+        self._out.bump("tokens_loaded", rec.num_tokens)
+
+    def _fail(self, rec: _Recv, code: Code, message: str, *, abort: bool) -> None:
+        logger.warning("transfer %s: KV load for %s failed (%s): %s", rec.transfer_id, rec.req_id, code.value, message)
+        self._drop(rec)
+        self._new_done.append(RecvDone(rec.req_id, False, rec.local_block_ids))
+        self._count_failure(len(rec.local_block_ids))
+        if abort:
+            self._out.send(Abort(rec.transfer_id, f"decode KV load failed: {code.value}: {message}"[:1000]))
+
+    def _fail_unstarted(self, req_id: str, local: tuple[int, ...]) -> None:
+        self._new_done.append(RecvDone(req_id, False, local))
+        self._count_failure(len(local))
+
+    def _drop(self, rec: _Recv) -> None:
+        self._recv.pop(rec.req_id, None)
+        self._recv_by_transfer.pop(rec.transfer_id, None)
+
+    def _count_failure(self, nblocks: int) -> None:
+        self._out.bump("recv_failed")
+        self._out.bump("invalid_blocks", nblocks)

@@ -1,0 +1,101 @@
+"""Builders shared by the scheduler-half tests: a `SchedulerHalf` on vLLM's objects, and the params,
+handoffs and request endings the two sides see."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.location import EngineFacts
+from pdgate.connector.scheduler import SchedulerHalf
+from pdgate.metaserver.models import Handoff, HandoffState, KVLocation, TransportAddress, TransportKind
+from vllm.v1.request import RequestStatus
+
+from tests.unit.connector_vllm.conftest import BLOCK_SIZE
+
+LAYOUT = "LBHNC/bfloat16/L2/H2/D32/B32"
+
+
+def cfg(**over: Any) -> ConnectorConfig:
+    base: dict[str, Any] = dict(
+        metaserver_url="http://127.0.0.1:1",
+        instance_id="node-a",
+        url="http://127.0.0.1:8100",
+        model="tiny",
+        role="both",
+        kv_lease_s=30.0,
+        free_margin_s=10.0,
+        ready_wait_s=30.0,
+        pull_timeout_s=30.0,
+    )
+    base.update(over)
+    return ConnectorConfig(**base)
+
+
+def half(*, world_size: int = 1, tp_size: int = 1, replicated: bool = False, **over: Any) -> SchedulerHalf:
+    facts = EngineFacts(
+        instance_id="node-a",
+        engine_id="engine-a",
+        host="127.0.0.1",
+        dp_rank=0,
+        tp_size=tp_size,
+        world_size=world_size,
+        block_size=BLOCK_SIZE,
+        kv_dtype="bfloat16",
+        kv_layout=LAYOUT,
+        kv_replicated=replicated,
+        transport="nixl",
+    )
+    h = SchedulerHalf(cfg(**over), facts)
+    h.set_addresses(
+        {r: {"kind": "nixl", "agent_name": f"a-tp{r}", "agent_metadata": "QQ==", "regions": []} for r in range(tp_size)}
+    )
+    return h
+
+
+def d_params(tid: str = "t-1", num_tokens: int | None = None, **extra: Any) -> dict[str, Any]:
+    p: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid}
+    if num_tokens is not None:
+        p["remote_num_tokens"] = num_tokens
+    p.update(extra)
+    return p
+
+
+def p_params(tid: str = "t-1", kv_key: int | None = 5) -> dict[str, Any]:
+    p: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
+    if kv_key is not None:
+        p["kv_key"] = kv_key
+    return p
+
+
+def handoff(tid: str, block_ids: list[int], *, num_tokens: int, tp_size: int = 1, **loc: Any) -> Handoff:
+    location = KVLocation(
+        block_ids=[block_ids],
+        num_tokens=num_tokens,
+        engine_id="engine-p",
+        tp_size=tp_size,
+        block_size=loc.pop("block_size", BLOCK_SIZE),
+        kv_dtype="bfloat16",
+        kv_layout=loc.pop("kv_layout", LAYOUT),
+        transport=TransportKind.NIXL,
+        transport_addresses=loc.pop(
+            "addresses",
+            [TransportAddress(tp_rank=r, meta={"kind": "nixl", "agent_name": f"p-tp{r}"}) for r in range(tp_size)],
+        ),
+    )
+    return Handoff(
+        transfer_id=tid,
+        kv_key=9,
+        state=HandoffState.CLAIMED,
+        prefill_instance_id="p0",
+        decode_instance_id="node-a",
+        location=location,
+        created_at=0.0,
+        updated_at=0.0,
+        lease_s=30.0,
+    )
+
+
+def finish(req: Any, status: RequestStatus, computed: int | None = None) -> None:
+    req.status = status
+    req.num_computed_tokens = req.num_prompt_tokens if computed is None else computed
