@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 from chaos_run import Ctx
-from chaos_stack import TOKEN, sim_stats, wait_ready
+from chaos_stack import TOKEN, held_blocks, sim_stats, wait_ready
 
 __all__ = ["SCENARIOS"]
 
@@ -91,11 +91,18 @@ def _redis_restart(ctx: Ctx) -> None:
     redis = ctx.stack.redis
     assert redis is not None and redis.pid is not None
     kv_before = _kv_keys(ctx)
+    # Decodes claim a little late, so that READY records (prefill blocks held) exist when Redis dies.
+    for d in ctx.stack.decodes:
+        httpx.post(d.url + "/sim/script", json={"decode_delay": 0.3}, timeout=3.0)
+    time.sleep(1.0)
+    ctx.extra["held_blocks_at_crash"] = sum(v or 0 for v in held_blocks(ctx.stack).values())
     os.kill(redis.pid, signal.SIGKILL)  # a crash: no shutdown save, no final AOF fsync
     redis.stop()
     _outage_probe(ctx, time.time() + ctx.knobs.outage_s)
     redis.start()
     ctx.extra["kv_keys_before"] = kv_before
+    for d in ctx.stack.decodes:
+        httpx.post(d.url + "/sim/script", json={"decode_delay": 0.0}, timeout=3.0)
 
 
 def after_redis(ctx: Ctx) -> None:
@@ -105,7 +112,13 @@ def after_redis(ctx: Ctx) -> None:
     ctx.extra["kv_keys_seen"] = len(keys)
     ctx.extra["kv_keys_repeated"] = sum(1 for n in keys.values() if n > 1)
     ctx.extra["ok_kv_keys_unique"] = ctx.extra["kv_keys_repeated"] == 0
-    ctx.extra["prefill_frees"] = {p.name: (sim_stats(p.url) or {}).get("freed") for p in ctx.stack.prefills}
+    ctx.extra["prefill_frees"] = frees = {p.name: (sim_stats(p.url) or {}).get("freed") for p in ctx.stack.prefills}
+    if not ctx.stack.aof:  # the ledger lost the READY records: prefills freed them without an event
+        lost = sum((f or {}).get("record_lost", 0) + (f or {}).get("local_deadline", 0) for f in frees.values())
+        ctx.extra["ok_lost_records_freed"] = lost > 0 or ctx.extra.get("held_blocks_at_crash") == 0
+    # Requests that started while Redis was down (those in flight at the crash include their earlier work).
+    errs = [r for r in ctx.records() if r.get("c") == "pd_metaserver_unavailable" and r["t0"] >= ctx.t_fault]
+    ctx.extra["outage_503_max_s"] = round(max((r["t1"] - r["t0"] for r in errs), default=0.0), 3)
     lat = ctx.extra.get("probe_max_latency_s")
     bound = ctx.stack.timing.metaserver_timeout_s * 2 + 0.5
     ctx.extra["ok_fast_503"] = lat is not None and lat <= bound and _probe_typed(ctx)
