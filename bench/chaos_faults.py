@@ -96,6 +96,7 @@ def _redis_restart(ctx: Ctx) -> None:
         httpx.post(d.url + "/sim/script", json={"decode_delay": 0.3}, timeout=3.0)
     time.sleep(1.0)
     ctx.extra["held_blocks_at_crash"] = sum(v or 0 for v in held_blocks(ctx.stack).values())
+    ctx.t_fault = time.time()  # the fault is the crash, not the set-up before it
     os.kill(redis.pid, signal.SIGKILL)  # a crash: no shutdown save, no final AOF fsync
     redis.stop()
     _outage_probe(ctx, time.time() + ctx.knobs.outage_s)
