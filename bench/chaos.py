@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
+    uptime_start = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     for name in _selected(args.only):
         print(f"== {name}", flush=True)
         if name == "7-partition":
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "uptime_start": uptime_start,
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip(),
         },
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),

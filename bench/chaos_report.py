@@ -15,6 +15,7 @@ _COLS = [
     ("stranded_handoffs", "stranded handoffs"),
     ("held_blocks", "held blocks"),
     ("recovery_s", "recovery s"),
+    ("load_avg", "load 1m"),
     ("pass", "pass"),
 ]
 
@@ -82,7 +83,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"Run: {result['started']}, mode `{result['mode']}`, {result['wall_s']} s. "
         f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}. "
-        f"Load at the end (`uptime`): `{m['uptime']}`.",
+        f"Machine load (`uptime`) at the start: `{m.get('uptime_start', '?')}`; at the end: `{m['uptime']}`.",
         "",
         "Stack per scenario: Redis (`tests/support/redis.py`), `pdgate-metaserver` on it, "
         "`pdgate-router` (two in scenario 6), 2 prefill + 2 decode `pdgate-sim`s that record READY, claim and "
@@ -96,7 +97,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "empty or truncated 200, a reset without an error event, a client timeout (must be 0); **stranded "
         "handoffs** READY or CLAIMED records still live after the longest lease chain (must be 0); **held "
         "blocks** prefill KV blocks still held after recovery (must be 0); **recovery s** from the fault to "
-        "the end of the last failed request.",
+        "the end of the last failed request; **load 1m** the machine's 1-minute load average as the scenario "
+        "ended (other work on the machine included).",
         "",
         "| " + " | ".join(h for _, h in _COLS) + " |",
         "|" + "---|" * len(_COLS),

@@ -217,7 +217,7 @@ def run_scenario(
         row["pids"] = sorted(set(procs.started))
         stop.unlink(missing_ok=True)
     row["wall_s"] = round(time.time() - t_start, 1)
-    row["load_avg"] = os.getloadavg()[0]
+    row["load_avg"] = round(os.getloadavg()[0], 2)
     return row
 
 

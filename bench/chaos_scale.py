@@ -99,5 +99,5 @@ def run_scale(
         row["logs"] = str(procs.log_dir)
         procs.close()
     row["wall_s"] = round(time.time() - t_start, 1)
-    row["load_avg"] = os.getloadavg()[0]
+    row["load_avg"] = round(os.getloadavg()[0], 2)
     return row
