@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 
 import uvicorn
-from pdgate.metaserver.app import access_summary, create_app, render_problem, server_limits
+from pdgate.metaserver.app import create_app, render_problem, server_limits
 from pdgate.metaserver.logs import configure_logging
 from pdgate.metaserver.settings import parse_cli
 
@@ -24,8 +24,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_cli(argv)
     configure_logging(settings.log_level)
     store_kind = settings.store.split("://", 1)[0]
+    # The app's lifespan logs who may use the /v1 routes (protected mode or admin token).
     logging.getLogger("pdgate.metaserver").info(
-        "metaserver on %s:%d, store %s; %s", settings.host, settings.port, store_kind, access_summary(settings)
+        "metaserver on %s:%d, store %s", settings.host, settings.port, store_kind
     )
     uvicorn.run(
         create_app(settings),

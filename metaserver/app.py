@@ -25,13 +25,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pdgate.metaserver.api import build_router, error_from_exception, error_headers
 from pdgate.metaserver.client import MetaError
-from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, StoreUnavailable, problem_body, problem_response
+from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, StoreUnavailable, problem_response
 from pdgate.metaserver.fastpath import FastPath
 from pdgate.metaserver.metrics import MetaMetrics
 from pdgate.metaserver.models import CONTRACT_VERSION, Problem
@@ -73,8 +74,9 @@ def server_limits(settings: MetaSettings) -> ServerLimits:
 
 def render_problem(code: Code, detail: str) -> tuple[bytes, bytes]:
     """A refusal of `pdgate.serving` (408, 413, 503) as an RFC 7807 body, like every other error here."""
-    err = MetaError(detail, status=CODES[code].status, code=code.value)
-    return PROBLEM_MEDIA_TYPE.encode(), problem_body(err)
+    status = CODES[code].status
+    problem = {"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status, "detail": detail}
+    return PROBLEM_MEDIA_TYPE.encode(), orjson.dumps({**problem, "code": code.value})
 
 
 def policy_from(settings: MetaSettings) -> LedgerPolicy:

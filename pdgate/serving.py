@@ -107,7 +107,9 @@ class _Guarded(HttpToolsProtocol):
             if self.flow is not None and self.flow.read_paused:  # the application is behind, not the client
                 self._arm(self.policy.limits.body_timeout_s, body=True)
                 return
-            self.logger.info("closing a connection whose request body stalled for %g s", self.policy.limits.body_timeout_s)
+            self.logger.info(
+                "closing a connection whose request body stalled for %g s", self.policy.limits.body_timeout_s
+            )
             self.transport.close()
             return
         detail = f"request headers not received within {self.policy.limits.header_timeout_s:g} s"
