@@ -112,6 +112,10 @@ class _Guarded(HttpToolsProtocol):
             )
             self.transport.close()
             return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request waits for the answer in progress (uvicorn stopped reading): not its fault.
+            self._arm(self.policy.limits.header_timeout_s, body=False)
+            return
         detail = f"request headers not received within {self.policy.limits.header_timeout_s:g} s"
         self._refuse(Code.REQUEST_TIMEOUT, detail)
 

@@ -97,6 +97,19 @@ def test_declared_body_never_sent_is_cut_off(server: UvicornThread) -> None:
     assert not data.startswith(b"HTTP/1.1 2")  # nothing was created from half a body
 
 
+def test_a_slow_but_steady_body_is_served(server: UvicornThread) -> None:
+    """The body timer measures stalls, not the whole upload: chunks every 0.3 s for 3 s in all pass."""
+    body = b'{"prefill_instance_id": "p0", "request_id": "' + b"r" * 60 + b'"}'
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/handoffs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+        sock.sendall(b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        for i in range(0, len(body), 8):
+            sock.sendall(body[i : i + 8])
+            time.sleep(0.3)
+        answer = _read_response(sock)
+    assert answer.startswith(b"HTTP/1.1 201 "), answer[:300]
+
+
 def test_large_content_length_is_413_before_the_body(server: UvicornThread) -> None:
     with _connect(server) as sock:
         start = time.monotonic()
