@@ -31,6 +31,7 @@ from pdgate.connector.config import ConnectorConfig, ServerFacts, discover_serve
 from pdgate.connector.control import ControlThread
 from pdgate.connector.errors import ConfigError
 from pdgate.connector.location import EngineFacts
+from pdgate.connector.logs import setup_logging
 from pdgate.connector.messages import FeedStatus, Register, UpdateLoad, WriteStats
 from pdgate.connector.metadata import PullOutcome, StepMetadata
 from pdgate.connector.registration import build_registration, kv_layout_tag
@@ -46,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-try:  # a vLLM metrics label for where our cache hits come from (absent in older releases)
+try:  # a vLLM metrics label for where our cache hits come from (not every vLLM release has it)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     _P2P_SOURCE: Any = CacheHitSource.P2P
@@ -146,7 +147,7 @@ class PDGateConnector(KVConnectorBase_V1):
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("PDGateConnector does not support pipeline parallelism (pipeline_parallel_size > 1)")
         self._cfg: ConnectorConfig = parse_config(kv.kv_connector_extra_config, server_facts(vllm_config), os.environ)
-        _setup_logging(self._cfg.log_level)
+        setup_logging(self._cfg.log_level)
         self._sched: SchedulerHalf | None = None
         self._control: ControlThread | None = None
         self._worker: WorkerHalf | None = None
@@ -354,17 +355,6 @@ class PDGateConnector(KVConnectorBase_V1):
             out.append(WriteStats(self._sched.snapshot()))
         if out:
             self._control.submit(out)
-
-
-def _setup_logging(level: str) -> None:
-    """vLLM configures only its own `vllm` logger; give ours a handler so INFO lines are seen."""
-    log = logging.getLogger("pdgate.connector")
-    log.setLevel(level.upper())
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("(pdgate) %(levelname)s %(asctime)s [%(name)s] %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
 
 
 def _tp_rank() -> int:

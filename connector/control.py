@@ -33,6 +33,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.logs import about
 from pdgate.connector.messages import (
     Abort,
     Check,
@@ -302,7 +303,10 @@ class ControlThread:
                 # Our claim lapsed back to READY (or another decode claimed it): the record is live, so
                 # the prefill still held the blocks while we read them.
                 logger.warning(
-                    "transfer %s: DONE refused (%s); the KV was still held, using it", transfer_id, exc.detail
+                    "transfer %s: DONE refused (%s); the KV was still held, using it",
+                    transfer_id,
+                    exc.detail,
+                    extra=about(transfer_id),
                 )
                 self._results.put(DoneResult(transfer_id, True, exc.code, exc.detail))
                 return
@@ -326,9 +330,11 @@ class ControlThread:
             except MetaUnavailable:
                 await asyncio.sleep(backoff(attempt, base=0.1, cap=1.0))
             except MetaError as exc:
-                logger.warning("transfer %s: abort refused: %s", cmd.transfer_id, exc)
+                logger.warning("transfer %s: abort refused: %s", cmd.transfer_id, exc, extra=about(cmd.transfer_id))
                 return
-        logger.warning("transfer %s: abort not delivered (metaserver unreachable)", cmd.transfer_id)
+        logger.warning(
+            "transfer %s: abort not delivered (metaserver unreachable)", cmd.transfer_id, extra=about(cmd.transfer_id)
+        )
 
     async def _check(self, cmd: Check) -> None:
         try:

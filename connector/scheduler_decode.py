@@ -40,6 +40,7 @@ from pdgate.connector.blocks import tokens_to_load
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.errors import LocationError
 from pdgate.connector.location import EngineFacts, plan_for, plan_from_location
+from pdgate.connector.logs import about
 from pdgate.connector.messages import Abort, Claim, Claimed, ClaimFailed, Done, DoneResult
 from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan
 from pdgate.connector.outbox import Outbox
@@ -150,7 +151,12 @@ class DecodeSide:
             return
         transfer_id = kv.require_transfer_id()
         if transfer_id in self._recv_by_transfer:
-            logger.error("transfer %s: a second decode request (%s) carries it; failing it", transfer_id, req_id)
+            logger.error(
+                "transfer %s: a second decode request (%s) carries it; failing it",
+                transfer_id,
+                req_id,
+                extra=about(transfer_id),
+            )
             self._fail_unstarted(req_id, local)
             return
         deadline = now + self._cfg.ready_wait_s + self._cfg.pull_timeout_s + self._cfg.free_margin_s
@@ -172,12 +178,25 @@ class DecodeSide:
                 )
             except LocationError as exc:
                 # Only a hint: the claimed record decides (and fails the load if it is this same location).
-                logger.debug("transfer %s: no early pull (%s): %s", transfer_id, exc.code.value, exc.message)
+                logger.debug(
+                    "transfer %s: no early pull (%s): %s",
+                    transfer_id,
+                    exc.code.value,
+                    exc.message,
+                    extra=about(transfer_id),
+                )
             else:
                 rec.state = _State.PULLING
                 rec.pull_started_at = now
                 self._new_pulls.append(rec.early)
-        logger.debug("transfer %s: decode %s claims, %d local blocks (%d cached)", transfer_id, req_id, len(local), hit)
+        logger.debug(
+            "transfer %s: decode %s claims, %d local blocks (%d cached)",
+            transfer_id,
+            req_id,
+            len(local),
+            hit,
+            extra=about(transfer_id),
+        )
 
     def request_finished(self, request: Any) -> None:
         req_id = request.request_id
@@ -321,6 +340,7 @@ class DecodeSide:
             max(pulled - pull_from, 0.0) * 1e3,
             pull_s * 1e3,
             max(now - max(claimed, pulled), 0.0) * 1e3,
+            extra=about(rec.transfer_id),
         )
         self._drop(rec)
         self._new_done.append(RecvDone(rec.req_id, True))
@@ -328,7 +348,14 @@ class DecodeSide:
         self._out.bump("tokens_loaded", rec.num_tokens)
 
     def _fail(self, rec: _Recv, code: Code, message: str, *, abort: bool) -> None:
-        logger.warning("transfer %s: KV load for %s failed (%s): %s", rec.transfer_id, rec.req_id, code.value, message)
+        logger.warning(
+            "transfer %s: KV load for %s failed (%s): %s",
+            rec.transfer_id,
+            rec.req_id,
+            code.value,
+            message,
+            extra=about(rec.transfer_id),
+        )
         self._drop(rec)
         self._new_done.append(RecvDone(rec.req_id, False, rec.local_block_ids))
         self._count_failure(len(rec.local_block_ids))

@@ -23,6 +23,7 @@ from typing import Any
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.counters import COUNTERS
 from pdgate.connector.location import EngineFacts, location_for
+from pdgate.connector.logs import about
 from pdgate.connector.messages import Check, CheckResult, FeedStatus, MarkReady, ReadyFailed, ReadyRecorded, Terminal
 from pdgate.connector.outbox import Outbox
 from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
@@ -81,7 +82,11 @@ class PrefillSide:
         if transfer_id in self._holds:
             self._out.bump("prefill_not_kept")
             logger.error(
-                "prefill %s: transfer %s is already held by %s", req_id, transfer_id, self._holds[transfer_id].req_id
+                "prefill %s: transfer %s is already held by %s",
+                req_id,
+                transfer_id,
+                self._holds[transfer_id].req_id,
+                extra=about(transfer_id),
             )
             return False, None
         f = self._facts
@@ -95,7 +100,14 @@ class PrefillSide:
         self._new_holds.append(req_id)
         self._out.send(MarkReady(transfer_id, location))
         self._out.bump("sends_held")
-        logger.debug("transfer %s: prefill %s holds %d blocks (%d tokens)", transfer_id, req_id, len(kept), num_tokens)
+        logger.debug(
+            "transfer %s: prefill %s holds %d blocks (%d tokens)",
+            transfer_id,
+            req_id,
+            len(kept),
+            num_tokens,
+            extra=about(transfer_id),
+        )
         # What the router forwards to the decode. The decode trusts the ledger's location over these
         # fields; `remote_location` is the READY record itself, which lets it start pulling while its
         # claim is in flight (it uses the data only once the claimed record matches).
@@ -131,7 +143,11 @@ class PrefillSide:
     def on_ready_failed(self, result: ReadyFailed) -> None:
         self._out.bump("ready_failed")
         logger.warning(
-            "transfer %s: READY not recorded (%s): %s", result.transfer_id, result.code.value, result.message
+            "transfer %s: READY not recorded (%s): %s",
+            result.transfer_id,
+            result.code.value,
+            result.message,
+            extra=about(result.transfer_id),
         )
         if result.terminal:
             self._free(result.transfer_id, "ready_failed")
@@ -172,7 +188,7 @@ class PrefillSide:
         hold.free_reason = reason
         key = f"sends_freed_{reason}"
         self._out.bump(key if key in COUNTERS else "sends_freed_not_found")
-        logger.debug("transfer %s: freeing prefill %s (%s)", transfer_id, hold.req_id, reason)
+        logger.debug("transfer %s: freeing prefill %s (%s)", transfer_id, hold.req_id, reason, extra=about(transfer_id))
 
     def _check(self, now: float) -> None:
         margin = self._cfg.free_margin_s
@@ -187,6 +203,7 @@ class PrefillSide:
                     hold.transfer_id,
                     limit,
                     hold.req_id,
+                    extra=about(hold.transfer_id),
                 )
                 self._free(hold.transfer_id, "local_deadline")
             else:

@@ -28,6 +28,7 @@ from typing import Any
 
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.errors import ConfigError
+from pdgate.connector.logs import about
 from pdgate.connector.metadata import PullOutcome, RecvDone, StepMetadata
 from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport, TransportError
 
@@ -236,7 +237,9 @@ class _TransferThread:
     def _finish(self, result: PullResult, inflight: dict[str, _Pull]) -> None:
         job = inflight.pop(result.transfer_id, None)
         if job is None:
-            logger.warning("transport reported unknown transfer %s", result.transfer_id)
+            logger.warning(
+                "transport reported unknown transfer %s", result.transfer_id, extra=about(result.transfer_id)
+            )
             return
         if result.ok and self._corrupt:
             _xor_blocks(self._regions, job.local_block_ids)
@@ -348,13 +351,13 @@ class WorkerHalf:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self._drain()
         recving: set[str] = set()
-        for rid, done in list(self._completions.items()):
-            if rid in self._inflight:
+        for req_id, done in list(self._completions.items()):
+            if req_id in self._inflight:
                 continue  # our pull may still write into these blocks; report once it stopped
-            recving.add(rid)
+            recving.add(req_id)
             if not done.ok:
                 self._load_errors.update(done.local_block_ids)
-            del self._completions[rid]
+            del self._completions[req_id]
         sending, self._frees = self._frees, set()
         return (sending or None), (recving or None)
 

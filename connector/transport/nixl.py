@@ -287,29 +287,29 @@ class NixlTransport(Transport):
             return []
         self._collect_notifs()
         now = self._clock()
-        for tid in list(self._inflight):
-            flight = self._inflight.get(tid)
+        for transfer_id in list(self._inflight):
+            flight = self._inflight.get(transfer_id)
             if flight is None:  # failed together with its peer earlier in this loop
                 continue
             try:
                 state = self._agent.check_xfer_state(flight.handle)
             except Exception as exc:
-                err = _map_nixl_error(exc, f"checking pull {tid}")
-                self._inflight.pop(tid)
+                err = _map_nixl_error(exc, f"checking pull {transfer_id}")
+                self._inflight.pop(transfer_id)
                 self._release(flight.handle)
                 self._fail_peer(flight.peer, err)
-                self._ready.append(PullResult.failure(tid, err, elapsed_s=now - flight.started))
+                self._ready.append(PullResult.failure(transfer_id, err, elapsed_s=now - flight.started))
                 continue
             if state == "PROC" and now >= flight.deadline:
                 err = PullTimeout(
-                    f"pull {tid} from {flight.peer} still running after {flight.deadline - flight.started:.3f}s"
+                    f"pull {transfer_id} from {flight.peer} still running after {flight.deadline - flight.started:.3f}s"
                 )
-                self._inflight.pop(tid)
+                self._inflight.pop(transfer_id)
                 self._release(flight.handle)  # NIXL cancels an active transfer on release
                 self._fail_peer(flight.peer, err)
-                self._ready.append(PullResult.failure(tid, err, elapsed_s=now - flight.started))
+                self._ready.append(PullResult.failure(transfer_id, err, elapsed_s=now - flight.started))
             elif state != "PROC":
-                self._finish(tid, state, now)
+                self._finish(transfer_id, state, now)
         self._retry_zombies()
         out, self._ready = self._ready, []
         return out
@@ -384,16 +384,16 @@ class NixlTransport(Transport):
         logger.info("NIXL %s: peer %s added (%d block descriptors)", self.name, name, len(rows))
         return peer
 
-    def _finish(self, tid: str, state: str, now: float) -> None:
-        flight = self._inflight.pop(tid)
+    def _finish(self, transfer_id: str, state: str, now: float) -> None:
+        flight = self._inflight.pop(transfer_id)
         self._release(flight.handle)
         elapsed = now - flight.started
         if state == "DONE":
-            self._ready.append(PullResult.success(tid, nbytes=flight.nbytes, elapsed_s=elapsed))
+            self._ready.append(PullResult.success(transfer_id, nbytes=flight.nbytes, elapsed_s=elapsed))
             return
-        err = PeerUnreachable(f"pull {tid} from {flight.peer} ended in state {state}", engine_code="NIXL_ERR")
+        err = PeerUnreachable(f"pull {transfer_id} from {flight.peer} ended in state {state}", engine_code="NIXL_ERR")
         self._fail_peer(flight.peer, err)
-        self._ready.append(PullResult.failure(tid, err, elapsed_s=elapsed))
+        self._ready.append(PullResult.failure(transfer_id, err, elapsed_s=elapsed))
 
     def _fail_peer(self, name: str, cause: TransportError) -> None:
         """Forget a peer after a wire failure so the next pull reloads it from scratch, and fail
@@ -401,13 +401,13 @@ class NixlTransport(Transport):
         if isinstance(cause, BadRequest):
             return
         now = self._clock()
-        for tid, flight in list(self._inflight.items()):
+        for transfer_id, flight in list(self._inflight.items()):
             if flight.peer != name:
                 continue
-            self._inflight.pop(tid)
+            self._inflight.pop(transfer_id)
             self._release(flight.handle)
             err = type(cause)(f"aborted: peer {name} was dropped ({cause.message})", engine_code=cause.engine_code)
-            self._ready.append(PullResult.failure(tid, err, elapsed_s=now - flight.started))
+            self._ready.append(PullResult.failure(transfer_id, err, elapsed_s=now - flight.started))
         self._drop_peer(name)
 
     def _drop_peer(self, name: str) -> None:

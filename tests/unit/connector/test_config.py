@@ -186,4 +186,3 @@ def test_the_readme_table_is_the_declaration() -> None:
     rows = [line for line in readme.splitlines() if line.startswith("| `")]
     keys = [line.split("`")[1] for line in rows if line.split("`")[1] in ALLOWED_KEYS]
     assert sorted(keys) == sorted(ALLOWED_KEYS)  # every key once, none twice
-
