@@ -19,9 +19,10 @@ once a lifespan has opened its store).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import orjson
@@ -36,6 +37,7 @@ from pdgate.metaserver.errors import (
     MalformedBody,
     RouteNotFound,
     StoreFailure,
+    StoreUnavailable,
     from_validation_error,
     problem_response,
 )
@@ -75,6 +77,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+# How much longer than its ?wait= a long-poll may take before it answers 503 (a hung store).
+POLL_MARGIN_S = 2.0
 
 _WRITES = frozenset({"POST", "PUT", "DELETE", "PATCH"})
 _JSON = "application/json"
@@ -217,6 +223,14 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
 
             return handler
 
+    async def bounded(op: Awaitable[T], wait: float) -> T:
+        """A long-poll answers within its wait plus a margin, even while the store hangs (a frozen Redis)."""
+        limit = min(wait, settings.max_wait_s) + POLL_MARGIN_S
+        try:
+            return await asyncio.wait_for(op, limit)
+        except TimeoutError:
+            raise StoreUnavailable(f"the store did not answer within {limit:g} s; retry") from None
+
     router = APIRouter(route_class=ProblemRoute)
     common = _problems(400, 401, 403, 413, 422, 503)
     polls = _problems(429)
@@ -316,7 +330,7 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
         if not wait:
             return _json(await get_service().events(instance_id, cursor, wait))
         with long_polls.hold():
-            return _json(await get_service().events(instance_id, cursor, wait))
+            return _json(await bounded(get_service().events(instance_id, cursor, wait), wait))
 
     # -- handoff ledger ----------------------------------------------------------------------
     ledger_errors = {**common, **_problems(404, 409, 410)}
@@ -401,6 +415,6 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
         if not wait:
             return _json(await get_service().get_handoff(transfer_id, wait))
         with long_polls.hold():
-            return _json(await get_service().get_handoff(transfer_id, wait))
+            return _json(await bounded(get_service().get_handoff(transfer_id, wait), wait))
 
     return router

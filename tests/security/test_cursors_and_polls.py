@@ -86,12 +86,14 @@ async def test_blocking_read_on_a_frozen_redis_is_bounded(frozen_redis: RedisSer
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             assert (await http.get("/v1/instances/p0/handoff-events", params={"wait": 0.1})).status_code == 200
+            tid = (await http.post("/v1/handoffs", json={"prefill_instance_id": "p0"})).json()["transfer_id"]
             assert frozen_redis.pid is not None
             os.kill(frozen_redis.pid, signal.SIGSTOP)
-            start = time.monotonic()
-            resp = await http.get("/v1/instances/p0/handoff-events", params={"wait": 1})
-            took = time.monotonic() - start
-            assert resp.status_code == 503 and resp.json()["code"] == "store_unavailable", resp.text
-            assert took < 5.0, f"a wait=1 poll on a frozen Redis took {took:.1f} s"
+            for path in ("/v1/instances/p0/handoff-events", f"/v1/handoffs/{tid}"):
+                start = time.monotonic()
+                resp = await http.get(path, params={"wait": 1})
+                took = time.monotonic() - start
+                assert resp.status_code == 503 and resp.json()["code"] == "store_unavailable", resp.text
+                assert took < 5.0, f"a wait=1 poll of {path} on a frozen Redis took {took:.1f} s"
     finally:
         server.stop()
