@@ -100,6 +100,17 @@ def test_one_constant_time_compare() -> None:
     assert credential_matches("ключ", "ключ")  # non-ASCII keys compare as UTF-8, without TypeError
 
 
+def test_loopback_and_bearer_parsing() -> None:
+    from pdgate.auth import bearer, is_loopback
+
+    for peer in ("127.0.0.1", "127.9.9.9", "::1", "::ffff:127.0.0.1", None):
+        assert is_loopback(peer), peer
+    for peer in ("192.0.2.2", "10.0.0.1", "fd00::2", "::ffff:10.0.0.1", "localhost", "0.0.0.0"):
+        assert not is_loopback(peer), peer
+    assert bearer("Bearer abc") == "abc" and bearer("bearer  abc ") == "abc"
+    assert bearer("Basic abc") is None and bearer("Bearer") is None and bearer(None) is None
+
+
 def test_admin_token_from_a_file_never_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     secret = tmp_path / "admin-token"
     secret.write_text(TOKEN + "\n")
