@@ -3,12 +3,12 @@ and a second local address (so a peer is not on the loopback interface)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Callable
-from typing import Any
+import threading
 
+from tests.integration.router.conftest import Sim
 from tests.support.ports import free_port
-from tests.support.servers import UvicornThread
 
 __all__ = ["RecordingEngine", "non_loopback_ipv4", "raw_exchange"]
 
@@ -39,29 +39,64 @@ def non_loopback_ipv4() -> str | None:
 
 
 class RecordingEngine:
-    """A pdgate-sim app on a real socket, behind a wrapper that keeps every request's headers."""
+    """A pdgate-sim process behind a TCP relay that keeps the header block of every request it carries.
 
-    def __init__(self, role: str = "both", **sim: Any) -> None:
-        from pdgate.sim.app import create_app as create_sim_app
-        from pdgate.sim.settings import SimSettings
+    A relay rather than an in-process wrapper: the engine stays a separate process, exactly as the
+    router sees a real one, and what is recorded is what went over the wire."""
 
-        port = free_port()
-        self.app = create_sim_app(SimSettings(role=role, port=port, **sim))  # type: ignore[arg-type]
+    def __init__(self, role: str = "both") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.sim = Sim(role, "--advertise-url", self.url)  # its instance id follows the URL the router uses
         self.seen: list[dict[bytes, bytes]] = []
-        self.server = UvicornThread(self._asgi, port=port)
-        self.url = self.server.url
-
-    async def _asgi(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] == "POST":
-            self.seen.append(dict(scope["headers"]))
-        await self.app(scope, receive, send)
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._threads: list[threading.Thread] = []
 
     def __enter__(self) -> RecordingEngine:
-        self.server.start()
+        self.sim.wait()
+        threading.Thread(target=self._accept, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.stop()
+        self._server.close()
+        self.sim.stop()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.sim.port))
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        buf = b""
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+                if record:
+                    buf = self._record(buf + chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def _record(self, buf: bytes) -> bytes:
+        """Pull complete request heads out of `buf`; bodies are skipped by their Content-Length."""
+        while (end := buf.find(b"\r\n\r\n")) >= 0:
+            lines = buf[:end].split(b"\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:])}
+            length = int(headers.get(b"content-length", b"0"))
+            if len(buf) < end + 4 + length:
+                break
+            if lines[0].startswith(b"POST /v1/"):
+                self.seen.append(headers)
+            buf = buf[end + 4 + length :]
+        return buf
 
 
 def raw_exchange(

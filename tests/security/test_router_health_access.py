@@ -47,7 +47,7 @@ def test_failed_health_checks_do_not_name_the_address() -> None:
 
 def test_health_is_503_while_the_store_is_unreachable() -> None:
     with RedisServer() as redis:
-        with Deployment(store=redis.url, metaserver_timeout_s=1.0) as d:
+        with Deployment(store=redis.url, metaserver_timeout_s=1.0, admin_token=TOKEN) as d:
             d.add_many([("prefill", ()), ("decode", ())])
             wait_until(lambda: d.health()["status"] == "ok", timeout=20, what="a PD pair")
             redis.stop()

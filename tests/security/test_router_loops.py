@@ -10,7 +10,6 @@ import httpx
 import openai
 import pytest
 from pdgate.metaserver.models import InstanceRegistration
-from pdgate.router.loops import HOP_HEADER
 
 from tests.integration.router.conftest import Deployment
 from tests.support.ports import wait_until
@@ -54,7 +53,7 @@ def test_a_request_that_was_already_forwarded_gets_508() -> None:
         got = httpx.post(
             d.url + "/v1/completions",
             json={"model": "sim-model", "prompt": "x"},
-            headers={HOP_HEADER.decode(): "1"},
+            headers={"X-PDGate-Hop": "1"},  # what every router sends its engines
             timeout=5,
         )
         assert got.status_code == 508
