@@ -52,8 +52,8 @@ __all__ = [
     "VERSION_A3",
     "Device",
     "DevicePlacement",
+    "GroupRole",
     "RankTable",
-    "Role",
     "Server",
     "ServerGroup",
     "SuperPod",
@@ -68,17 +68,22 @@ FORM_GROUPS = "server_group_list"
 FORM_DEVICE_LISTS = "device_lists"
 
 
-class Role(str, Enum):
+class GroupRole(str, Enum):
+    """The job of a rank table's server group (the router's group holds no devices)."""
+
     ROUTER = "router"
     PREFILL = "prefill"
     DECODE = "decode"
 
 
 #: group_id -> role in the server_group_list shape.
-GROUP_ROLES: Mapping[str, Role] = {"0": Role.ROUTER, "1": Role.PREFILL, "2": Role.DECODE}
-GROUP_IDS: Mapping[Role, str] = {role: gid for gid, role in GROUP_ROLES.items()}
+GROUP_ROLES: Mapping[str, GroupRole] = {"0": GroupRole.ROUTER, "1": GroupRole.PREFILL, "2": GroupRole.DECODE}
+GROUP_IDS: Mapping[GroupRole, str] = {role: gid for gid, role in GROUP_ROLES.items()}
 #: role -> key of its list in the device-lists shape.
-DEVICE_LISTS: Mapping[Role, str] = {Role.PREFILL: "prefill_device_list", Role.DECODE: "decode_device_list"}
+DEVICE_LISTS: Mapping[GroupRole, str] = {
+    GroupRole.PREFILL: "prefill_device_list",
+    GroupRole.DECODE: "decode_device_list",
+}
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ class ServerGroup:
     super_pods: tuple[SuperPod, ...] = ()
 
     @property
-    def role(self) -> Role:
+    def role(self) -> GroupRole:
         return GROUP_ROLES[self.group_id]
 
 
@@ -126,12 +131,12 @@ class RankTable:
     def is_a3(self) -> bool:
         return self.version == VERSION_A3
 
-    def group(self, role: Role) -> ServerGroup | None:
+    def group(self, role: GroupRole) -> ServerGroup | None:
         return next((g for g in self.groups if g.role is role), None)
 
     @property
     def router(self) -> Server | None:
-        group = self.group(Role.ROUTER)
+        group = self.group(GroupRole.ROUTER)
         return group.servers[0] if group else None
 
 
@@ -139,7 +144,7 @@ class RankTable:
 class DevicePlacement:
     """One device's place in the deployment, as the connector and the metaserver need it."""
 
-    role: Role
+    role: GroupRole
     server_id: str
     server_ip: str | None
     device_id: int
@@ -166,7 +171,7 @@ def assign_ranks(table: RankTable, *, prefill_tp: int, decode_tp: int) -> tuple[
     """
     out: list[DevicePlacement] = []
     running = 0
-    for role, tp in ((Role.PREFILL, prefill_tp), (Role.DECODE, decode_tp)):
+    for role, tp in ((GroupRole.PREFILL, prefill_tp), (GroupRole.DECODE, decode_tp)):
         if tp < 1:
             raise RankTableError(f"{role.value}_tp", f"must be >= 1, got {tp}")
         group = table.group(role)
@@ -202,7 +207,7 @@ def assign_ranks(table: RankTable, *, prefill_tp: int, decode_tp: int) -> tuple[
     return tuple(out)
 
 
-def _where(table: RankTable, role: Role) -> str:
+def _where(table: RankTable, role: GroupRole) -> str:
     if table.form == FORM_DEVICE_LISTS:
         return DEVICE_LISTS[role]
     group = table.group(role)
@@ -210,7 +215,7 @@ def _where(table: RankTable, role: Role) -> str:
 
 
 def find_placement(
-    placements: Sequence[DevicePlacement], role: Role, server_id: str, dp_rank: int, tp_rank: int
+    placements: Sequence[DevicePlacement], role: GroupRole, server_id: str, dp_rank: int, tp_rank: int
 ) -> DevicePlacement:
     for p in placements:
         if (p.role, p.server_id, p.dp_rank, p.tp_rank) == (role, server_id, dp_rank, tp_rank):
@@ -240,7 +245,7 @@ def dump_rank_table(table: RankTable) -> dict[str, Any]:
             server["server_ip"] = s.server_ip
             if s.container_ip is not None:
                 server["container_ip"] = s.container_ip
-            if s.devices or group.role is not Role.ROUTER:
+            if s.devices or group.role is not GroupRole.ROUTER:
                 server["device"] = [_dump_device(d) for d in s.devices]
             servers.append(server)
         out: dict[str, Any] = {"group_id": group.group_id, "server_count": str(len(servers)), "server_list": servers}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pdgate.connector.errors import RankTableError
-from pdgate.connector.ranktable import VERSION_A2, VERSION_A3, RankTable, Role, assign_ranks, dump_rank_table
+from pdgate.connector.ranktable import VERSION_A2, VERSION_A3, GroupRole, RankTable, assign_ranks, dump_rank_table
 from pdgate.connector.ranktable_parse import load_rank_table, parse_rank_table
 
 __all__ = ["HostSpec", "generate", "main", "parse_host_spec"]
@@ -158,11 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _cmd_validate(args: argparse.Namespace) -> int:
     table = load_rank_table(args.file)
     placements = assign_ranks(table, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
-    counts = {role: sum(1 for p in placements if p.role is role) for role in (Role.PREFILL, Role.DECODE)}
+    counts = {role: sum(1 for p in placements if p.role is role) for role in (GroupRole.PREFILL, GroupRole.DECODE)}
     router = table.router
     print(
         f"OK {args.file}: {'A3' if table.is_a3 else 'A2'}, router {router.server_ip if router else 'none'}, "
-        f"{counts[Role.PREFILL]} prefill and {counts[Role.DECODE]} decode devices"
+        f"{counts[GroupRole.PREFILL]} prefill and {counts[GroupRole.DECODE]} decode devices"
     )
     if args.show:
         for p in placements:

@@ -32,8 +32,8 @@ from pdgate.connector.ranktable import (
     VERSION_A2,
     VERSION_A3,
     Device,
+    GroupRole,
     RankTable,
-    Role,
     Server,
     ServerGroup,
     SuperPod,
@@ -150,7 +150,7 @@ def _parse_groups(top: Mapping[str, Any]) -> RankTable:
             )
         seen_groups[group.group_id] = path
         groups.append(group)
-    for role in (Role.PREFILL, Role.DECODE):
+    for role in (GroupRole.PREFILL, GroupRole.DECODE):
         if GROUP_IDS[role] not in seen_groups:
             raise RankTableError("server_group_list", f"no {role.value} group (group_id {GROUP_IDS[role]!r})")
     return RankTable(tuple(groups), VERSION_A3 if a3 else VERSION_A2, "completed")
@@ -179,7 +179,7 @@ def _parse_group(raw: Mapping[str, Any], path: str, *, a3: bool) -> ServerGroup:
         raise RankTableError(
             f"{path}.server_count", f"says {raw['server_count']} but server_list has {len(raw_servers)}"
         )
-    if role is Role.ROUTER and len(raw_servers) != 1:
+    if role is GroupRole.ROUTER and len(raw_servers) != 1:
         raise RankTableError(
             f"{path}.server_list", f"the router group needs exactly one server, got {len(raw_servers)}"
         )
@@ -204,15 +204,15 @@ def _parse_group(raw: Mapping[str, Any], path: str, *, a3: bool) -> ServerGroup:
             ranks[dev.rank_id] = f"{spath}.device[{di}]"
         servers.append(server)
     pods: tuple[SuperPod, ...] = ()
-    if role is not Role.ROUTER and a3:
+    if role is not GroupRole.ROUTER and a3:
         pods = _parse_super_pods(raw, path, servers)
     elif "super_pod_list" in raw and not a3:
         raise RankTableError(f"{path}.super_pod_list", "only valid in an A3 (version 1.2) rank table")
     return ServerGroup(gid, tuple(servers), pods)
 
 
-def _parse_server(raw: Mapping[str, Any], path: str, *, role: Role, a3: bool) -> Server:
-    router = role is Role.ROUTER
+def _parse_server(raw: Mapping[str, Any], path: str, *, role: GroupRole, a3: bool) -> Server:
+    router = role is GroupRole.ROUTER
     # The proxy host is named by its address alone in vllm-ascend's first llm_datadist tables.
     server_id = _optional(raw, "server_id", path, _str) if router else _str(raw, "server_id", path)
     server_ip = _ipv4(raw, "server_ip", path)

@@ -5,10 +5,10 @@ constructor, so importing this package never pulls in nixl, CANN or torch.
 """
 
 from pdgate.connector.transport.base import (
-    BadRequest,
     BlockRun,
     ByteRange,
     EngineError,
+    InvalidPull,
     KVRegion,
     LinkError,
     PeerUnreachable,
@@ -25,10 +25,10 @@ from pdgate.connector.transport.base import (
 )
 
 __all__ = [
-    "BadRequest",
     "BlockRun",
     "ByteRange",
     "EngineError",
+    "InvalidPull",
     "KVRegion",
     "LinkError",
     "PeerUnreachable",

@@ -12,9 +12,9 @@ may be called concurrently. Engines that block (llm_datadist) run their own work
 internally and still honour this contract at the surface.
 
 Error contract: ``start_pull`` raises synchronously only for requests that can never succeed
-(:class:`BadRequest`) or when the transport is closed (:class:`TransportClosed`). Everything
+(:class:`InvalidPull`) or when the transport is closed (:class:`TransportClosed`). Everything
 that happens on the wire (timeouts, dead peers, broken links) comes back from :meth:`poll`
-as a failed :class:`PullResult` carrying a typed :class:`TransportError` (a BadRequest can
+as a failed :class:`PullResult` carrying a typed :class:`TransportError` (a InvalidPull can
 arrive that way too when only the engine could tell). A failed pull may have written part of
 its destination blocks; they stay owned by the request until the ledger finishes it.
 
@@ -24,7 +24,7 @@ blocks as load errors and vLLM fails or recomputes the request (``kv_load_failur
 
     PDGateError (pdgate.errors)
     └── TransportError              transport_error
-        ├── BadRequest              transport_bad_request
+        ├── InvalidPull              transport_bad_request
         ├── RegistrationError       transport_registration_failed
         ├── TransportClosed         transport_closed
         ├── RemoteKVMissing         transport_remote_kv_missing
@@ -48,10 +48,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "UINT64_MAX",
-    "BadRequest",
     "BlockRun",
     "ByteRange",
     "EngineError",
+    "InvalidPull",
     "KVRegion",
     "LinkError",
     "PeerUnreachable",
@@ -105,7 +105,7 @@ class TransportError(PDGateError):
         return f"{self.code.value}: {self.message}{suffix}"
 
 
-class BadRequest(TransportError):
+class InvalidPull(TransportError):
     """The request can never succeed as written (mismatched lists, ids out of range, wrong peer kind)."""
 
     code = Code.TRANSPORT_BAD_REQUEST
@@ -228,9 +228,9 @@ class KVRegion:
                 stride=data["stride"],
             )
         except KeyError as exc:
-            raise BadRequest(f"remote region description lacks {exc.args[0]!r}") from None
+            raise InvalidPull(f"remote region description lacks {exc.args[0]!r}") from None
         except RegistrationError as exc:
-            raise BadRequest(f"remote region description is invalid: {exc.message}") from None
+            raise InvalidPull(f"remote region description is invalid: {exc.message}") from None
 
 
 def regions_to_address(regions: Sequence[KVRegion]) -> list[dict[str, Any]]:
@@ -239,10 +239,10 @@ def regions_to_address(regions: Sequence[KVRegion]) -> list[dict[str, Any]]:
 
 
 def regions_from_address(peer: RemotePeer) -> list[KVRegion]:
-    """Parse the ``regions`` list out of a peer address; BadRequest if missing or malformed."""
+    """Parse the ``regions`` list out of a peer address; InvalidPull if missing or malformed."""
     raw = peer.get("regions")
     if not isinstance(raw, list) or not raw:
-        raise BadRequest("remote address has no 'regions' list")
+        raise InvalidPull("remote address has no 'regions' list")
     return [KVRegion.from_dict(item) for item in raw]
 
 
@@ -318,26 +318,26 @@ def check_pull(req: PullRequest, *, local_num_blocks: int, remote_num_blocks: in
     harmless.
     """
     if not isinstance(req.transfer_id, str) or not req.transfer_id:
-        raise BadRequest("transfer_id must be a non-empty string")
+        raise InvalidPull("transfer_id must be a non-empty string")
     if not _is_int(req.kv_key) or not 0 <= req.kv_key <= UINT64_MAX:
-        raise BadRequest(f"kv_key must be an int in [0, 2**64), got {req.kv_key!r}")
+        raise InvalidPull(f"kv_key must be an int in [0, 2**64), got {req.kv_key!r}")
     if req.timeout_s is not None and not req.timeout_s > 0:
-        raise BadRequest(f"timeout_s must be positive, got {req.timeout_s!r}")
+        raise InvalidPull(f"timeout_s must be positive, got {req.timeout_s!r}")
     src, dst = req.remote_block_ids, req.local_block_ids
     if len(src) != len(dst):
-        raise BadRequest(
+        raise InvalidPull(
             f"remote_block_ids has {len(src)} ids but local_block_ids has {len(dst)}; "
             "trim the remote list to the local count before pulling"
         )
     if not src:
-        raise BadRequest("empty pull: no block ids given")
+        raise InvalidPull("empty pull: no block ids given")
     _check_ids("remote_block_ids", src, remote_num_blocks)
     _check_ids("local_block_ids", dst, local_num_blocks)
     if len(set(dst)) != len(dst):
         seen: set[int] = set()
         for i, b in enumerate(dst):
             if b in seen:
-                raise BadRequest(f"local_block_ids[{i}] = {b} appears twice; one destination, two sources")
+                raise InvalidPull(f"local_block_ids[{i}] = {b} appears twice; one destination, two sources")
             seen.add(b)
 
 
@@ -347,9 +347,9 @@ def _check_ids(label: str, ids: Sequence[int], num_blocks: int) -> None:
         return
     for i, b in enumerate(ids):
         if not _is_int(b):
-            raise BadRequest(f"{label}[{i}] = {b!r} is not an int")
+            raise InvalidPull(f"{label}[{i}] = {b!r} is not an int")
         if not 0 <= b < num_blocks:
-            raise BadRequest(f"{label}[{i}] = {b} is out of range [0, {num_blocks})")
+            raise InvalidPull(f"{label}[{i}] = {b} is out of range [0, {num_blocks})")
 
 
 def check_layouts_match(local: Sequence[KVRegion], remote: Sequence[KVRegion]) -> None:
@@ -359,10 +359,10 @@ def check_layouts_match(local: Sequence[KVRegion], remote: Sequence[KVRegion]) -
     here with a message instead of copying the wrong bytes.
     """
     if len(local) != len(remote):
-        raise BadRequest(f"peer registered {len(remote)} regions, we registered {len(local)}")
+        raise InvalidPull(f"peer registered {len(remote)} regions, we registered {len(local)}")
     for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
         if lr.name != rr.name or lr.block_len != rr.block_len:
-            raise BadRequest(
+            raise InvalidPull(
                 f"region {i} differs: local {lr.name!r}/{lr.block_len} B, remote {rr.name!r}/{rr.block_len} B"
             )
 
@@ -389,7 +389,7 @@ def coalesce(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]:
     block ids and only uses the run count for logging.
     """
     if len(src_ids) != len(dst_ids):
-        raise BadRequest(f"coalesce: {len(src_ids)} source ids vs {len(dst_ids)} destination ids")
+        raise InvalidPull(f"coalesce: {len(src_ids)} source ids vs {len(dst_ids)} destination ids")
     runs: list[BlockRun] = []
     if not src_ids:
         return runs
@@ -411,7 +411,7 @@ def byte_ranges(runs: Sequence[BlockRun], src: KVRegion, dst: KVRegion) -> list[
     blocks of a run are not contiguous in memory and each becomes its own range.
     """
     if src.block_len != dst.block_len:
-        raise BadRequest(f"block_len differs: remote {src.block_len} B, local {dst.block_len} B")
+        raise InvalidPull(f"block_len differs: remote {src.block_len} B, local {dst.block_len} B")
     out: list[ByteRange] = []
     bl = src.block_len
     if src.is_dense and dst.is_dense:
@@ -475,4 +475,4 @@ class Transport(abc.ABC):
     def _check_kind(peer: RemotePeer, kind: str) -> None:
         got = peer.get("kind")
         if got != kind:
-            raise BadRequest(f"peer address is of kind {got!r}, this transport is {kind!r}")
+            raise InvalidPull(f"peer address is of kind {got!r}, this transport is {kind!r}")

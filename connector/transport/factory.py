@@ -94,7 +94,7 @@ def llmdatadist_device(
 
     env = os.environ if env is None else env
     if cfg.rank_table:
-        from pdgate.connector.ranktable import Role, assign_ranks, find_placement
+        from pdgate.connector.ranktable import GroupRole, assign_ranks, find_placement
         from pdgate.connector.ranktable_parse import load_rank_table
 
         if not cfg.server_id:
@@ -102,9 +102,11 @@ def llmdatadist_device(
                 "kv_connector_extra_config.rank_table needs server_id too (this host's server_id in the table)"
             )
         table = load_rank_table(cfg.rank_table)
-        role = Role(cfg.role)
+        role = GroupRole(cfg.role)
         tps = (
-            {"prefill_tp": tp_size, "decode_tp": 1} if role is Role.PREFILL else {"prefill_tp": 1, "decode_tp": tp_size}
+            {"prefill_tp": tp_size, "decode_tp": 1}
+            if role is GroupRole.PREFILL
+            else {"prefill_tp": 1, "decode_tp": tp_size}
         )
         place = find_placement(assign_ranks(table, **tps), role, cfg.server_id, dp_rank, tp_rank)
         return from_placement(place, visible_device_id=device_index, env=env)

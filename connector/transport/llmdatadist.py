@@ -58,8 +58,8 @@ from typing import Any
 
 from pdgate.connector.transport.base import (
     UINT64_MAX,
-    BadRequest,
     EngineError,
+    InvalidPull,
     KVRegion,
     LinkError,
     PeerUnreachable,
@@ -107,8 +107,8 @@ _STATUS_ERRORS: dict[str, type[TransportError]] = {
     "LLM_WAIT_PROCESS_TIMEOUT": PullTimeout,
     "LLM_TIMEOUT": PullTimeout,
     "LLM_KV_CACHE_NOT_EXIST": RemoteKVMissing,
-    "LLM_PARAM_INVALID": BadRequest,
-    "LLM_CLUSTER_NUM_EXCEED_LIMIT": BadRequest,
+    "LLM_PARAM_INVALID": InvalidPull,
+    "LLM_CLUSTER_NUM_EXCEED_LIMIT": InvalidPull,
     "LLM_NOT_YET_LINK": LinkError,
     "LLM_LINK_FAILED": LinkError,
     "LLM_UNLINK_FAILED": LinkError,
@@ -145,7 +145,7 @@ def _ipv4(value: object, what: str) -> str:
     try:
         return str(ipaddress.IPv4Address(value))
     except ValueError:
-        raise BadRequest(f"{what} must be an IPv4 address, got {value!r}") from None
+        raise InvalidPull(f"{what} must be an IPv4 address, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -296,12 +296,12 @@ class LLMDataDistTransport(Transport):
     def start_pull(self, req: PullRequest) -> None:
         self._ensure_open()
         if not self._caches:
-            raise BadRequest("start_pull() before register()")
+            raise InvalidPull("start_pull() before register()")
         remote = self._parse_remote(req.remote)
         check_pull_against(req, self._regions, remote.regions)
         with self._pending_lock:
             if req.transfer_id in self._pending:
-                raise BadRequest(f"transfer {req.transfer_id!r} is already in flight")
+                raise InvalidPull(f"transfer {req.transfer_id!r} is already in flight")
             self._pending.add(req.transfer_id)
         submitted = self._clock()
         future = self._worker.submit(self._run_pull, req, remote, submitted)
@@ -456,10 +456,10 @@ class LLMDataDistTransport(Transport):
         cluster_id = peer.get("cluster_id")
         port = peer.get("listen_port")
         if not isinstance(cluster_id, int) or isinstance(cluster_id, bool) or not 0 <= cluster_id <= UINT64_MAX:
-            raise BadRequest(f"peer cluster_id must be a uint64 int, got {cluster_id!r}")
+            raise InvalidPull(f"peer cluster_id must be a uint64 int, got {cluster_id!r}")
         if cluster_id == self.cluster_id:
-            raise BadRequest(f"peer cluster_id {cluster_id} is our own")
+            raise InvalidPull(f"peer cluster_id {cluster_id} is our own")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise BadRequest(f"peer cluster {cluster_id} does not listen (listen_port={port!r})")
+            raise InvalidPull(f"peer cluster {cluster_id} does not listen (listen_port={port!r})")
         ip = _ipv4(peer.get("device_ip"), f"device_ip of cluster {cluster_id}")
         return _Remote(cluster_id, ip, port, tuple(regions_from_address(peer)))

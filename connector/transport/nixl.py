@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 from pdgate.connector.transport.base import (
-    BadRequest,
     EngineError,
+    InvalidPull,
     KVRegion,
     LinkError,
     PeerUnreachable,
@@ -80,7 +80,7 @@ def _map_nixl_error(exc: BaseException, what: str) -> TransportError:
     if name in _PEER_GONE:
         return PeerUnreachable(f"{what}: {exc}", engine_code=name)
     if name in _BAD_INPUT:
-        return BadRequest(f"{what}: {exc}", engine_code=name)
+        return InvalidPull(f"{what}: {exc}", engine_code=name)
     if name == "nixlCancelledError":
         return LinkError(f"{what}: {exc}", engine_code=name)
     return EngineError(f"{what}: {exc!r}", engine_code=name)
@@ -119,7 +119,7 @@ def _indices(offsets: np.ndarray, block_ids: Sequence[int]) -> np.ndarray:
     ids = np.asarray(block_ids, dtype=np.int64)
     idx = (offsets[:, None] + ids[None, :]).reshape(-1)
     if idx.size and idx.max() > np.iinfo(np.int32).max:
-        raise BadRequest("descriptor index exceeds int32; too many blocks registered")
+        raise InvalidPull("descriptor index exceeds int32; too many blocks registered")
     return idx.astype(np.int32)
 
 
@@ -244,16 +244,16 @@ class NixlTransport(Transport):
     def start_pull(self, req: PullRequest) -> None:
         self._ensure_open()
         if not self._regions:
-            raise BadRequest("start_pull() before register()")
+            raise InvalidPull("start_pull() before register()")
         if req.transfer_id in self._inflight:
-            raise BadRequest(f"transfer {req.transfer_id!r} is already in flight")
+            raise InvalidPull(f"transfer {req.transfer_id!r} is already in flight")
         self._check_kind(req.remote, self.kind)
         remote_regions = regions_from_address(req.remote)
         check_pull_against(req, self._regions, remote_regions)
         now = self._clock()
         try:
             peer = self._peer_for(req.remote, remote_regions)
-        except BadRequest:
+        except InvalidPull:
             raise  # a malformed address never becomes valid: tell the caller now
         except TransportError as peer_err:
             self._ready.append(PullResult.failure(req.transfer_id, peer_err))
@@ -349,7 +349,7 @@ class NixlTransport(Transport):
         name = remote.get("agent_name")
         md_b64 = remote.get("agent_metadata")
         if not isinstance(name, str) or not isinstance(md_b64, str):
-            raise BadRequest("nixl peer address needs 'agent_name' and 'agent_metadata' strings")
+            raise InvalidPull("nixl peer address needs 'agent_name' and 'agent_metadata' strings")
         digest = hashlib.sha256(md_b64.encode()).hexdigest()
         peer = self._peers.get(name)
         if peer is not None and peer.metadata_digest == digest:
@@ -360,7 +360,7 @@ class NixlTransport(Transport):
         try:
             metadata = base64.b64decode(md_b64, validate=True)
         except ValueError:
-            raise BadRequest(f"agent_metadata of {name} is not valid base64") from None
+            raise InvalidPull(f"agent_metadata of {name} is not valid base64") from None
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except Exception as exc:
@@ -368,11 +368,11 @@ class NixlTransport(Transport):
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded_name != name:
             self._remove_remote(loaded_name)
-            raise BadRequest(f"peer address says agent {name!r} but its metadata is for {loaded_name!r}")
+            raise InvalidPull(f"peer address says agent {name!r} but its metadata is for {loaded_name!r}")
         mem_type, device_id = remote.get("mem_type", "DRAM"), remote.get("device_id", 0)
         if mem_type not in ("DRAM", "VRAM") or not isinstance(device_id, int):
             self._remove_remote(name)
-            raise BadRequest(f"peer {name} has mem_type {mem_type!r} / device_id {device_id!r}")
+            raise InvalidPull(f"peer {name} has mem_type {mem_type!r} / device_id {device_id!r}")
         rows, offsets = _block_table(regions, device_id)
         try:
             dlist = self._agent.prep_xfer_dlist(name, rows, mem_type)
@@ -398,7 +398,7 @@ class NixlTransport(Transport):
     def _fail_peer(self, name: str, cause: TransportError) -> None:
         """Forget a peer after a wire failure so the next pull reloads it from scratch, and fail
         the other pulls still running against it (their link is the one that just broke)."""
-        if isinstance(cause, BadRequest):
+        if isinstance(cause, InvalidPull):
             return
         now = self._clock()
         for transfer_id, flight in list(self._inflight.items()):

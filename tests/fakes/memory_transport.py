@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pdgate.connector.transport.base import (
-    BadRequest,
+    InvalidPull,
     KVRegion,
     PeerUnreachable,
     PullRequest,
@@ -105,9 +105,9 @@ class MemoryTransport(Transport):
     def start_pull(self, req: PullRequest) -> None:
         self._ensure_open()
         if not self._regions:
-            raise BadRequest("start_pull() before register()")
+            raise InvalidPull("start_pull() before register()")
         if req.transfer_id in self._pending:
-            raise BadRequest(f"transfer {req.transfer_id!r} is already in flight")
+            raise InvalidPull(f"transfer {req.transfer_id!r} is already in flight")
         self._check_kind(req.remote, self.kind)
         remote_regions = regions_from_address(req.remote)
         check_pull_against(req, self._regions, remote_regions)

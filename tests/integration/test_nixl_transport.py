@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from pdgate.connector.transport.base import (
-    BadRequest,
+    InvalidPull,
     KVRegion,
     PeerUnreachable,
     PullRequest,
@@ -254,19 +254,19 @@ def test_stalled_peer_times_out_then_a_fresh_peer_works(start_peer, ucx_env, mon
 def test_bad_requests_are_rejected_synchronously(start_peer, decode) -> None:
     transport, _ = decode
     peer = start_peer(seed=16)
-    with pytest.raises(BadRequest, match="2 ids but local_block_ids has 1"):
+    with pytest.raises(InvalidPull, match="2 ids but local_block_ids has 1"):
         transport.start_pull(PullRequest("bad", 1, peer.address, [0, 1], [0]))
-    with pytest.raises(BadRequest, match="out of range"):
+    with pytest.raises(InvalidPull, match="out of range"):
         transport.start_pull(PullRequest("bad", 1, peer.address, [NUM_BLOCKS], [0]))
-    with pytest.raises(BadRequest, match="kind"):
+    with pytest.raises(InvalidPull, match="kind"):
         transport.start_pull(PullRequest("bad", 1, {**peer.address, "kind": "llmdatadist"}, [0], [0]))
     other = dict(peer.address)
     other["regions"] = [dict(r, block_len=BLOCK_LEN * 2, stride=BLOCK_LEN * 4) for r in peer.address["regions"]]
-    with pytest.raises(BadRequest, match="region 0 differs"):
+    with pytest.raises(InvalidPull, match="region 0 differs"):
         transport.start_pull(PullRequest("bad", 1, other, [0], [0]))
-    with pytest.raises(BadRequest, match="not valid base64"):
+    with pytest.raises(InvalidPull, match="not valid base64"):
         transport.start_pull(PullRequest("bad", 1, {**peer.address, "agent_metadata": "!!"}, [0], [0]))
-    with pytest.raises(BadRequest, match="metadata is for 'peer-16'"):
+    with pytest.raises(InvalidPull, match="metadata is for 'peer-16'"):
         transport.start_pull(PullRequest("bad", 1, {**peer.address, "agent_name": "someone-else"}, [0], [0]))
     assert transport.poll() == []
     transport.start_pull(PullRequest("good", 1, peer.address, [0], [0]))  # the peer is still usable

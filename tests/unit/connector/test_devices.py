@@ -15,7 +15,7 @@ from pdgate.connector.devices import (
     physical_device_id,
 )
 from pdgate.connector.errors import ConfigError, DeviceNotFound
-from pdgate.connector.ranktable import Role, assign_ranks
+from pdgate.connector.ranktable import GroupRole, assign_ranks
 from pdgate.connector.ranktable_cli import generate, parse_host_spec
 
 # As `hccn_tool -i N -ip -s address ... netmask ...` leaves it on an Atlas 800 (A2) host.
@@ -145,7 +145,7 @@ def test_no_source_says_what_was_tried_and_what_to_set() -> None:
 def test_a_rank_table_placement_is_checked_against_the_kv_cache_device() -> None:
     table = generate([parse_host_spec("10.1.0.1:2=192.168.1.3,3=192.168.1.4")], [parse_host_spec("10.1.0.2:1.1.1.1")])
     place = assign_ranks(table, prefill_tp=2, decode_tp=1)[1]
-    assert (place.role, place.tp_rank, place.device_id) == (Role.PREFILL, 1, 3)
+    assert (place.role, place.tp_rank, place.device_id) == (GroupRole.PREFILL, 1, 3)
 
     ident = from_placement(place, visible_device_id=1, env={"ASCEND_RT_VISIBLE_DEVICES": "2,3"})
     assert (ident.visible_device_id, ident.device_id, ident.device_ip) == (1, 3, "192.168.1.4")

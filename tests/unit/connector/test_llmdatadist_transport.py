@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from pdgate.connector.ranktable import Role, assign_ranks, find_placement
+from pdgate.connector.ranktable import GroupRole, assign_ranks, find_placement
 from pdgate.connector.ranktable_cli import generate, parse_host_spec
 from pdgate.connector.transport.base import (
-    BadRequest,
     EngineError,
+    InvalidPull,
     KVRegion,
     LinkError,
     PeerUnreachable,
@@ -225,8 +225,8 @@ def test_dead_prefill_gives_link_error(make_rank) -> None:
         ("LLM_WAIT_PROCESS_TIMEOUT", PullTimeout),
         ("LLM_TIMEOUT", PullTimeout),
         ("LLM_KV_CACHE_NOT_EXIST", RemoteKVMissing),
-        ("LLM_PARAM_INVALID", BadRequest),
-        ("LLM_CLUSTER_NUM_EXCEED_LIMIT", BadRequest),
+        ("LLM_PARAM_INVALID", InvalidPull),
+        ("LLM_CLUSTER_NUM_EXCEED_LIMIT", InvalidPull),
         ("LLM_NOT_YET_LINK", LinkError),
         ("LLM_LINK_FAILED", LinkError),
         ("LLM_LINK_BUSY", LinkError),
@@ -327,7 +327,7 @@ def test_bad_requests_fail_synchronously(make_rank) -> None:
         (PullRequest("a", 1, {**addr, "regions": addr["regions"][:2]}, [0], [0]), "2 regions"),
     ]
     for req, match in cases:
-        with pytest.raises(BadRequest, match=match):
+        with pytest.raises(InvalidPull, match=match):
             d.t.start_pull(req)
     assert d.t.poll() == []
     assert calls("link_clusters") == []
@@ -362,7 +362,7 @@ def test_duplicate_transfer_id_while_in_flight(make_rank) -> None:
     gate = threading.Event()
     fake.WORLD.faults.gate = gate
     d.t.start_pull(PullRequest("same", 1, p.t.local_address(), [0], [0]))
-    with pytest.raises(BadRequest, match="already in flight"):
+    with pytest.raises(InvalidPull, match="already in flight"):
         d.t.start_pull(PullRequest("same", 1, p.t.local_address(), [1], [1]))
     gate.set()
     assert wait_result(d).ok
@@ -424,14 +424,14 @@ def test_rank_table_placements_build_linked_transports() -> None:
         ranks[(p.role, p.tp_rank)] = t
     try:
         for tp in (0, 1):  # D rank tp pulls from the P rank with the same tp_rank
-            d, p_addr = ranks[(Role.DECODE, tp)], ranks[(Role.PREFILL, tp)].local_address()
+            d, p_addr = ranks[(GroupRole.DECODE, tp)], ranks[(GroupRole.PREFILL, tp)].local_address()
             assert p_addr["server_id"] == "10.1.0.1" and p_addr["listen_port"] == 26000
             d.start_pull(PullRequest(f"tp{tp}", tp, p_addr, [0], [1]))
             deadline = time.monotonic() + 5
             while not (results := d.poll()) and time.monotonic() < deadline:
                 time.sleep(0.001)
             assert results and results[0].ok, results
-            dest = bufs[find_placement(placements, Role.DECODE, "10.1.0.2", 0, tp).cluster_id]
+            dest = bufs[find_placement(placements, GroupRole.DECODE, "10.1.0.2", 0, tp).cluster_id]
             assert (dest.reshape(NUM_BLOCKS, BLOCK_LEN)[1] == p_addr["cluster_id"] + 1).all()
     finally:
         for t in ranks.values():

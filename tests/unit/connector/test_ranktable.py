@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from pdgate.connector.errors import RankTableError
-from pdgate.connector.ranktable import Role, assign_ranks, dump_rank_table, find_placement
+from pdgate.connector.ranktable import GroupRole, assign_ranks, dump_rank_table, find_placement
 from pdgate.connector.ranktable_parse import parse_rank_table
 
 
@@ -79,7 +79,7 @@ def test_parses_a2_table() -> None:
     table = parse_rank_table(a2_table())
     assert not table.is_a3
     assert table.router is not None and table.router.server_ip == "10.0.0.9"
-    prefill = table.group(Role.PREFILL)
+    prefill = table.group(GroupRole.PREFILL)
     assert prefill is not None and [s.server_id for s in prefill.servers] == ["10.0.0.1", "10.0.0.2"]
     assert prefill.servers[0].devices[0].device_id == 1  # file order is kept; sorting is for ranks
 
@@ -89,17 +89,17 @@ def test_assign_ranks_sorts_by_device_id_and_numbers_clusters_prefill_first() ->
     placements = assign_ranks(table, prefill_tp=2, decode_tp=1)
     got = [(p.role, p.server_id, p.device_id, p.dp_rank, p.tp_rank, p.cluster_id) for p in placements]
     assert got == [
-        (Role.PREFILL, "10.0.0.1", 0, 0, 0, 0),
-        (Role.PREFILL, "10.0.0.1", 1, 0, 1, 1),
-        (Role.PREFILL, "10.0.0.2", 0, 0, 0, 2),
-        (Role.PREFILL, "10.0.0.2", 1, 0, 1, 3),
-        (Role.DECODE, "10.0.0.3", 0, 0, 0, 4),
-        (Role.DECODE, "10.0.0.3", 1, 1, 0, 5),
+        (GroupRole.PREFILL, "10.0.0.1", 0, 0, 0, 0),
+        (GroupRole.PREFILL, "10.0.0.1", 1, 0, 1, 1),
+        (GroupRole.PREFILL, "10.0.0.2", 0, 0, 0, 2),
+        (GroupRole.PREFILL, "10.0.0.2", 1, 0, 1, 3),
+        (GroupRole.DECODE, "10.0.0.3", 0, 0, 0, 4),
+        (GroupRole.DECODE, "10.0.0.3", 1, 1, 0, 5),
     ]
-    p = find_placement(placements, Role.DECODE, "10.0.0.3", 1, 0)
+    p = find_placement(placements, GroupRole.DECODE, "10.0.0.3", 1, 0)
     assert (p.device_ip, p.cluster_id) == ("192.168.3.2", 5)
     with pytest.raises(RankTableError, match=r"no prefill device on server '10\.0\.0\.3'"):
-        find_placement(placements, Role.PREFILL, "10.0.0.3", 0, 0)
+        find_placement(placements, GroupRole.PREFILL, "10.0.0.3", 0, 0)
 
 
 def test_group_order_in_file_does_not_change_cluster_ids() -> None:
@@ -109,8 +109,8 @@ def test_group_order_in_file_does_not_change_cluster_ids() -> None:
         (p.role, p.server_id, p.device_id): p.cluster_id
         for p in assign_ranks(parse_rank_table(t), prefill_tp=1, decode_tp=1)
     }
-    assert ids[(Role.PREFILL, "10.0.0.1", 0)] == 0
-    assert ids[(Role.DECODE, "10.0.0.3", 1)] == 5
+    assert ids[(GroupRole.PREFILL, "10.0.0.1", 0)] == 0
+    assert ids[(GroupRole.DECODE, "10.0.0.3", 1)] == 5
 
 
 def test_tp_must_divide_each_server() -> None:
@@ -132,7 +132,7 @@ def test_numbers_may_be_ints_on_input() -> None:
     t = a2_table()
     t["server_group_list"][2]["server_list"][0]["device"][0]["device_id"] = 0
     t["server_group_list"][2]["server_list"][0]["device"][0]["rank_id"] = 0
-    assert parse_rank_table(t).group(Role.DECODE).servers[0].devices[0].device_id == 0  # type: ignore[union-attr]
+    assert parse_rank_table(t).group(GroupRole.DECODE).servers[0].devices[0].device_id == 0  # type: ignore[union-attr]
 
 
 def test_rank_ids_may_restart_in_each_server() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from pdgate.connector.errors import RankTableError
-from pdgate.connector.ranktable import Role, assign_ranks, dump_rank_table
+from pdgate.connector.ranktable import GroupRole, assign_ranks, dump_rank_table
 from pdgate.connector.ranktable_cli import HostSpec, generate, main, parse_host_spec
 from pdgate.connector.ranktable_parse import load_rank_table, parse_rank_table
 
@@ -43,7 +43,7 @@ def test_generate_a3_with_super_pods() -> None:
         super_pods={"7": ["10.0.0.1", "10.0.0.3"], "8": ["10.0.0.2"]},
     )
     assert table.is_a3 and table.router is None
-    pods = {p.super_pod_id: p.server_ids for p in table.group(Role.PREFILL).super_pods}  # type: ignore[union-attr]
+    pods = {p.super_pod_id: p.server_ids for p in table.group(GroupRole.PREFILL).super_pods}  # type: ignore[union-attr]
     assert pods == {"7": ("10.0.0.1",), "8": ("10.0.0.2",)}
     assert parse_rank_table(dump_rank_table(table)) == table
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from pdgate.connector.errors import RankTableError
-from pdgate.connector.ranktable import FORM_DEVICE_LISTS, FORM_GROUPS, Role, assign_ranks, dump_rank_table
+from pdgate.connector.ranktable import FORM_DEVICE_LISTS, FORM_GROUPS, GroupRole, assign_ranks, dump_rank_table
 from pdgate.connector.ranktable_cli import main
 from pdgate.connector.ranktable_parse import load_rank_table, parse_rank_table
 
@@ -51,9 +51,9 @@ def test_the_proxy_host_needs_only_its_address() -> None:
         (),
     )
     placements = assign_ranks(table, prefill_tp=4, decode_tp=4)
-    prefill = [(p.server_id, p.dp_rank, p.tp_rank, p.cluster_id) for p in placements if p.role is Role.PREFILL]
+    prefill = [(p.server_id, p.dp_rank, p.tp_rank, p.cluster_id) for p in placements if p.role is GroupRole.PREFILL]
     assert prefill[4] == ("server-1", 0, 0, 4)  # server-1's rank ids restart at 0; its devices follow server-0's
-    decode = [p for p in placements if p.role is Role.DECODE]
+    decode = [p for p in placements if p.role is GroupRole.DECODE]
     assert [p.cluster_id for p in decode] == [8, 9, 10, 11]
 
 
@@ -71,10 +71,10 @@ def test_gen_ranktable_a2_splits_one_host_and_keeps_its_cluster_ids() -> None:
     placements = assign_ranks(table, prefill_tp=2, decode_tp=1)
     got = [(p.role, p.server_id, p.device_id, p.dp_rank, p.tp_rank, p.cluster_id) for p in placements]
     assert got == [
-        (Role.PREFILL, "192.0.2.21", 0, 0, 0, 1),
-        (Role.PREFILL, "192.0.2.21", 1, 0, 1, 2),
-        (Role.DECODE, "192.0.2.21", 2, 0, 0, 3),
-        (Role.DECODE, "192.0.2.21", 3, 1, 0, 4),
+        (GroupRole.PREFILL, "192.0.2.21", 0, 0, 0, 1),
+        (GroupRole.PREFILL, "192.0.2.21", 1, 0, 1, 2),
+        (GroupRole.DECODE, "192.0.2.21", 2, 0, 0, 3),
+        (GroupRole.DECODE, "192.0.2.21", 3, 1, 0, 4),
     ]
     assert placements[0].server_ip == "192.0.2.21" and placements[0].rank_id is None
 
@@ -83,7 +83,10 @@ def test_gen_ranktable_a3_builds_the_super_pods() -> None:
     table = load_rank_table(GEN_A3)
     assert table.is_a3
     placements = assign_ranks(table, prefill_tp=1, decode_tp=2)
-    assert {(p.super_pod_id, p.super_device_id) for p in placements if p.role is Role.DECODE} == {("0", 16), ("0", 17)}
+    assert {(p.super_pod_id, p.super_device_id) for p in placements if p.role is GroupRole.DECODE} == {
+        ("0", 16),
+        ("0", 17),
+    }
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,10 @@ import pytest
 from pdgate.connector.transport import transport_class
 from pdgate.connector.transport.base import (
     UINT64_MAX,
-    BadRequest,
     BlockRun,
     ByteRange,
     EngineError,
+    InvalidPull,
     KVRegion,
     LinkError,
     PeerUnreachable,
@@ -55,7 +55,7 @@ def test_coalesce_edge_cases() -> None:
     assert coalesce([], []) == []
     assert coalesce([5], [0]) == [BlockRun(5, 0, 1)]
     assert coalesce(range(100), range(50, 150)) == [BlockRun(0, 50, 100)]
-    with pytest.raises(BadRequest, match="2 source ids vs 1"):
+    with pytest.raises(InvalidPull, match="2 source ids vs 1"):
         coalesce([1, 2], [3])
 
 
@@ -101,7 +101,7 @@ def test_byte_ranges_strided_region_splits_runs_into_blocks() -> None:
 
 
 def test_byte_ranges_need_equal_block_len() -> None:
-    with pytest.raises(BadRequest, match="block_len differs"):
+    with pytest.raises(InvalidPull, match="block_len differs"):
         byte_ranges([], KVRegion.dense("k", 1, 256, 4), KVRegion.dense("k", 1, 128, 4))
 
 
@@ -137,22 +137,22 @@ def test_region_validation(kwargs: dict[str, object], match: str) -> None:
 def test_regions_from_address() -> None:
     regions = [KVRegion.dense("k", 4096, 64, 8), KVRegion.dense("v", 8192, 64, 8)]
     assert regions_from_address({"regions": [r.to_dict() for r in regions]}) == regions
-    with pytest.raises(BadRequest, match="no 'regions'"):
+    with pytest.raises(InvalidPull, match="no 'regions'"):
         regions_from_address({"kind": "nixl"})
-    with pytest.raises(BadRequest, match="lacks 'stride'"):
+    with pytest.raises(InvalidPull, match="lacks 'stride'"):
         regions_from_address({"regions": [{"name": "k", "base_ptr": 1, "block_len": 1, "num_blocks": 1}]})
-    with pytest.raises(BadRequest, match="invalid"):
+    with pytest.raises(InvalidPull, match="invalid"):
         regions_from_address({"regions": [dict(regions[0].to_dict(), block_len=0)]})
 
 
 def test_layouts_must_match_in_count_names_and_block_len() -> None:
     local = [KVRegion.dense("k", 4096, 64, 8), KVRegion.dense("v", 8192, 64, 8)]
     check_layouts_match(local, [KVRegion("k", 1, 64, 100, 128), KVRegion("v", 2, 64, 100, 64)])
-    with pytest.raises(BadRequest, match="1 regions, we registered 2"):
+    with pytest.raises(InvalidPull, match="1 regions, we registered 2"):
         check_layouts_match(local, local[:1])
-    with pytest.raises(BadRequest, match="region 1 differs"):
+    with pytest.raises(InvalidPull, match="region 1 differs"):
         check_layouts_match(local, [local[0], KVRegion.dense("w", 8192, 64, 8)])
-    with pytest.raises(BadRequest, match="region 0 differs"):
+    with pytest.raises(InvalidPull, match="region 0 differs"):
         check_layouts_match(local, [KVRegion.dense("k", 4096, 32, 8), local[1]])
 
 
@@ -191,7 +191,7 @@ def test_valid_pull_passes_and_repeated_sources_are_allowed() -> None:
     ],
 )
 def test_invalid_pulls_are_bad_requests(request_: PullRequest, match: str) -> None:
-    with pytest.raises(BadRequest, match=match):
+    with pytest.raises(InvalidPull, match=match):
         check_pull(request_, local_num_blocks=4, remote_num_blocks=8)
 
 
@@ -206,7 +206,7 @@ def test_pull_request_freezes_its_id_lists() -> None:
 
 
 ERRORS = [
-    (BadRequest, "transport_bad_request", False),
+    (InvalidPull, "transport_bad_request", False),
     (RegistrationError, "transport_registration_failed", False),
     (TransportClosed, "transport_closed", False),
     (RemoteKVMissing, "transport_remote_kv_missing", False),
