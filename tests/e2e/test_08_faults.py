@@ -66,7 +66,7 @@ def _idle(counters: dict[str, float]) -> bool:
 
 def _stream(client: openai.OpenAI, seed: int, max_tokens: int) -> dict[str, Any]:
     """One streaming request, classified: ok (all tokens, a finish_reason), typed, or untyped."""
-    n, finish = 0, None
+    n, finish, usage = 0, None, None
     try:
         resp = client.completions.create(
             model=MODEL_NAME,
@@ -74,12 +74,14 @@ def _stream(client: openai.OpenAI, seed: int, max_tokens: int) -> dict[str, Any]
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
         for chunk in resp:
             for c in chunk.choices:
                 n += 1 if c.text else 0
                 finish = c.finish_reason or finish
+            usage = chunk.usage or usage
     except openai.APIStatusError as exc:
         code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
         return {"kind": "typed" if code in CODES else "untyped", "code": code, "detail": str(exc)[:200]}
@@ -88,8 +90,10 @@ def _stream(client: openai.OpenAI, seed: int, max_tokens: int) -> dict[str, Any]
     except openai.APIError as exc:  # an SSE error event
         code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
         return {"kind": "typed" if code in CODES else "untyped", "code": code, "detail": str(exc)[:200]}
-    if finish is None or n < max_tokens * 0.9:  # detokenised chunks may merge a few tokens
-        return {"kind": "untyped", "code": None, "detail": f"truncated: {n} chunks, finish_reason {finish}"}
+    tokens = usage.completion_tokens if usage is not None else 0
+    if finish is None or tokens != max_tokens:
+        detail = f"truncated: {tokens} tokens in {n} chunks, finish_reason {finish}"
+        return {"kind": "untyped", "code": None, "detail": detail}
     return {"kind": "ok", "code": None, "detail": ""}
 
 
@@ -99,6 +103,13 @@ def test_sigkill_decode_under_load(stack_1p2d: LocalStack) -> None:
     decodes = stack.by_role("decode")
     wait_for(lambda: all(_idle(observe(e)) for e in [prefill, *decodes]), timeout=60, what="an idle stack")
     client = openai_client(stack.openai_base_url, timeout=240)
+
+    # Without a fault first: 8 concurrent requests over both decodes. A failure here is the data path of
+    # 1P2D itself, not the fault below.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        warm = list(pool.map(lambda i: _stream(client, 700 + i, 16), range(8)))
+    assert [r["kind"] for r in warm] == ["ok"] * 8, f"1P2D without any fault: {warm}"
+    wait_for(lambda: all(_idle(observe(e)) for e in [prefill, *decodes]), timeout=60, what="idle after warm-up")
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(_stream, client, 800 + i, LONG) for i in range(8)]
