@@ -11,7 +11,7 @@ Processes (all real, over loopback): a metaserver (`python -m pdgate.metaserver`
 and `direct`: no proxy, the client itself creates the handoff, calls P, then D (same engine work).
 With `--pin`, proxies are pinned to CPU 0 with taskset and everything else to the other CPUs (off by
 default: on a shared 2-vCPU VM that added milliseconds of latency at concurrency 1).
-The load generator is a keep-alive HTTP/1.1 client on uvloop (router.upstream.HttpPool).
+The load generator is a keep-alive HTTP/1.1 client on uvloop (pdgate.router.http_pool.HttpPool).
 
 Router CPU per request = (utime + stime of the proxy process, from /proc/<pid>/stat, after - before) /
 requests. Scenarios: non-streaming (16 tokens) at concurrency 1, 32, 256, 1024 and streaming (32 tokens)
@@ -183,7 +183,7 @@ async def run_load(
 ) -> dict[str, Any]:
     from pdgate.metaserver.models import HandoffCreate
     from pdgate.router.meta import PooledMetaClient
-    from pdgate.router.upstream import HttpPool
+    from pdgate.router.http_pool import HttpPool
 
     pool = HttpPool(connect_timeout=10)
     meta = PooledMetaClient(direct["metaserver"], pool=pool, timeout=60) if direct else None
@@ -268,7 +268,7 @@ def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
     sims: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role in ("prefill", "prefill", "decode", "decode"):
         port = free_port()
-        cmd = [PY, "-m", "pdgate.router.sim", "--role", role, "--port", str(port), "--metaserver", meta_url]
+        cmd = [PY, "-m", "pdgate.sim", "--role", role, "--port", str(port), "--metaserver", meta_url]
         # An overloaded box shows as latency, not as errors or lapsed registrations.
         cmd += ["--metaserver-timeout-s", "60", "--lease-s", "60"]
         procs.start(f"sim-{role}-{port}", cmd, other)
@@ -486,7 +486,7 @@ async def client_cpu(kind: str, url: str, n: int, conc: int) -> float:
 
         close = s.close
     else:
-        from pdgate.router.upstream import HttpPool
+        from pdgate.router.http_pool import HttpPool
 
         pool = HttpPool()
         h = [(b"content-type", b"application/json")]

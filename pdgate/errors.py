@@ -33,6 +33,7 @@ class Code(str, Enum):
     INVALID_REQUEST = "invalid_request"
     VALIDATION_ERROR = "validation_error"
     MALFORMED_JSON = "malformed_json"
+    MULTIPLE_PROMPTS = "multiple_prompts_unsupported"
     BODY_TOO_LARGE = "body_too_large"
     REQUEST_TOO_LARGE = "request_too_large"
     INVALID_API_KEY = "invalid_api_key"
@@ -101,6 +102,7 @@ CODES: dict[Code, CodeInfo] = {
     Code.INVALID_REQUEST: CodeInfo(400, openai_type=_BAD),
     Code.VALIDATION_ERROR: CodeInfo(422, openai_type=_BAD),
     Code.MALFORMED_JSON: CodeInfo(400, openai_type=_BAD),
+    Code.MULTIPLE_PROMPTS: CodeInfo(400, openai_type=_BAD),
     Code.BODY_TOO_LARGE: CodeInfo(413, openai_type=_BAD),
     Code.REQUEST_TOO_LARGE: CodeInfo(413, openai_type=_BAD),
     Code.INVALID_API_KEY: CodeInfo(401, openai_type=_BAD),

@@ -1,265 +1,357 @@
-"""The prefill and decode attempts of one proxied request, each retried on another instance.
+"""The prefill and decode of one proxied request, each tried on instance after instance (`Dispatcher`).
 
-A prefill attempt owns a fresh handoff (created here, aborted on failure); decode attempts reuse the
-prefill's handoff. Only failures before the decode's first body byte are retried (see `pdgate.router.proxy`).
+A prefill attempt owns a fresh handoff (created when its instance is picked, aborted when the attempt
+fails); decode attempts reuse the prefill's handoff. Both sides run through `retry.retry_elsewhere`,
+so what is retried is decided in one place, by the error's `retryable`.
+
+A decode attempt ends only once its answer has been judged, so that a bad answer is still retried on
+another decode while nothing has been sent to the client:
+- a JSON answer is read whole and must be a JSON object before the status line goes out: an empty
+  body, a connection that closes early or a body that does not parse is `pd_decode_failed`;
+- a stream must be `text/event-stream`; it is relayed from its first bytes on, after which a failure
+  is reported in the stream (`streaming.relay_stream`) and never retried.
+Any exception while connecting to, writing to or reading from an instance is that instance's failure
+(`errors.UPSTREAM_FAILURES`): it counts against its breaker and the next instance is tried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from random import Random
 from time import perf_counter
-from typing import Any
 
-from pdgate.metaserver.client import MetaAPI, MetaConflict, MetaError
+import orjson
+from pdgate.metaserver.client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
 from pdgate.metaserver.models import HandoffCreate
-from pdgate.router.bodies import kv_params_from_prefill, prefill_body, prefill_params
+from pdgate.router.asgi import Send
+from pdgate.router.bodies import decode_body, decode_params, kv_params_from_prefill, prefill_body, prefill_params
 from pdgate.router.errors import (
+    META_FAILURES,
+    UPSTREAM_FAILURES,
     DecodeFailed,
     KVExpired,
-    MetaserverUnavailable,
     NoCompatiblePair,
     PrefillFailed,
-    RouterError,
     UpstreamRejected,
-    UpstreamTimeout,
+    translate,
 )
 from pdgate.router.logs import transfer_id as log_transfer_id
 from pdgate.router.loops import HOP_HEADER, HOP_VALUE
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import Policy
-from pdgate.router.pool import Pool, Tracker
-from pdgate.router.request_flow import _MAX_ANSWER, _Flow, _Retry, _snippet, mint_transfer_id
-from pdgate.router.retry import Verdict, backoff, verdict
-from pdgate.router.upstream import ReadTimeout, Upstream, UpstreamError, UpstreamResponse
+from pdgate.router.pool import LiveInstance, Pool
+from pdgate.router.request_flow import MAX_ANSWER, ProxiedRequest, mint_transfer_id, snippet
+from pdgate.router.retry import Verdict, backoff, retry_elsewhere, verdict
+from pdgate.router.settings import RouterSettings
+from pdgate.router.streaming import is_sse, relay_stream, send_body
+from pdgate.router.upstream import Upstream, UpstreamResponse
 
-from pdgate.errors import Code
+from pdgate.errors import Code, PDGateError
+
+__all__ = ["Dispatcher"]
 
 log = logging.getLogger("pdgate.router.proxy")
 
 _CREATE_TRIES = 3  # creates of one handoff before a taken transfer id is reported as a failure
+_JSON = b"application/json"
 
 
-class Attempts:
-    """Prefill and decode attempts of `Proxy` (a mixin: the state lives on the proxy)."""
+class Dispatcher:
+    """Sends a request's prefill and decode copies to engines; one per router, state per request in
+    the `ProxiedRequest` it is handed."""
 
-    _pool: Pool
-    _meta: Callable[[], MetaAPI]
-    _upstream: Callable[[], Upstream]
-    _m: RouterMetrics
-    _p_policy: Policy
-    _d_policy: Policy
-    _engine_meta: str | None
-    _rng: Random
-    _clock: Callable[[], float]
-    _keys: list[bytes]
-    _upstream_auth: bytes | None
-    _p_attempts: int
-    _d_attempts: int
-    _backoff: tuple[float, float]
-    _p_timeout: float
-    _d_timeout: float
-    _lease: float
-    _retry_children: dict[str, Any]
-    _abort: Callable[[_Flow, str], None]
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        pool: Pool,
+        meta: Callable[[], MetaAPI],
+        upstream: Callable[[], Upstream],
+        metrics: RouterMetrics,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        engine_metaserver: str | None,
+        rng: Random,
+        clock: Callable[[], float],
+    ) -> None:
+        s = settings
+        self._pool = pool
+        self._meta = meta
+        self._upstream = upstream
+        self._m = metrics
+        self._p_policy = prefill_policy
+        self._d_policy = decode_policy
+        self._engine_meta = engine_metaserver
+        self._rng = rng
+        self._clock = clock
+        self._upstream_auth = f"Bearer {s.upstream_api_key}".encode() if s.upstream_api_key else None
+        self._p_tries = 1 + s.prefill_retries
+        self._d_tries = 1 + s.decode_retries
+        self._backoff = (s.retry_backoff_s, s.retry_backoff_max_s)
+        self._p_timeout = s.prefill_timeout_s
+        self._d_timeout = s.decode_timeout_s
+        self._idle_timeout = s.stream_idle_timeout_s
+        self._lease_s = s.handoff_lease_s
+        self._bg: set[asyncio.Task[None]] = set()
+        self._p_retries = metrics.retries.labels("prefill")
+        self._d_retries = metrics.retries.labels("decode")
 
-    def _headers(self, flow: _Flow, tr: Tracker) -> list[tuple[bytes, bytes]]:
-        h = [(b"content-type", b"application/json"), (b"x-request-id", flow.rid)]
-        v = tr.view
+    def _headers(self, req: ProxiedRequest, inst: LiveInstance) -> list[tuple[bytes, bytes]]:
+        h = [(b"content-type", _JSON), (b"x-request-id", req.rid)]
+        v = inst.view
         if v.dp_size > 1:
             h.append((b"x-data-parallel-rank", str(v.dp_rank).encode()))
         if self._upstream_auth is not None:
             h.append((b"authorization", self._upstream_auth))
-        elif flow.client_auth is not None:  # set only with --forward-client-auth
-            h.append((b"authorization", flow.client_auth))
+        elif req.client_auth is not None:  # set only with --forward-client-auth
+            h.append((b"authorization", req.client_auth))
         h.append((HOP_HEADER, HOP_VALUE))
-        if flow.extra:
-            h.extend(flow.extra)
+        if req.extra:
+            h.extend(req.extra)
         return h
 
-    async def _sleep_before_retry(self, attempt: int) -> None:
+    async def _pause(self, attempt: int) -> None:
         base, cap = self._backoff
         if base > 0:
             await asyncio.sleep(backoff(attempt, base, cap, self._rng))
 
     # -- prefill --------------------------------------------------------------------------------
 
-    async def _prefill_phase(self, flow: _Flow, endpoint: str, body: dict[str, Any], facts: Any, model: str) -> dict:
-        tried: list[str] = []
-        last: RouterError | None = None
-        for attempt in range(self._p_attempts):
-            now = self._clock()
-            cands = self._pool.prefill_candidates(model, now, tried)
-            if not cands:
-                if last is not None:
-                    raise last
-                raise NoCompatiblePair(self._pool.explain(model, now))
-            p = cands[self._p_policy.choose(cands, facts, self._rng) or 0]
-            tried.append(p.id)
-            if attempt:
-                self._retry_children["prefill"].inc()
-                flow.tid = mint_transfer_id()
-                log_transfer_id.set(flow.tid)
-            await self._create_handoff(flow, p)
-            try:
-                kv = await self._prefill_once(flow, p, endpoint, body, facts)
-            except _Retry as r:
-                last = r.error
-                self._abort(flow, "prefill_failed")
-                log.warning("prefill %s failed (attempt %d/%d): %s", p.id, attempt + 1, self._p_attempts, last.message)
-                if attempt + 1 < self._p_attempts:
-                    await self._sleep_before_retry(attempt)
-                continue
-            except UpstreamRejected:
-                flow.abort_reason = "prefill_rejected"
-                raise
-            flow.prefill = p
-            return kv
-        assert last is not None
-        raise last
+    async def prefill(self, req: ProxiedRequest, model: str) -> None:
+        """Prefill on some instance; on return `req.prefill`, `req.live` and `req.decode_payload` are set."""
 
-    async def _create_handoff(self, flow: _Flow, p: Tracker) -> None:
+        async def pick(tried: Sequence[str]) -> LiveInstance | None:
+            cands = self._pool.prefill_candidates(model, self._clock(), tried)
+            if not cands:
+                return None
+            p = cands[self._p_policy.choose(cands, req.facts, self._rng) or 0]
+            if tried:
+                self._p_retries.inc()
+                req.tid = mint_transfer_id()
+                log_transfer_id.set(req.tid)
+            await self._create_handoff(req, p)
+            return p
+
+        def none_left() -> PDGateError:
+            return NoCompatiblePair(self._pool.explain(model, self._clock()))
+
+        await retry_elsewhere(
+            "prefill", self._p_tries, pick, lambda p: self._prefill_once(req, p), none_left, self._pause
+        )
+
+    async def _create_handoff(self, req: ProxiedRequest, p: LiveInstance) -> None:
         t = perf_counter()
         for fresh in range(_CREATE_TRIES):
             if fresh:  # someone holds this id (squatted or, at 2**-128, a collision): draw another
-                flow.tid = mint_transfer_id()
-                log_transfer_id.set(flow.tid)
+                req.tid = mint_transfer_id()
+                log_transfer_id.set(req.tid)
             try:
                 h = await self._meta().create_handoff(
                     HandoffCreate(
                         prefill_instance_id=p.id,
-                        transfer_id=flow.tid,
-                        lease_s=self._lease,
-                        request_id=flow.rid[:512].decode("latin-1"),
+                        transfer_id=req.tid,
+                        lease_s=self._lease_s,
+                        request_id=req.rid[:512].decode("latin-1"),
                     )
                 )
                 break
             except MetaConflict as exc:
                 if exc.code != Code.HANDOFF_EXISTS.value or fresh + 1 == _CREATE_TRIES:
-                    raise MetaserverUnavailable(f"cannot record the handoff: {exc.detail}") from exc
-                log.warning("transfer id %s already exists in the ledger; retrying with a fresh id", flow.tid)
+                    raise translate(exc, META_FAILURES, "cannot record the handoff") from exc
+                log.warning("transfer id %s already exists in the ledger; retrying with a fresh id", req.tid)
             except MetaError as exc:
-                raise MetaserverUnavailable(f"cannot record the handoff: {exc.detail}") from exc
-        flow.kv_key = h.kv_key
-        flow.live = flow.tid
+                raise translate(exc, META_FAILURES, "cannot record the handoff") from exc
+        req.kv_key = h.kv_key
+        req.live = req.tid
         self._m.handoff.observe(perf_counter() - t)
 
-    async def _prefill_once(self, flow: _Flow, p: Tracker, endpoint: str, body: dict[str, Any], facts: Any) -> dict:
-        payload = prefill_body(body, prefill_params(flow.tid, flow.kv_key, self._engine_meta))
-        tokens = facts.prompt_tokens
-        self._pool.begin(p, tokens, self._clock())
-        ok: bool | None = None
-        resp: UpstreamResponse | None = None
+    async def _prefill_once(self, req: ProxiedRequest, p: LiveInstance) -> None:
+        where = f"prefill {p.id}"
+        payload = prefill_body(req.body, prefill_params(req.tid, req.kv_key, self._engine_meta))
         t = perf_counter()
         try:
-            resp = await self._upstream().request(
-                "POST", p.view.url + endpoint, self._headers(flow, p), payload, timeout=self._p_timeout
-            )
-            data = await resp.read(timeout=self._p_timeout, limit=_MAX_ANSWER)
-            v = verdict(resp.status)
-            if v == Verdict.OK:
+            with self._pool.lease(p, req.facts.prompt_tokens, self._clock) as lease:
+                resp: UpstreamResponse | None = None
                 try:
-                    kv = kv_params_from_prefill(data)
-                except PrefillFailed as exc:
-                    ok = False
-                    raise _Retry(PrefillFailed(f"prefill {p.id}: {exc.message}")) from exc
-                ok = True
-                return kv
-            if v == Verdict.REJECTED:
-                ok = True  # the request's fault, not the instance's
-                raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
-            ok = False
-            raise _Retry(PrefillFailed(f"prefill {p.id} answered {resp.status}: {_snippet(data)}"))
-        except ReadTimeout as exc:
-            ok = False
-            raise _Retry(UpstreamTimeout(f"prefill {p.id} sent nothing for {self._p_timeout:g} s")) from exc
-        except UpstreamError as exc:
-            ok = False
-            raise _Retry(PrefillFailed(f"prefill {p.id} failed: {exc}")) from exc
+                    resp = await self._upstream().request(
+                        "POST", p.view.url + req.endpoint, self._headers(req, p), payload, timeout=self._p_timeout
+                    )
+                    data = await resp.read(timeout=self._p_timeout, limit=MAX_ANSWER)
+                except Exception as exc:
+                    lease.failed()
+                    raise translate(exc, UPSTREAM_FAILURES["prefill"], where) from exc
+                finally:
+                    if resp is not None:
+                        resp.close()
+                v = verdict(resp.status)
+                if v == Verdict.OK:
+                    try:
+                        kv = kv_params_from_prefill(data)
+                        params = decode_params(kv, req.tid, req.kv_key, self._engine_meta)
+                        req.decode_payload = decode_body(req.body, params)
+                    except Exception as exc:  # the prefill's answer cannot be decoded from: its failure
+                        lease.failed()
+                        detail = exc.message if isinstance(exc, PDGateError) else f"{type(exc).__name__}: {exc}"
+                        raise PrefillFailed(f"{where}: {detail}") from exc
+                    lease.succeeded()
+                    req.prefill = p
+                    return
+                if v == Verdict.REJECTED:
+                    lease.succeeded()  # the request's fault, not the instance's
+                    req.abort_reason = "prefill_rejected"
+                    raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
+                lease.failed()
+                raise PrefillFailed(f"{where} answered {resp.status}: {snippet(data)}")
+        except PDGateError as exc:
+            if exc.retryable:  # this attempt's handoff dies with it; a retry creates its own
+                self.abort(req, "prefill_failed")
+            raise
         finally:
-            if resp is not None:
-                resp.close()
-            self._pool.end(p, tokens)
-            if ok is not None:
-                self._pool.record(p, ok, self._clock())
             self._m.prefill.observe(perf_counter() - t)
 
     # -- decode ---------------------------------------------------------------------------------
 
-    async def _decode_phase(
-        self, flow: _Flow, endpoint: str, payload: bytes, facts: Any
-    ) -> tuple[Tracker, UpstreamResponse, bytes | None]:
-        assert flow.prefill is not None
-        tried: list[str] = []
-        last: RouterError | None = None
-        for attempt in range(self._d_attempts):
-            now = self._clock()
-            cands = self._pool.decode_candidates(flow.prefill, now, tried)
-            if not cands:
-                flow.abort_reason = "decode_failed"
-                if last is not None:
-                    raise last
-                raise NoCompatiblePair(
-                    f"no available decode can take the KV of {flow.prefill.id}: "
-                    + self._pool.explain(flow.prefill.view.model or "?", now)
-                )
-            d = cands[self._d_policy.choose(cands, facts, self._rng) or 0]
-            tried.append(d.id)
-            if attempt:
-                self._retry_children["decode"].inc()
-            try:
-                return await self._decode_once(flow, d, endpoint, payload, facts)
-            except _Retry as r:
-                last = r.error
-                log.warning("decode %s failed (attempt %d/%d): %s", d.id, attempt + 1, self._d_attempts, last.message)
-                if attempt + 1 < self._d_attempts:
-                    await self._sleep_before_retry(attempt)
-        flow.abort_reason = "decode_failed"
-        assert last is not None
-        raise last
+    async def decode(self, req: ProxiedRequest, send: Send) -> str:
+        """Decode on some instance and answer the client; returns the request's outcome label."""
+        prefill = req.prefill
+        assert prefill is not None
+        req.abort_reason = "decode_failed"  # unless an attempt says more precisely
 
-    async def _decode_once(
-        self, flow: _Flow, d: Tracker, endpoint: str, payload: bytes, facts: Any
-    ) -> tuple[Tracker, UpstreamResponse, bytes | None]:
-        tokens = facts.prompt_tokens + facts.max_tokens
-        self._pool.begin(d, tokens, self._clock())
-        ok: bool | None = None
-        keep = False
-        resp: UpstreamResponse | None = None
-        t = perf_counter()
+        async def pick(tried: Sequence[str]) -> LiveInstance | None:
+            cands = self._pool.decode_candidates(prefill, self._clock(), tried)
+            if not cands:
+                return None
+            if tried:
+                self._d_retries.inc()
+            return cands[self._d_policy.choose(cands, req.facts, self._rng) or 0]
+
+        def none_left() -> PDGateError:
+            why = self._pool.explain(prefill.view.model or "?", self._clock())
+            return NoCompatiblePair(f"no available decode can take the KV of {prefill.id}: {why}")
+
+        failures: list[PDGateError] = []
+
+        async def attempt(d: LiveInstance) -> str:
+            try:
+                return await self._decode_once(req, d, send)
+            except PDGateError as exc:
+                failures.append(exc)
+                raise
+
         try:
-            resp = await self._upstream().request(
-                "POST", d.view.url + endpoint, self._headers(flow, d), payload, timeout=self._d_timeout
-            )
-            v = verdict(resp.status)
-            if v == Verdict.OK:
-                first = await resp.next_chunk(self._d_timeout) if facts.stream else None
-                self._m.decode_ttft.observe(perf_counter() - t)
-                keep = True
-                return d, resp, first
-            data = await resp.read(timeout=self._d_timeout, limit=_MAX_ANSWER)
-            if resp.status == 410:
-                ok = True
-                flow.abort_reason = "kv_expired"
-                raise KVExpired(f"the KV of transfer {flow.tid} expired before decode {d.id} could claim it")
-            if v == Verdict.REJECTED:
-                ok = True
-                flow.abort_reason = "decode_rejected"
-                raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
-            ok = False
-            raise _Retry(DecodeFailed(f"decode {d.id} answered {resp.status}: {_snippet(data)}"))
-        except ReadTimeout as exc:
-            ok = False
-            raise _Retry(UpstreamTimeout(f"decode {d.id} sent nothing for {self._d_timeout:g} s")) from exc
-        except UpstreamError as exc:
-            ok = False
-            raise _Retry(DecodeFailed(f"decode {d.id} failed before its first byte: {exc}")) from exc
-        finally:
-            if not keep:
+            return await retry_elsewhere("decode", self._d_tries, pick, attempt, none_left, self._pause)
+        except KVExpired as exc:
+            if len(failures) < 2:
+                raise
+            # The decode that failed first had claimed the KV: the retry could only find it gone. The
+            # client is told what went wrong, not what the retry found.
+            raise DecodeFailed(f"{failures[0].message}; a retry found the KV gone") from exc
+
+    async def _decode_once(self, req: ProxiedRequest, d: LiveInstance, send: Send) -> str:
+        where = f"decode {d.id}"
+        facts = req.facts
+        with self._pool.lease(d, facts.prompt_tokens + facts.max_tokens, self._clock) as lease:
+            resp: UpstreamResponse | None = None
+            try:
+                t = perf_counter()
+                data: bytes | None = None  # the whole answer, or the start of a stream
+                try:
+                    resp = await self._upstream().request(
+                        "POST",
+                        d.view.url + req.endpoint,
+                        self._headers(req, d),
+                        req.decode_payload,
+                        timeout=self._d_timeout,
+                    )
+                    v = verdict(resp.status)
+                    if v != Verdict.OK:
+                        data = await resp.read(timeout=self._d_timeout, limit=MAX_ANSWER)
+                    elif facts.stream:
+                        if not is_sse(resp.header(b"content-type")):
+                            ctype = (resp.header(b"content-type") or b"no content-type").decode("latin-1")
+                            raise DecodeFailed(f"{where} answered a stream request with {ctype!r}, not SSE")
+                        data = await resp.next_chunk(self._d_timeout)
+                        if data is None:
+                            raise DecodeFailed(f"{where} answered 200 with an empty stream")
+                        self._m.decode_ttft.observe(perf_counter() - t)
+                    else:
+                        self._m.decode_ttft.observe(perf_counter() - t)
+                        data = await resp.read(timeout=self._idle_timeout, limit=MAX_ANSWER)
+                        _check_json_answer(data, where)
+                except Exception as exc:
+                    lease.failed()
+                    raise translate(exc, UPSTREAM_FAILURES["decode"], where) from exc
+                if v == Verdict.OK:
+                    self._m.overhead.observe(req.overhead_s)
+                    headers = [(b"content-type", resp.header(b"content-type") or _JSON), (b"x-request-id", req.rid)]
+                    if facts.stream:
+                        req.started = True
+                        error = await relay_stream(send, resp, data, headers, self._idle_timeout, req.end, where)
+                        if error is not None:
+                            lease.failed()
+                            req.abort_reason = "decode_stream_broke"
+                            self._m.error(error.code.value)
+                            log.warning("%s after the stream started: %s", error.code.value, error.message)
+                            return error.code.value
+                        lease.succeeded()
+                        req.live = None
+                        return "ok"
+                    lease.succeeded()
+                    req.live = None  # the decode finished the handoff: nothing left to abort
+                    req.started = True
+                    await send_body(send, resp.status, headers, data or b"", req.end)
+                    return "ok"
+                data = data or b""
+                if resp.status == 410:
+                    lease.succeeded()
+                    req.abort_reason = "kv_expired"
+                    raise KVExpired(f"the KV of transfer {req.tid} expired before {where} could claim it")
+                if v == Verdict.REJECTED:
+                    lease.succeeded()
+                    req.abort_reason = "decode_rejected"
+                    raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
+                lease.failed()
+                raise DecodeFailed(f"{where} answered {resp.status}: {snippet(data)}")
+            finally:
                 if resp is not None:
                     resp.close()
-                self._pool.end(d, tokens)
-                if ok is not None:
-                    self._pool.record(d, ok, self._clock())
+
+    # -- aborts ---------------------------------------------------------------------------------
+
+    def abort(self, req: ProxiedRequest, reason: str) -> None:
+        """Abort the request's live handoff in the background: the client's answer never waits for it."""
+        tid = req.live
+        if tid is None:
+            return
+        req.live = None
+        self._m.aborts.labels(reason).inc()
+        task = asyncio.get_running_loop().create_task(self._abort_now(tid, reason))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _abort_now(self, tid: str, reason: str) -> None:
+        try:
+            await self._meta().abort(tid, reason)
+        except (MetaConflict, MetaGone, MetaNotFound):
+            pass  # already DONE, ABORTED or EXPIRED: nothing left to free
+        except MetaError as exc:
+            log.warning("could not abort handoff %s (%s): %s", tid, reason, exc)
+
+    async def drain_background(self, timeout: float = 5.0) -> None:
+        if self._bg:
+            await asyncio.wait(list(self._bg), timeout=timeout)
+
+
+def _check_json_answer(data: bytes, where: str) -> None:
+    """A 200 JSON answer must be a whole JSON object: an empty or cut body is the decode's failure, and
+    the client must never get it as a 200."""
+    if not data:
+        raise DecodeFailed(f"{where} answered 200 with an empty body")
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeFailed(f"{where} answered 200 with a body that is not JSON ({exc})") from exc
+    if not isinstance(parsed, dict):
+        raise DecodeFailed(f"{where} answered 200 with JSON that is not an object")

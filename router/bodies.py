@@ -24,6 +24,8 @@ import orjson
 from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
 from pdgate.router.errors import BadRequest, PrefillFailed
 
+from pdgate.errors import Code
+
 __all__ = [
     "CHAT",
     "COMPLETIONS",
@@ -55,7 +57,7 @@ class RequestFacts:
 
 
 class _MultiPrompt(BadRequest):
-    code = "multiple_prompts_unsupported"
+    code = Code.MULTIPLE_PROMPTS
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

@@ -1,35 +1,48 @@
-"""Every way a proxied request can fail, each with a stable `code`, and the two ways to render one.
+"""Every way a proxied request can fail, and the two ways to render one to the client.
 
-    RouterError                      code, status, type, retryable
-    ├── BadRequest                   400 invalid_request_error (body not JSON, several prompts, ...)
+Each class pins a `pdgate.errors.Code`; status, OpenAI `type` and `retryable` come from `CODES`, so the
+router's retry loop (`pdgate.router.retry`) and the wire format read the same table.
+
+    RouterError(PDGateError)
+    ├── BadRequest                   400 invalid_request (body not JSON, several prompts, ...)
     ├── Unauthorized                 401 invalid_api_key
     ├── MethodNotAllowed             405 method_not_allowed
     ├── ModelNotFound                404 model_not_found
     ├── PayloadTooLarge              413 request_too_large
     ├── UpstreamRejected             an engine's own 4xx answer, relayed verbatim (not a PD failure)
     └── PDError                      the pd_* family: the disaggregated path itself failed
-        ├── PrefillFailed            502 pd_prefill_failed
-        ├── DecodeFailed             502 pd_decode_failed
+        ├── PrefillFailed            502 pd_prefill_failed (retryable)
+        ├── DecodeFailed             502 pd_decode_failed (retryable)
         ├── KVExpired                504 pd_kv_expired (the handoff lapsed before a decode claimed it)
         ├── NoCompatiblePair         503 pd_no_compatible_pair (the message says why)
         ├── Overloaded               429 pd_overloaded (with Retry-After)
-        ├── UpstreamTimeout          504 pd_upstream_timeout
+        ├── UpstreamTimeout          504 pd_upstream_timeout (retryable)
         └── MetaserverUnavailable    503 pd_metaserver_unavailable
 
 Before the response has started, an error is an OpenAI error body (`{"error": {message, type, code,
 param}}`) with the code also in the `X-PDGate-Error` header. Once an SSE stream has started it is one
 `data: {"error": {...}}` event followed by `data: [DONE]`: the openai client raises `APIError` on
 an event whose JSON has an "error" key, and clients that read until [DONE] still terminate.
+
+The boundary tables live here too: `UPSTREAM_FAILURES` (what an exception while talking to an engine
+becomes, per side) and `META_FAILURES` (what a `MetaClient` error becomes), both applied by `translate`.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import ClassVar, Literal
 
 import orjson
+from pdgate.metaserver.client import MetaError
+from pdgate.router.upstream import ReadTimeout
+
+from pdgate.errors import Code, PDGateError
 
 __all__ = [
     "ERROR_HEADER",
+    "META_FAILURES",
+    "UPSTREAM_FAILURES",
     "BadRequest",
     "DecodeFailed",
     "KVExpired",
@@ -42,65 +55,68 @@ __all__ = [
     "PayloadTooLarge",
     "PrefillFailed",
     "RouterError",
+    "Side",
     "Unauthorized",
     "UpstreamRejected",
     "UpstreamTimeout",
     "error_body",
     "error_headers",
     "sse_error",
+    "translate",
 ]
 
 ERROR_HEADER = b"x-pdgate-error"
 JSON = b"application/json"
 
+Side = Literal["prefill", "decode"]
 
-class RouterError(Exception):
-    code: ClassVar[str] = "router_error"
-    status: ClassVar[int] = 500
-    type: ClassVar[str] = "server_error"
-    retryable: ClassVar[bool] = False
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+class RouterError(PDGateError):
+    """A failure the router answers with; `body()` and `headers()` are its wire form."""
+
+    code: ClassVar[Code] = Code.INTERNAL
 
     def body(self) -> bytes:
-        return error_body(self.message, self.type, self.code)
+        return error_body(self.message, self.openai_type, self.code.value)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        return error_headers(self.code)
+        return error_headers(self.code.value)
 
 
 class BadRequest(RouterError):
-    code, status, type = "invalid_request", 400, "invalid_request_error"
+    code = Code.INVALID_REQUEST
 
 
 class Unauthorized(RouterError):
-    code, status, type = "invalid_api_key", 401, "invalid_request_error"
+    code = Code.INVALID_API_KEY
 
 
 class MethodNotAllowed(RouterError):
-    code, status, type = "method_not_allowed", 405, "invalid_request_error"
+    code = Code.METHOD_NOT_ALLOWED
 
 
 class ModelNotFound(RouterError):
-    code, status, type = "model_not_found", 404, "invalid_request_error"
+    code = Code.MODEL_NOT_FOUND
 
 
 class PayloadTooLarge(RouterError):
-    code, status, type = "request_too_large", 413, "invalid_request_error"
+    code = Code.REQUEST_TOO_LARGE
 
 
 class UpstreamRejected(RouterError):
-    """An engine refused the request (4xx): the client's own error, relayed with the engine's body."""
+    """An engine refused the request (4xx): the client's own error, relayed with the engine's status and body."""
 
-    code, type = "upstream_rejected", "invalid_request_error"
+    code = Code.UPSTREAM_REJECTED
 
     def __init__(self, status: int, body: bytes, content_type: bytes | None) -> None:
         super().__init__(f"engine answered {status}")
         self.upstream_status = status
         self.upstream_body = body
         self.content_type = content_type or JSON
+
+    @property
+    def status(self) -> int:
+        return self.upstream_status
 
     def body(self) -> bytes:
         return self.upstream_body
@@ -110,43 +126,72 @@ class UpstreamRejected(RouterError):
 
 
 class PDError(RouterError):
-    code = "pd_error"
-    status = 502
+    """The family of failures of the disaggregated path itself (logged at WARNING)."""
 
 
 class PrefillFailed(PDError):
-    code, status, retryable = "pd_prefill_failed", 502, True
+    code = Code.PREFILL_FAILED
 
 
 class DecodeFailed(PDError):
-    code, status, retryable = "pd_decode_failed", 502, True
+    code = Code.DECODE_FAILED
 
 
 class KVExpired(PDError):
-    code, status = "pd_kv_expired", 504
+    code = Code.KV_EXPIRED
 
 
 class NoCompatiblePair(PDError):
-    code, status = "pd_no_compatible_pair", 503
+    code = Code.NO_COMPATIBLE_PAIR
 
 
 class Overloaded(PDError):
-    code, status, type, retryable = "pd_overloaded", 429, "rate_limit_error", True
+    code = Code.OVERLOADED
 
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        return [*error_headers(self.code), (b"retry-after", str(self.retry_after_s).encode())]
+        return [*error_headers(self.code.value), (b"retry-after", str(self.retry_after_s).encode())]
 
 
 class UpstreamTimeout(PDError):
-    code, status, retryable = "pd_upstream_timeout", 504, True
+    code = Code.UPSTREAM_TIMEOUT
 
 
 class MetaserverUnavailable(PDError):
-    code, status, retryable = "pd_metaserver_unavailable", 503, True
+    code = Code.METASERVER_UNAVAILABLE
+
+
+# What any exception while connecting to, sending to or reading from one engine becomes: a failure of
+# that instance (breaker, retry elsewhere), never a bare 500. First match wins.
+UPSTREAM_FAILURES: Mapping[Side, Mapping[type[BaseException], type[RouterError]]] = {
+    "prefill": {ReadTimeout: UpstreamTimeout, Exception: PrefillFailed},
+    "decode": {ReadTimeout: UpstreamTimeout, Exception: DecodeFailed},
+}
+
+# What a metaserver client error becomes when the proxy needs the ledger to go on.
+META_FAILURES: Mapping[type[BaseException], type[RouterError]] = {MetaError: MetaserverUnavailable}
+
+
+def translate(exc: BaseException, table: Mapping[type[BaseException], type[RouterError]], where: str) -> RouterError:
+    """The router error `table` names for `exc`, its message prefixed with `where` (who failed).
+
+    Unlike `pdgate.errors.map_exceptions` this also maps other packages' `PDGateError`s (a `MetaError`
+    is one), because a boundary decides what a foreign failure means to its own caller.
+    """
+    if isinstance(exc, RouterError):
+        return exc
+    for from_type, to_type in table.items():
+        if isinstance(exc, from_type):
+            detail = str(exc)
+            if not type(exc).__module__.startswith("pdgate."):  # not one of ours: name its type
+                detail = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+            err = to_type(f"{where}: {detail}")
+            err.__cause__ = exc
+            return err
+    raise exc
 
 
 def error_body(message: str, type_: str, code: str) -> bytes:
@@ -159,4 +204,4 @@ def error_headers(code: str) -> list[tuple[bytes, bytes]]:
 
 def sse_error(err: RouterError) -> bytes:
     """The terminal SSE events for a stream that already started."""
-    return b"data: " + error_body(err.message, err.type, err.code) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(err.message, err.openai_type, err.code.value) + b"\n\ndata: [DONE]\n\n"

@@ -1,9 +1,8 @@
 """`PooledMetaClient`: `MetaClient` with its HTTP layer replaced by the router's `HttpPool`.
 
-Why: the router creates one handoff per request, so the metaserver call is on the hot path. Through
-httpx (even over `upstream.PoolTransport`) it cost ~300 us of router CPU per request (measured with
-py-spy under bench/router.py), mostly httpx's request/response/URL/cookie models; over the pool
-directly it costs the socket work only. Everything else (routes, bodies, answers parsed into the
+Why: the router creates one handoff per request, so the metaserver call is on the hot path, and
+httpx's request/response/URL/cookie models cost more router CPU than the socket work itself (profile
+`bench/router.py` with py-spy to see it). Everything else (routes, bodies, answers parsed into the
 contract models, the typed `MetaError`s) is `MetaClient`'s own code: only `_call` is replaced.
 """
 
@@ -14,7 +13,8 @@ from urllib.parse import urlencode
 
 import orjson
 from pdgate.metaserver.client import MetaClient, MetaUnavailable, error_from_answer
-from pdgate.router.upstream import HttpPool, PoolTransport, ReadTimeout, UpstreamError
+from pdgate.router.http_pool import HttpPool
+from pdgate.router.upstream import ReadTimeout
 from pydantic import BaseModel
 
 __all__ = ["PooledMetaClient"]
@@ -23,11 +23,11 @@ _JSON = (b"content-type", b"application/json")
 
 
 class PooledMetaClient(MetaClient):
-    def __init__(self, base_url: str, *, pool: HttpPool, token: str | None = None, timeout: float = 5.0) -> None:
-        super().__init__(base_url, token=token, timeout=timeout, transport=PoolTransport(pool))
+    def __init__(self, base_url: str, *, pool: HttpPool, admin_token: str | None = None, timeout: float = 5.0) -> None:
+        super().__init__(base_url, admin_token=admin_token, timeout=timeout)
         self._pool = pool
         self._base = base_url.rstrip("/")
-        self._auth = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._auth = [(b"authorization", f"Bearer {admin_token}".encode())] if admin_token else []
 
     async def _call(
         self,
@@ -46,8 +46,8 @@ class PooledMetaClient(MetaClient):
             resp = await self._pool.request(method, url, headers, content, timeout=timeout)
             data = await resp.read(timeout=timeout)
         except ReadTimeout as exc:
-            raise MetaUnavailable(f"metaserver {method} {path} timed out: {exc}", code="timeout") from exc
-        except UpstreamError as exc:
+            raise MetaUnavailable(f"metaserver {method} {path} timed out: {exc}") from exc
+        except Exception as exc:  # any failure to reach it, typed or not, means "unavailable"
             raise MetaUnavailable(f"metaserver {method} {path} unreachable: {exc!r}") from exc
         if resp.status >= 400:
             raise error_from_answer(resp.status, data, method, path)

@@ -1,9 +1,14 @@
-"""The router's view of its instances: a snapshot of frozen `InstanceView`s plus live per-instance state.
+"""The router's instances: a snapshot of frozen `InstanceView`s, each wrapped in a `LiveInstance`.
+
+Two names, two concepts: an `InstanceView` is what the registry (or a flag) says about one instance
+and is replaced on every refresh; a `LiveInstance` is the router's own record of that instance and
+survives refreshes: in-flight requests and tokens (the load the policies read), the circuit breaker
+and the last active health check. One record per DP rank, so load and breakers are per rank. The
+policies choose among `LiveInstance`s.
 
 The snapshot is replaced as a whole by the background refresh (registry and static instances), never
-rebuilt per request; a `Tracker` per instance id survives refreshes and holds what changes per request:
-in-flight requests and tokens (the load the policies read), the circuit breaker and the last active
-health check. One record per DP rank, so load and breakers are per rank.
+rebuilt per request. Load accounting goes through `Pool.lease`, the one place where a request starts
+and stops counting against an instance and where its outcome reaches the breaker.
 
 Eligible = not draining, model known, last health check passed, breaker lets a request through, and
 (for a prefill) at least one eligible decode can take its KV. Which decodes can take which prefill's KV
@@ -14,13 +19,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
 from urllib.parse import urlsplit
 
 from pdgate.metaserver.models import Role
 from pdgate.router.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from pdgate.router.pairing import InstanceView, explain, incompatibility
 
-__all__ = ["InstanceView", "Pool", "Tracker", "static_instance_id"]
+__all__ = ["Lease", "LiveInstance", "Pool", "static_instance_id"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:\-]")
 
@@ -34,8 +40,8 @@ def static_instance_id(url: str) -> str:
     return _UNSAFE.sub("-", f"{host}-{port}")[:128].lstrip("-._:") or "instance"
 
 
-class Tracker:
-    """Live state of one instance; satisfies `pdgate.router.policies.Candidate`."""
+class LiveInstance:
+    """The router's live record of one instance (one DP rank): load, breaker, health."""
 
     __slots__ = ("breaker", "health_reason", "healthy", "id", "requests", "tokens", "view")
 
@@ -71,41 +77,41 @@ class Pool:
         self,
         breaker: BreakerConfig | None = None,
         on_breaker: Callable[[str, BreakerState], None] | None = None,
-        on_inflight: Callable[[Tracker], None] | None = None,
+        on_inflight: Callable[[LiveInstance], None] | None = None,
     ) -> None:
         self._breaker_cfg = breaker or BreakerConfig()
         self._on_breaker = on_breaker
         self._on_inflight = on_inflight
-        self.trackers: dict[str, Tracker] = {}
-        self.prefills: dict[str, list[Tracker]] = {}  # model -> prefill-capable trackers
-        self.decodes: dict[str, list[Tracker]] = {}  # model -> decode-capable trackers
-        self._compatible: dict[str, list[Tracker]] = {}  # prefill id -> decodes that can take its KV
+        self.instances: dict[str, LiveInstance] = {}
+        self.prefills: dict[str, list[LiveInstance]] = {}  # model -> prefill-capable instances
+        self.decodes: dict[str, list[LiveInstance]] = {}  # model -> decode-capable instances
+        self._compatible: dict[str, list[LiveInstance]] = {}  # prefill id -> decodes that can take its KV
         self._fingerprint: tuple[object, ...] = ()
         self.views: tuple[InstanceView, ...] = ()
 
     # -- refresh ----------------------------------------------------------------------------
 
     def replace(self, views: Iterable[InstanceView]) -> None:
-        """Install a new snapshot. Trackers of ids still present keep their counts and breakers."""
+        """Install a new snapshot. LiveInstances of ids still present keep their counts and breakers."""
         views = tuple(sorted(views, key=lambda v: v.id))
-        trackers: dict[str, Tracker] = {}
+        instances: dict[str, LiveInstance] = {}
         for v in views:
-            tr = self.trackers.get(v.id)
-            if tr is None:
-                tr = Tracker(v, CircuitBreaker(self._breaker_cfg, self._transition_cb(v.id)))
+            inst = self.instances.get(v.id)
+            if inst is None:
+                inst = LiveInstance(v, CircuitBreaker(self._breaker_cfg, self._transition_cb(v.id)))
             else:
-                tr.view = v
-            trackers[v.id] = tr
-        for gone in self.trackers.keys() - trackers.keys():
-            old = self.trackers[gone]
+                inst.view = v
+            instances[v.id] = inst
+        for gone in self.instances.keys() - instances.keys():
+            old = self.instances[gone]
             old.requests = 0
             old.tokens = 0
             if self._on_inflight is not None:
                 self._on_inflight(old)
-        self.trackers = trackers
+        self.instances = instances
         self.views = views
         fingerprint = tuple((v.id, v.role, v.draining, v.compat_key) for v in views)
-        if fingerprint != self._fingerprint:  # same ids and fields: the lists already hold these trackers
+        if fingerprint != self._fingerprint:  # same ids and fields: the lists already hold these instances
             self._fingerprint = fingerprint
             self._rebuild()
 
@@ -117,17 +123,17 @@ class Pool:
         return cb
 
     def _rebuild(self) -> None:
-        prefills: dict[str, list[Tracker]] = {}
-        decodes: dict[str, list[Tracker]] = {}
-        for tr in self.trackers.values():
-            v = tr.view
+        prefills: dict[str, list[LiveInstance]] = {}
+        decodes: dict[str, list[LiveInstance]] = {}
+        for inst in self.instances.values():
+            v = inst.view
             if v.model is None:
                 continue
             if v.role.can_prefill():
-                prefills.setdefault(v.model, []).append(tr)
+                prefills.setdefault(v.model, []).append(inst)
             if v.role.can_decode():
-                decodes.setdefault(v.model, []).append(tr)
-        compatible: dict[str, list[Tracker]] = {}
+                decodes.setdefault(v.model, []).append(inst)
+        compatible: dict[str, list[LiveInstance]] = {}
         for model, ps in prefills.items():
             ds = decodes.get(model, [])
             for p in ps:
@@ -138,7 +144,7 @@ class Pool:
 
     # -- selection --------------------------------------------------------------------------
 
-    def prefill_candidates(self, model: str, now: float, exclude: Sequence[str] = ()) -> list[Tracker]:
+    def prefill_candidates(self, model: str, now: float, exclude: Sequence[str] = ()) -> list[LiveInstance]:
         out = []
         for p in self.prefills.get(model, ()):
             if p.id in exclude or p.unavailable(now) is not None:
@@ -149,11 +155,11 @@ class Pool:
                     break
         return out
 
-    def decode_candidates(self, prefill: Tracker, now: float, exclude: Sequence[str] = ()) -> list[Tracker]:
+    def decode_candidates(self, prefill: LiveInstance, now: float, exclude: Sequence[str] = ()) -> list[LiveInstance]:
         """Decodes that can take `prefill`'s KV now. A prefill that left the snapshot while its request
         was in flight (its lease lapsed under load, or it was drained) still has its KV: pair it afresh."""
         compatible = self._compatible.get(prefill.id)
-        if compatible is None or self.trackers.get(prefill.id) is not prefill:
+        if compatible is None or self.instances.get(prefill.id) is not prefill:
             model = prefill.view.model
             pool = self.decodes.get(model, ()) if model is not None else ()
             compatible = [d for d in pool if incompatibility(prefill.view, d.view) is None]
@@ -167,8 +173,8 @@ class Pool:
         return sorted(set(self.prefills) | set(self.decodes))
 
     def explain(self, model: str, now: float) -> str:
-        views = [tr.view for tr in self.trackers.values()]
-        down = [(tr.view, why) for tr in self.trackers.values() if (why := tr.unavailable(now)) is not None]
+        views = [inst.view for inst in self.instances.values()]
+        down = [(inst.view, why) for inst in self.instances.values() if (why := inst.unavailable(now)) is not None]
         return explain(
             model,
             [v for v in views if v.role.can_prefill() and not v.draining],
@@ -178,31 +184,27 @@ class Pool:
 
     # -- accounting -------------------------------------------------------------------------
 
-    def begin(self, tr: Tracker, tokens: int, now: float) -> None:
-        tr.requests += 1
-        tr.tokens += tokens
-        tr.breaker.on_dispatch(now)
+    def lease(self, inst: LiveInstance, tokens: int, clock: Callable[[], float]) -> Lease:
+        """Count one request against `inst` until the returned `Lease` is exited (use it as `with`)."""
+        inst.requests += 1
+        inst.tokens += tokens
+        inst.breaker.on_dispatch(clock())
         if self._on_inflight is not None:
-            self._on_inflight(tr)
+            self._on_inflight(inst)
+        return Lease(self, inst, tokens, clock)
 
-    def end(self, tr: Tracker, tokens: int) -> None:
-        if tr.requests > 0:
-            tr.requests -= 1
-            tr.tokens = max(0, tr.tokens - tokens)
+    def _release(self, inst: LiveInstance, tokens: int) -> None:
+        if inst.requests > 0:
+            inst.requests -= 1
+            inst.tokens = max(0, inst.tokens - tokens)
         if self._on_inflight is not None:
-            self._on_inflight(tr)
-
-    def record(self, tr: Tracker, ok: bool, now: float) -> None:
-        if ok:
-            tr.breaker.record_success(now)
-        else:
-            tr.breaker.record_failure(now)
+            self._on_inflight(inst)
 
     def set_health(self, url: str, ok: bool, reason: str = "") -> None:
-        for tr in self.trackers.values():
-            if tr.view.url == url:
-                tr.healthy = ok
-                tr.health_reason = reason
+        for inst in self.instances.values():
+            if inst.view.url == url:
+                inst.healthy = ok
+                inst.health_reason = reason
 
     def urls(self) -> list[str]:
         return sorted({v.url for v in self.views})
@@ -210,10 +212,47 @@ class Pool:
     def counts(self, now: float) -> dict[tuple[str, str], int]:
         """(role, available|unavailable) -> number of instances, for the gauge."""
         out: dict[tuple[str, str], int] = {}
-        for tr in self.trackers.values():
-            key = (tr.view.role.value, "available" if tr.unavailable(now) is None else "unavailable")
+        for inst in self.instances.values():
+            key = (inst.view.role.value, "available" if inst.unavailable(now) is None else "unavailable")
             out[key] = out.get(key, 0) + 1
         for role in Role:
             for status in ("available", "unavailable"):
                 out.setdefault((role.value, status), 0)
         return out
+
+
+class Lease:
+    """One request counted against one instance, from `Pool.lease` to the end of the `with` block.
+
+    The holder says how the instance did (`succeeded()` / `failed()`); on exit the count is released
+    and the verdict, if any, goes to the instance's breaker. No verdict (a cancelled request, the
+    client's own 4xx...) leaves the breaker alone.
+    """
+
+    __slots__ = ("_clock", "_pool", "instance", "ok", "tokens")
+
+    def __init__(self, pool: Pool, instance: LiveInstance, tokens: int, clock: Callable[[], float]) -> None:
+        self._pool = pool
+        self.instance = instance
+        self.tokens = tokens
+        self._clock = clock
+        self.ok: bool | None = None
+
+    def succeeded(self) -> None:
+        self.ok = True
+
+    def failed(self) -> None:
+        self.ok = False
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        inst = self.instance
+        self._pool._release(inst, self.tokens)
+        if self.ok is True:
+            inst.breaker.record_success(self._clock())
+        elif self.ok is False:
+            inst.breaker.record_failure(self._clock())

@@ -1,13 +1,20 @@
-"""Per-request state of one proxied request: its transfer id, the live handoff, and how it ends."""
+"""The state of one proxied request, in one explicit object shared by the proxy, the attempts and the
+disconnect watcher: who asked, what is being sent, which handoff is live, and how the request ends."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from pdgate.router.errors import RouterError
-from pdgate.router.pool import Tracker
+from pdgate.router.bodies import RequestFacts
+from pdgate.router.pool import LiveInstance
 
-_MAX_ANSWER = 64 << 20
+__all__ = ["MAX_ANSWER", "ProxiedRequest", "mint_transfer_id", "snippet"]
+
+MAX_ANSWER = 64 << 20  # an engine answer larger than this is a failed answer, not one to buffer
+
+
+_UNPARSED = RequestFacts(endpoint="", model=None, stream=False, prompt_tokens=0, max_tokens=0, prefix=b"")
 
 
 def mint_transfer_id() -> str:
@@ -16,47 +23,59 @@ def mint_transfer_id() -> str:
     return "pd-" + os.urandom(16).hex()
 
 
-class _Retry(Exception):
-    """One attempt failed in a way another instance may not: carries the error to raise if none is left."""
+class ProxiedRequest:
+    """One client request on its way through prefill and decode.
 
-    def __init__(self, error: RouterError) -> None:
-        self.error = error
-
-
-class _Flow:
-    """Per-request state shared by the steps and the disconnect watcher."""
+    `live` is the transfer id of a handoff this request created and still owns: whoever ends the request
+    aborts it (with `abort_reason`) unless a decode finished it. `started` says the response's status
+    line went out, after which nothing is retried and errors are reported in the stream.
+    """
 
     __slots__ = (
         "abort_reason",
+        "body",
         "client_auth",
+        "decode_payload",
         "disconnected",
+        "endpoint",
         "extra",
+        "facts",
         "finished",
         "kv_key",
         "live",
+        "overhead_s",
         "prefill",
         "rid",
         "started",
         "tid",
     )
 
-    def __init__(self, tid: str, rid: bytes, client_auth: bytes | None, extra: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self, endpoint: str, tid: str, rid: bytes, client_auth: bytes | None, extra: list[tuple[bytes, bytes]]
+    ) -> None:
+        self.endpoint = endpoint
         self.tid = tid
         self.rid = rid
-        self.client_auth = client_auth
-        self.extra = extra
+        self.client_auth = client_auth  # forwarded to engines only with --forward-client-auth
+        self.extra = extra  # trace headers passed through to the engines
+        self.body: dict[str, Any] = {}
+        self.facts = _UNPARSED  # set once the body is parsed
         self.kv_key = 0
-        self.live: str | None = None  # transfer id of a handoff that must be aborted if we fail
-        self.prefill: Tracker | None = None
+        self.live: str | None = None
+        self.prefill: LiveInstance | None = None
+        self.decode_payload = b""
         self.abort_reason = "failed"
+        self.overhead_s = 0.0  # the router's own time before the decode was asked, for the overhead histogram
         self.disconnected = False
         self.finished = False
-        self.started = False  # the response's status line went out
+        self.started = False
 
     def end(self) -> None:
+        """Called right before the last body message: a disconnect after this is not a cancellation."""
         self.finished = True
 
 
-def _snippet(data: bytes, n: int = 300) -> str:
+def snippet(data: bytes, n: int = 300) -> str:
+    """The start of an engine's answer, for an error message."""
     text = data[:n].decode("utf-8", "replace")
     return text + ("..." if len(data) > n else "")

@@ -1,26 +1,33 @@
 """Relaying a decode's answer to the client: raw ASGI sends, no buffering of streams.
 
-The stream is not parsed. Two cheap checks decide how it ended: the transport (the decode's connection
-closed or went silent before the end of the HTTP body) and the last bytes (an SSE body must end with
-`data: [DONE]`). A stream that breaks gets one terminal SSE error event (`pd_decode_failed`), so a
-client never mistakes a truncated answer for a complete one.
+The stream is not parsed. Before the status line goes out the decode must have answered
+`text/event-stream` (`pdgate.router.attempts` checks it, while another decode can still be tried).
+After that, two cheap checks decide how it ended: the transport (the decode's connection closed,
+went silent or failed in any other way before the end of the HTTP body) and the last bytes (an SSE
+body must end with `data: [DONE]`). A stream that breaks gets one terminal SSE error event
+(`pd_decode_failed`), so a client never mistakes a truncated answer for a complete one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pdgate.router.errors import DecodeFailed, RouterError, UpstreamTimeout, sse_error
-from pdgate.router.upstream import ReadTimeout, UpstreamError, UpstreamResponse
+from pdgate.router.asgi import Send
+from pdgate.router.errors import UPSTREAM_FAILURES, DecodeFailed, RouterError, sse_error, translate
+from pdgate.router.upstream import UpstreamResponse
 
-__all__ = ["SSE", "relay_stream", "send_body", "send_error"]
+__all__ = ["SSE", "is_sse", "relay_stream", "send_body", "send_error"]
 
 SSE = b"text/event-stream"
 _TAIL = 32
 
 
+def is_sse(content_type: bytes | None) -> bool:
+    return content_type is not None and content_type[: len(SSE)].lower() == SSE
+
+
 async def send_body(
-    send: Callable, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes, before_end: Callable[[], None]
+    send: Send, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes, before_end: Callable[[], None]
 ) -> None:
     """One complete response (status, headers, body)."""
     hdrs = [*headers, (b"content-length", str(len(body)).encode())]
@@ -30,40 +37,39 @@ async def send_body(
 
 
 async def send_error(
-    send: Callable, err: RouterError, extra: Sequence[tuple[bytes, bytes]], before_end: Callable[[], None]
+    send: Send, err: RouterError, extra: Sequence[tuple[bytes, bytes]], before_end: Callable[[], None]
 ) -> None:
-    status = err.upstream_status if hasattr(err, "upstream_status") else err.status
-    await send_body(send, status, [*err.headers(), *extra], err.body(), before_end)
+    await send_body(send, err.status, [*err.headers(), *extra], err.body(), before_end)
 
 
 async def relay_stream(
-    send: Callable,
+    send: Send,
     resp: UpstreamResponse,
     first: bytes | None,
     headers: Sequence[tuple[bytes, bytes]],
     idle_timeout: float,
     before_end: Callable[[], None],
+    where: str,
 ) -> RouterError | None:
-    """Relay a 200 streaming answer whose first body bytes (`first`) were already read.
+    """Relay a 200 SSE answer whose first body bytes (`first`) were already read.
 
     Returns None when the stream ended as it should, else the error that was sent as the last event.
+    `where` names the decode in that error.
     """
-    sse = (resp.header(b"content-type") or b"").startswith(SSE)
     await send({"type": "http.response.start", "status": resp.status, "headers": headers})
     tail = b""
     error: RouterError | None = None
     chunk = first
-    try:
-        while chunk is not None:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
+    while chunk is not None:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
+        try:
             chunk = await resp.next_chunk(idle_timeout)
-    except ReadTimeout as exc:
-        error = UpstreamTimeout(f"decode stream stalled: {exc}")
-    except UpstreamError as exc:
-        error = DecodeFailed(f"decode stream broke: {exc}")
-    if error is None and sse and not tail.rstrip().endswith(b"[DONE]"):
-        error = DecodeFailed("decode stream ended without [DONE]")
+        except Exception as exc:  # whatever the decode's connection did, it is the decode's failure
+            error = translate(exc, UPSTREAM_FAILURES["decode"], f"{where}: stream broke")
+            break
+    if error is None and not tail.rstrip().endswith(b"[DONE]"):
+        error = DecodeFailed(f"{where}: stream ended without [DONE]")
     before_end()
     await send({"type": "http.response.body", "body": sse_error(error) if error else b"", "more_body": False})
     return error

@@ -24,7 +24,7 @@ from pdgate.router.meta import PooledMetaClient
 
 __all__ = ["Holds"]
 
-log = logging.getLogger("pdgate.router.sim")
+log = logging.getLogger("pdgate.sim")
 
 _CHECK_EVERY_S = 0.5
 

@@ -1,7 +1,9 @@
 """pdgate-sim's ledger side: registry records per DP rank, heartbeats, and the PD handoff steps.
 
-A mixin of `SimApp`: prefill records READY, decode claims then marks DONE, and a mismatch between the
-params and the handoff is counted and aborted (see `pdgate.router.sim`).
+A prefill records READY and answers the `kv_transfer_params` of the blocks it holds; a decode claims,
+checks that its params come from the prefill that holds the handoff, then marks DONE. A mismatch is
+counted and aborted. The params are built and read with `pdgate.metaserver.contract.KVTransferParams`,
+the same contract the router and the connector use.
 """
 
 from __future__ import annotations
@@ -13,43 +15,58 @@ import time
 from typing import Any
 
 from pdgate.metaserver.client import MetaConflict, MetaError, MetaGone, MetaNotFound
-from pdgate.metaserver.models import InstanceLoad, InstanceRegistration, KVLocation, Role
+from pdgate.metaserver.contract import KVTransferParams
+from pdgate.metaserver.models import HandoffState, InstanceLoad, InstanceRegistration, KVLocation, Role
+from pdgate.router.http_pool import HttpPool
 from pdgate.router.meta import PooledMetaClient
-from pdgate.router.sim_holds import Holds
-from pdgate.router.sim_settings import Script, SimSettings, _Stats
-from pdgate.router.sim_wire import _Reject
-from pdgate.router.upstream import HttpPool
+from pdgate.sim.holds import Holds
+from pdgate.sim.settings import Script, SimSettings, Stats
+from pdgate.sim.wire import Reject
 
-log = logging.getLogger("pdgate.router.sim")
+__all__ = ["Ledger"]
+
+log = logging.getLogger("pdgate.sim")
 
 
-class SimLedger:
-    """Registry and handoff ledger calls of `SimApp` (state lives on the app)."""
+class Ledger:
+    """The simulator's metaserver calls: one client per metaserver URL over one HTTP pool."""
 
-    s: SimSettings
-    url: str
-    base_id: str
-    role: Role
-    script: Script
-    stats: _Stats
-    _next_block: int
-    _http: HttpPool | None
-    _clients: dict[str, PooledMetaClient]
-    _registered: set[int]
-    holds: Holds
+    def __init__(
+        self, settings: SimSettings, url: str, base_id: str, role: Role, script: Script, stats: Stats, holds: Holds
+    ) -> None:
+        self.s = settings
+        self.url = url
+        self.base_id = base_id
+        self.role = role
+        self.script = script
+        self.stats = stats
+        self.holds = holds
+        self.http: HttpPool | None = None
+        self.registered: set[int] = set()
+        self._clients: dict[str, PooledMetaClient] = {}
+        self._next_block = 0
 
     def record_id(self, rank: int) -> str:
         return self.base_id if self.s.dp_size == 1 else f"{self.base_id}.dp{rank}"
 
-    def _meta(self, url: str) -> PooledMetaClient:
+    def meta(self, url: str) -> PooledMetaClient:
         client = self._clients.get(url)
         if client is None:
-            assert self._http is not None
+            if self.http is None:
+                self.http = HttpPool()
             client = PooledMetaClient(
-                url, pool=self._http, token=self.s.metaserver_token, timeout=self.s.metaserver_timeout_s
+                url, pool=self.http, admin_token=self.s.admin_token, timeout=self.s.metaserver_timeout_s
             )
             self._clients[url] = client
         return client
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        if self.http is not None:
+            await self.http.aclose()
+
+    # -- registry ---------------------------------------------------------------------------
 
     def registration(self, rank: int) -> InstanceRegistration:
         s = self.s
@@ -70,46 +87,58 @@ class SimLedger:
             lease_s=s.lease_s,
         )
 
-    async def _register_all(self) -> None:
+    async def register_all(self) -> None:
         """Register every rank not registered yet; a metaserver that is not up yet is retried later."""
         assert self.s.metaserver
-        meta = self._meta(self.s.metaserver)
+        meta = self.meta(self.s.metaserver)
         for rank in range(self.s.dp_size):
-            if rank in self._registered:
+            if rank in self.registered:
                 continue
             try:
                 await meta.register(self.registration(rank))
-                self._registered.add(rank)
+                self.registered.add(rank)
             except MetaError as exc:
                 log.warning("registering %s failed (will retry): %s", self.record_id(rank), exc.detail)
 
-    async def _heartbeat_loop(self) -> None:
+    async def heartbeat_loop(self) -> None:
         assert self.s.metaserver
-        meta = self._meta(self.s.metaserver)
+        meta = self.meta(self.s.metaserver)
         while True:
-            pending = len(self._registered) < self.s.dp_size
+            pending = len(self.registered) < self.s.dp_size
             await asyncio.sleep(0.2 if pending else self.s.lease_s / 3)
-            await self._register_all()
-            for rank in sorted(self._registered):
+            await self.register_all()
+            for rank in sorted(self.registered):
                 load = InstanceLoad(running=self.stats.inflight[rank])
                 try:
                     await meta.heartbeat(self.record_id(rank), load)
                 except MetaNotFound:  # our lease lapsed (e.g. the metaserver restarted): register again
-                    self._registered.discard(rank)
+                    self.registered.discard(rank)
                 except MetaError as exc:
                     log.warning("heartbeat of %s failed: %s", self.record_id(rank), exc.detail)
 
-    async def _prefill(
-        self, kv: dict[str, Any], rank: int, prompt_tokens: int, meta_url: str | None, tid: str | None, rid: str
+    async def deregister_all(self) -> None:
+        assert self.s.metaserver
+        meta = self.meta(self.s.metaserver)
+        for rank in sorted(self.registered):
+            with contextlib.suppress(MetaError):
+                await meta.deregister(self.record_id(rank))
+
+    # -- the PD steps -----------------------------------------------------------------------
+
+    async def prefill(
+        self, kv: KVTransferParams, rank: int, prompt_tokens: int, meta_url: str | None, rid: str
     ) -> dict[str, Any] | None:
+        """Hold blocks for the prompt, record READY, and return the params a decode needs (None when
+        the script says the prefill forgets them)."""
+        tid = kv.transfer_id
         n_blocks = max(1, -(-prompt_tokens // self.s.block_size))
-        blocks = list(range(self._next_block, self._next_block + n_blocks))
+        blocks = tuple(range(self._next_block, self._next_block + n_blocks))
         self._next_block += n_blocks
         engine_id = self.record_id(rank)
         remote_rid = f"cmpl-{rid or tid or 'sim'}-0-{self._next_block:08x}"
         if meta_url and tid:
             location = KVLocation(
-                block_ids=[blocks],
+                block_ids=[list(blocks)],
                 num_tokens=prompt_tokens,
                 engine_id=engine_id,
                 host=self.s.host,
@@ -122,38 +151,43 @@ class SimLedger:
                 remote_request_id=remote_rid,
             )
             try:
-                ready = await self._meta(meta_url).mark_ready(tid, location)
+                ready = await self.meta(meta_url).mark_ready(tid, location)
                 self.holds.hold(tid, n_blocks, meta_url, ready.lease_s)
             except MetaError as exc:
                 self.stats.inc("ledger_errors")
-                raise _Reject(500, f"could not record READY for {tid}: {exc.detail}", "ledger_error") from exc
+                raise Reject(500, f"could not record READY for {tid}: {exc.detail}", "ledger_error") from exc
         else:
             self.stats.inc("prefill_without_ledger")
         if self.script.no_kv_params:
             return None
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": engine_id,
-            "remote_block_ids": [blocks],
-            "remote_host": self.s.host,
-            "remote_port": self.s.port,
-            "remote_request_id": remote_rid,
-            "remote_dp_rank": rank,
-            "remote_num_tokens": prompt_tokens,
-            "tp_size": self.s.tp_size,
-            "transfer_id": tid,
-            "kv_key": kv.get("kv_key"),
-        }
+        answer = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=engine_id,
+            remote_block_ids=(blocks,),
+            remote_request_id=remote_rid,
+            remote_num_tokens=prompt_tokens,
+            transfer_id=tid,
+            kv_key=kv.kv_key,
+            extra={
+                "remote_host": self.s.host,
+                "remote_port": self.s.port,
+                "remote_dp_rank": rank,
+                "tp_size": self.s.tp_size,
+            },
+        )
+        return answer.to_dict()
 
-    async def _claim(self, kv: dict[str, Any], rank: int, meta_url: str | None, tid: str | None) -> None:
-        engine = kv.get("remote_engine_id")
+    async def claim(self, kv: KVTransferParams, rank: int, meta_url: str | None) -> None:
+        """Claim the handoff (waiting while it is PENDING or claimed by another decode), check that the
+        params come from the prefill that holds it, and mark it DONE."""
+        engine = kv.remote_engine_id
+        tid = kv.transfer_id
         if not engine:
-            raise _Reject(400, "decode request without remote_engine_id in kv_transfer_params")
+            raise Reject(400, "decode request without remote_engine_id in kv_transfer_params")
         if not (meta_url and tid):
             self.stats.inc("decode_without_ledger")
             return
-        meta = self._meta(meta_url)
+        meta = self.meta(meta_url)
         me = self.record_id(rank)
         deadline = time.monotonic() + self.s.claim_wait_s
         while True:
@@ -162,24 +196,24 @@ class SimLedger:
                 break
             except (MetaGone, MetaNotFound) as exc:
                 self.stats.inc("kv_expired")
-                raise _Reject(410, f"handoff {tid} is gone: {exc.detail}", "kv_expired") from exc
+                raise Reject(410, f"handoff {tid} is gone: {exc.detail}", "kv_expired") from exc
             except MetaConflict as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise _Reject(504, f"handoff {tid} was not claimable within {self.s.claim_wait_s:g} s") from exc
-                if exc.current_state is not None and exc.current_state.value == "PENDING":
+                    raise Reject(504, f"handoff {tid} was not claimable within {self.s.claim_wait_s:g} s") from exc
+                if exc.current_state is HandoffState.PENDING:
                     await meta.get_handoff(tid, wait=min(left, 10.0))
                 else:  # another decode holds the claim: its lease lapses back to READY
                     await asyncio.sleep(min(left, 0.05))
             except MetaError as exc:
                 self.stats.inc("ledger_errors")
-                raise _Reject(503, f"ledger unavailable: {exc.detail}", "ledger_error") from exc
+                raise Reject(503, f"ledger unavailable: {exc.detail}", "ledger_error") from exc
         loc = h.location
         if loc is None or loc.engine_id != h.prefill_instance_id or engine != loc.engine_id:
             self.stats.inc("mismatches")
             with contextlib.suppress(MetaError):
                 await meta.abort(tid, "kv_transfer_params do not match the handoff")
-            raise _Reject(
+            raise Reject(
                 500,
                 f"kv_transfer_params name engine {engine!r} but handoff {tid} is held by prefill "
                 f"{h.prefill_instance_id!r} with KV on {loc.engine_id if loc else None!r}",
@@ -189,5 +223,5 @@ class SimLedger:
             await meta.done(tid, me)
         except MetaError as exc:
             self.stats.inc("ledger_errors")
-            raise _Reject(500, f"could not record DONE for {tid}: {exc.detail}", "ledger_error") from exc
+            raise Reject(500, f"could not record DONE for {tid}: {exc.detail}", "ledger_error") from exc
         self.stats.inc("claimed")

@@ -12,6 +12,8 @@ from pdgate.router.settings import settings_parser
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+__all__ = ["Script", "SimSettings", "Stats", "parse_cli"]
+
 
 class SimSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDGATE_SIM_", extra="ignore", frozen=True)
@@ -20,7 +22,9 @@ class SimSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8100, ge=0, le=65535, description="port to listen on")
     metaserver: str | None = Field(None, description="metaserver URL: register there and use it as the ledger")
-    metaserver_token: str | None = Field(None, description="admin token for the metaserver's write routes")
+    admin_token: str | None = Field(
+        None, description="admin token for the metaserver's write routes (set it in the environment, not as a flag)"
+    )
     metaserver_timeout_s: float = Field(5.0, gt=0, description="timeout of one call to the metaserver")
     advertise_url: str | None = Field(None, description="URL the router reaches this engine at (default host:port)")
     model: str = Field("sim-model", description="served model name")
@@ -79,11 +83,16 @@ class Script:
             setattr(self, k, v)
 
 
-class _Stats:
+class Stats:
+    """The counters tests read at `GET /sim/stats`; `POST /sim/reset` zeroes all but the in-flight ones."""
+
     def __init__(self, dp_size: int) -> None:
-        self.counts: dict[str, int] = {}
-        self.by_rank = [0] * dp_size
         self.inflight = [0] * dp_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.by_rank = [0] * len(self.inflight)
         self.max_inflight = 0
         self.log: deque[dict[str, Any]] = deque(maxlen=8192)
 

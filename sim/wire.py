@@ -1,4 +1,9 @@
-"""pdgate-sim's OpenAI wire format: prompts to tokens, answer bodies, errors, and raw ASGI send helpers."""
+"""pdgate-sim's OpenAI wire format: request checks, prompts to tokens, answer bodies, errors, ASGI sends.
+
+The request checks answer 400 the way vLLM does for a field of the wrong type or range: a client's bad
+field must never look like an engine failure (a 5xx would count against the engine's breaker in a
+router and take it out of rotation for everyone).
+"""
 
 from __future__ import annotations
 
@@ -6,29 +11,51 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
+from pdgate.router.asgi import Receive, Send
+
+__all__ = [
+    "JSON_HEADERS",
+    "SSE_HEADERS",
+    "Died",
+    "QuietDeath",
+    "Reject",
+    "error_body",
+    "event",
+    "full_answer",
+    "pause",
+    "prompt_of",
+    "read_body",
+    "reply",
+    "send_all",
+    "tokens_for",
+    "validate_completion",
+    "with_length",
+]
 
 _VOCAB = (
     "the of and to in is was for on that with as by at from it an be this which or are have had not "
     "were but they his one all their there been has when who will more no if out so said what up its"
 ).split()
-_JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
-class _Died(Exception):
+class Died(Exception):
     """Raised on purpose (--die-after-tokens): uvicorn then closes the connection mid-answer."""
 
 
-class _QuietDeath(logging.Filter):
+class QuietDeath(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], _Died))
+        return not (record.exc_info and isinstance(record.exc_info[1], Died))
 
 
-class _Reject(Exception):
+class Reject(Exception):
+    """An answer other than 200, with vLLM's error body."""
+
     def __init__(self, status: int, message: str, code: object = None) -> None:
         super().__init__(message)
         self.status = status
@@ -36,11 +63,65 @@ class _Reject(Exception):
         self.code = code if code is not None else status
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_count(body: dict[str, Any], key: str) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if not _is_int(value):
+        raise Reject(400, f"{key} must be an integer, got {type(value).__name__}")
+    if value < 1:
+        raise Reject(400, f"{key} must be at least 1, got {value}.")
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt) or all(isinstance(p, str) for p in prompt):
+            return
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return
+    raise Reject(400, "prompt must be a string, a list of strings, or token ids")
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise Reject(400, "messages must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise Reject(400, "each message must be an object with a string 'role'")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise Reject(400, "message content must be a string or a list of parts")
+
+
+def validate_completion(body: dict[str, Any], chat: bool) -> None:
+    """400 for the fields the simulator reads when they have the wrong type or range."""
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise Reject(400, "model must be a string")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise Reject(400, "stream must be a boolean")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        _optional_count(body, key)
+    for key in ("stream_options", "kv_transfer_params"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise Reject(400, f"{key} must be an object")
+    if chat:
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+
+
 def _words(text: str) -> int:
     return max(1, len(text.split()))
 
 
-def _prompt(body: dict[str, Any], chat: bool) -> tuple[str, int]:
+def prompt_of(body: dict[str, Any], chat: bool) -> tuple[str, int]:
+    """(prompt text, prompt tokens counted in words) of a validated body."""
     if chat:
         parts = []
         for m in body.get("messages") or []:
@@ -60,13 +141,14 @@ def _prompt(body: dict[str, Any], chat: bool) -> tuple[str, int]:
     return str(prompt), _words(str(prompt))
 
 
-def _tokens(text: str, n: int) -> list[str]:
+def tokens_for(text: str, n: int) -> list[str]:
+    """`n` tokens derived from the prompt: the same prompt always gets the same text."""
     seed = int.from_bytes(hashlib.blake2b(text.encode()[:4096], digest_size=8).digest(), "little")
     v = len(_VOCAB)
     return [" " + _VOCAB[(seed >> (i % 48) ^ i * 2654435761) % v] for i in range(n)]
 
 
-def _full(
+def full_answer(
     body: dict[str, Any], tokens: list[str], prompt_tokens: int, chat: bool, rid: str, kv: dict[str, Any] | None
 ) -> bytes:
     text = "".join(tokens)
@@ -92,29 +174,29 @@ def _full(
     return orjson.dumps(out)
 
 
-def _event(obj: dict[str, Any]) -> bytes:
+def event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _error(exc: _Reject) -> dict[str, Any]:
+def error_body(exc: Reject) -> dict[str, Any]:
     kind = "BadRequestError" if exc.status < 500 else "InternalServerError"
     return {"error": {"message": exc.message, "type": kind, "param": None, "code": exc.code}}
 
 
-def _with_length(headers: Sequence[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
+def with_length(headers: Sequence[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
     return [*headers, (b"content-length", str(len(body)).encode())]
 
 
-async def _send_all(send: Callable, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": _with_length(headers, body)})
+async def send_all(send: Send, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": with_length(headers, body)})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _reply(send: Callable, status: int, obj: Any) -> None:
-    await _send_all(send, status, _JSON, orjson.dumps(obj))
+async def reply(send: Send, status: int, obj: Any) -> None:
+    await send_all(send, status, JSON_HEADERS, orjson.dumps(obj))
 
 
-async def _body(receive: Callable) -> bytes:
+async def read_body(receive: Receive) -> bytes:
     parts = []
     while True:
         msg = await receive()
@@ -123,7 +205,7 @@ async def _body(receive: Callable) -> bytes:
             return b"".join(parts)
 
 
-async def _pause(seconds: float, disconnected: asyncio.Future[Any]) -> bool:
+async def pause(seconds: float, disconnected: asyncio.Future[Any]) -> bool:
     """Sleep, unless the client goes away first: False then."""
     if seconds <= 0:
         return not disconnected.done()

@@ -14,6 +14,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY metaserver/ metaserver/
 COPY router/ router/
+COPY sim/ sim/
 COPY connector/ connector/
 COPY deploy/ deploy/
 RUN pip wheel --wheel-dir /wheels .

@@ -26,6 +26,7 @@ WORKDIR /opt/pdgate/src
 COPY pyproject.toml README.md ./
 COPY metaserver/ metaserver/
 COPY router/ router/
+COPY sim/ sim/
 COPY connector/ connector/
 COPY deploy/ deploy/
 # Install pdgate without moving any package vLLM/torch_npu were built with: every package already

@@ -33,6 +33,7 @@ WORKDIR /opt/pdgate/src
 COPY pyproject.toml README.md ./
 COPY metaserver/ metaserver/
 COPY router/ router/
+COPY sim/ sim/
 COPY connector/ connector/
 COPY deploy/ deploy/
 # Non-editable install: the source folder is not needed at run time.

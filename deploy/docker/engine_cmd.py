@@ -364,12 +364,12 @@ def engine_argv(spec: EngineSpec, python: str = "python3") -> list[str]:
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:
     """Variables added to the engine's environment. The metaserver token travels there, never on the
-    command line (`ps`, `docker top`): pdgate-sim reads PDGATE_SIM_METASERVER_TOKEN, the vLLM engines'
+    command line (`ps`, `docker top`): pdgate-sim reads PDGATE_SIM_ADMIN_TOKEN, the vLLM engines'
     connector PDGATE_METASERVER_TOKEN."""
     if not spec.token:
         return {}
     if spec.flavour == "sim":
-        return {"PDGATE_SIM_METASERVER_TOKEN": spec.token}
+        return {"PDGATE_SIM_ADMIN_TOKEN": spec.token}
     return {"PDGATE_METASERVER_TOKEN": spec.token}
 
 

@@ -1,10 +1,10 @@
 """Instance-selection policies: pure functions of a candidate list, the request and an rng.
 
-A policy gets the *eligible* candidates (the pool filtered out draining, unhealthy, breaker-open and
-incompatible instances before), the request's facts and a `Random`; it returns an index or None. It
-never records anything: the caller counts the request against the instance it dispatches to. Each
-policy lives in its own module; `POLICIES` maps names (the `--prefill-policy`/`--decode-policy`
-values) to classes, and `make_policy` builds one.
+A policy gets the *eligible* instances (`pool.LiveInstance`s; the pool filtered out draining,
+unhealthy, breaker-open and incompatible ones before), the request's facts and a `Random`; it returns
+an index or None. It never records anything: the caller counts the request against the instance it
+dispatches to (`Pool.lease`). Each policy lives in its own module; `POLICIES` maps names (the
+`--prefill-policy`/`--decode-policy` values) to classes, and `make_policy` builds one.
 
 Load, the same for every policy that looks at it: the larger of the router's own in-flight requests
 to the instance and the running+waiting figures the instance last reported to the registry (other
@@ -19,26 +19,14 @@ from random import Random
 from typing import Any, ClassVar, Protocol
 
 from pdgate.router.bodies import RequestFacts
+from pdgate.router.pool import LiveInstance
 
-__all__ = ["POLICIES", "TOKEN_UNIT", "Candidate", "Policy", "load_of", "make_policy"]
+__all__ = ["POLICIES", "TOKEN_UNIT", "Policy", "load_of", "make_policy"]
 
 TOKEN_UNIT = 2048
 
 
-class Candidate(Protocol):
-    """A read-only view of one instance's identity and load (the pool's trackers satisfy it)."""
-
-    @property
-    def id(self) -> str: ...
-    @property
-    def requests(self) -> int: ...
-    @property
-    def tokens(self) -> int: ...
-    @property
-    def reported(self) -> int: ...
-
-
-def load_of(c: Candidate) -> float:
+def load_of(c: LiveInstance) -> float:
     own = c.requests
     reported = c.reported
     return (own if own > reported else reported) + c.tokens / TOKEN_UNIT
@@ -47,7 +35,7 @@ def load_of(c: Candidate) -> float:
 class Policy(Protocol):
     name: ClassVar[str]
 
-    def choose(self, candidates: Sequence[Candidate], req: RequestFacts, rng: Random) -> int | None: ...
+    def choose(self, candidates: Sequence[LiveInstance], req: RequestFacts, rng: Random) -> int | None: ...
 
 
 def _registry() -> dict[str, type[Any]]:

@@ -7,7 +7,8 @@ from random import Random
 from typing import ClassVar
 
 from pdgate.router.bodies import RequestFacts
-from pdgate.router.policies import Candidate, load_of
+from pdgate.router.policies import load_of
+from pdgate.router.pool import LiveInstance
 
 __all__ = ["LeastLoad"]
 
@@ -16,7 +17,7 @@ class LeastLoad:
     name: ClassVar[str] = "least_load"
     OPTIONS: ClassVar[tuple[str, ...]] = ()
 
-    def choose(self, candidates: Sequence[Candidate], req: RequestFacts, rng: Random) -> int | None:
+    def choose(self, candidates: Sequence[LiveInstance], req: RequestFacts, rng: Random) -> int | None:
         n = len(candidates)
         if n <= 1:
             return 0 if n else None

@@ -11,7 +11,8 @@ from random import Random
 from typing import ClassVar
 
 from pdgate.router.bodies import RequestFacts
-from pdgate.router.policies import Candidate, load_of
+from pdgate.router.policies import load_of
+from pdgate.router.pool import LiveInstance
 
 __all__ = ["PowerOfTwo"]
 
@@ -20,7 +21,7 @@ class PowerOfTwo:
     name: ClassVar[str] = "power_of_two"
     OPTIONS: ClassVar[tuple[str, ...]] = ()
 
-    def choose(self, candidates: Sequence[Candidate], req: RequestFacts, rng: Random) -> int | None:
+    def choose(self, candidates: Sequence[LiveInstance], req: RequestFacts, rng: Random) -> int | None:
         n = len(candidates)
         if n <= 1:
             return 0 if n else None

@@ -18,8 +18,9 @@ from random import Random
 from typing import ClassVar
 
 from pdgate.router.bodies import RequestFacts
-from pdgate.router.policies import Candidate, load_of
+from pdgate.router.policies import load_of
 from pdgate.router.policies.least_load import LeastLoad
+from pdgate.router.pool import LiveInstance
 
 __all__ = ["PrefixAffinity", "rank"]
 
@@ -59,7 +60,7 @@ class PrefixAffinity:
         self.load_factor = load_factor
         self._fallback = LeastLoad()
 
-    def choose(self, candidates: Sequence[Candidate], req: RequestFacts, rng: Random) -> int | None:
+    def choose(self, candidates: Sequence[LiveInstance], req: RequestFacts, rng: Random) -> int | None:
         n = len(candidates)
         if n <= 1:
             return 0 if n else None

@@ -7,7 +7,7 @@ from random import Random
 from typing import ClassVar
 
 from pdgate.router.bodies import RequestFacts
-from pdgate.router.policies import Candidate
+from pdgate.router.pool import LiveInstance
 
 __all__ = ["RoundRobin"]
 
@@ -19,7 +19,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[Candidate], req: RequestFacts, rng: Random) -> int | None:
+    def choose(self, candidates: Sequence[LiveInstance], req: RequestFacts, rng: Random) -> int | None:
         if not candidates:
             return None
         i = self._next % len(candidates)

@@ -206,7 +206,7 @@ def test_bad_environment_names_the_env_file_variable(
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_sim_engine_registers_the_identity_a_real_engine_would(role: str, services: dict[str, dict[str, str]]) -> None:
-    from pdgate.router.sim import parse_cli
+    from pdgate.sim.settings import parse_cli
 
     env = services[f"{role}-sim"]
     spec = ec.EngineSpec.from_env(env)
@@ -214,12 +214,12 @@ def test_sim_engine_registers_the_identity_a_real_engine_would(role: str, servic
     assert argv[0] == "pdgate-sim"
     assert env["PDGATE_METASERVER_TOKEN"] not in argv  # the token travels in the environment
     extra_env = ec.engine_env(spec)
-    assert extra_env == {"PDGATE_SIM_METASERVER_TOKEN": env["PDGATE_METASERVER_TOKEN"]}
+    assert extra_env == {"PDGATE_SIM_ADMIN_TOKEN": env["PDGATE_METASERVER_TOKEN"]}
     settings = _with_env(extra_env, lambda: parse_cli(argv[1:]))
     real = ec.EngineSpec.from_env(services[f"{role}-cpu"])
     assert settings.role == role
     assert settings.metaserver == real.metaserver_url
-    assert settings.metaserver_token == env["PDGATE_METASERVER_TOKEN"]
+    assert settings.admin_token == env["PDGATE_METASERVER_TOKEN"]
     assert settings.advertise_url == real.url
     assert settings.instance_id == real.instance_id
     assert settings.model == real.served_model_name

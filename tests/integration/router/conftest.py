@@ -37,7 +37,7 @@ class Sim:
         self.role = role
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdgate.router.sim", "--role", role, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "pdgate.sim", "--role", role, "--port", str(self.port), *args]
         if metaserver:
             cmd += ["--metaserver", metaserver]
         if name:
@@ -130,7 +130,7 @@ class Deployment:
 
     def add_many(self, specs: Sequence[tuple[str, Sequence[str]]], register: bool = True) -> list[Sim]:
         meta = (self.settings.metaserver or self.url) if register else None
-        token = ["--metaserver-token", self.settings.admin_token] if register and self.settings.admin_token else []
+        token = ["--admin-token", self.settings.admin_token] if register and self.settings.admin_token else []
         sims = start_sims([(role, [*args, *token]) for role, args in specs], metaserver=meta)
         self.sims += sims
         return sims

@@ -115,17 +115,19 @@ def test_fields_pass_through_and_the_request_id_reaches_both(dep: Deployment) ->
 def test_handoffs_end_done_in_the_embedded_ledger(dep: Deployment) -> None:
     dep.openai().completions.create(model="sim-model", prompt="ledger", max_tokens=2)
     [tid] = [t for s in sims(dep, "decode") for t in transfer_ids(s, "decode")]
-    h = httpx.get(f"{dep.url}/v1/handoffs/{tid}").json()
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{dep.url}/v1/handoffs/{tid}").status_code == 401  # reads need the admin token too
+    h = httpx.get(f"{dep.url}/v1/handoffs/{tid}", headers=auth).json()
     assert h["state"] == HandoffState.DONE.value and h["prefill_instance_id"] in {s.id for s in sims(dep, "prefill")}
     assert h["decode_instance_id"] in {s.id for s in sims(dep, "decode")}
 
 
 def test_embedded_metaserver_routes_share_the_port(dep: Deployment) -> None:
-    listed = httpx.get(dep.url + "/v1/instances").json()["instances"]
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    listed = httpx.get(dep.url + "/v1/instances", headers=auth).json()["instances"]
     assert {i["id"] for i in listed} == {s.id for s in dep.sims}
     body = {"id": "rogue", "role": "prefill", "url": "http://127.0.0.1:1", "model": "sim-model"}
     assert httpx.post(dep.url + "/v1/instances", json=body).status_code == 401
-    auth = {"authorization": f"Bearer {TOKEN}"}
     assert httpx.post(dep.url + "/v1/handoffs", json={"prefill_instance_id": "x"}).status_code == 401
     assert httpx.post(dep.url + "/v1/handoffs", json={"prefill_instance_id": "x"}, headers=auth).status_code == 201
 

@@ -1,4 +1,4 @@
-"""upstream.py over real sockets: keep-alive reuse, the stale keep-alive retry, chunked streams,
+"""http_pool.py / http1.py over real sockets: keep-alive reuse, the stale keep-alive retry, chunked streams,
 timeouts and cancellation (both close the connection, which is how an engine learns to abort)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import httpx
 import pytest
-from pdgate.router.upstream import ConnectFailed, ConnectionClosed, HttpPool, PoolTransport, ReadTimeout
+from pdgate.router.http_pool import HttpPool
+from pdgate.router.upstream import ConnectFailed, ConnectionClosed, ProtocolFailure, ReadTimeout
 
 from tests.support.ports import free_port
 from tests.support.servers import UvicornThread
@@ -158,13 +158,26 @@ async def test_a_truncated_body_is_an_error_not_a_short_answer(pool: HttpPool) -
             await resp.read()
 
 
-async def test_pool_transport_serves_httpx_clients(pool: HttpPool, echo: tuple[str, Echo]) -> None:
-    url, _ = echo
-    async with httpx.AsyncClient(transport=PoolTransport(pool), base_url=url) as client:
-        resp = await client.post("/x", json={"a": 1})
-        assert resp.status_code == 201 and resp.json() == {"a": 1}
-        with pytest.raises(httpx.ReadTimeout):
-            await client.post("/hang", json={}, timeout=0.2)
-    async with httpx.AsyncClient(transport=PoolTransport(pool)) as client:
-        with pytest.raises(httpx.ConnectError):
-            await client.get(f"http://127.0.0.1:{free_port()}/")
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:99999/", "http://" + "a" * 64 + ":8000/", "http://[::1/", "ftp://127.0.0.1:21/"],
+)
+async def test_an_unusable_instance_url_is_a_connect_failure(pool: HttpPool, url: str) -> None:
+    """Whatever a registered URL makes the socket layer raise (ValueError, OverflowError, UnicodeError)
+    is that instance's failure to connect, which the proxy retries elsewhere, never a bare exception."""
+    with pytest.raises(ConnectFailed):
+        await pool.request("GET", url, [], b"", timeout=2)
+
+
+async def test_an_engine_that_switches_protocols_is_a_protocol_failure(pool: HttpPool) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client closes
+        writer.close()
+
+    server, url = await serve_raw(handler)
+    async with server:
+        with pytest.raises(ProtocolFailure, match="switched protocols"):
+            await pool.request("GET", url + "/", [], b"", timeout=2)

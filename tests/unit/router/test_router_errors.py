@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from pdgate.metaserver.client import MetaUnavailable
 from pdgate.router.errors import (
     ERROR_HEADER,
+    META_FAILURES,
+    UPSTREAM_FAILURES,
     DecodeFailed,
     KVExpired,
     MetaserverUnavailable,
@@ -15,7 +18,11 @@ from pdgate.router.errors import (
     UpstreamRejected,
     UpstreamTimeout,
     sse_error,
+    translate,
 )
+from pdgate.router.upstream import ConnectFailed, ConnectionClosed, ReadTimeout
+
+from pdgate.errors import PDGateError
 
 
 @pytest.mark.parametrize(
@@ -31,9 +38,9 @@ from pdgate.router.errors import (
     ],
 )
 def test_openai_shape_and_header(err, status: int, code: str) -> None:
-    assert err.status == status and err.code == code
+    assert err.status == status and err.code.value == code and isinstance(err, PDGateError)
     body = orjson.loads(err.body())
-    assert body == {"error": {"message": "x", "type": err.type, "code": code, "param": None}}
+    assert body == {"error": {"message": "x", "type": err.openai_type, "code": code, "param": None}}
     assert (ERROR_HEADER, code.encode()) in err.headers()
 
 
@@ -51,3 +58,34 @@ def test_sse_error_is_one_error_event_then_done() -> None:
 def test_upstream_rejection_relays_the_engine_body() -> None:
     err = UpstreamRejected(400, b'{"error": "too long"}', b"application/json")
     assert err.body() == b'{"error": "too long"}' and err.headers() == [(b"content-type", b"application/json")]
+
+
+def test_upstream_rejection_answers_with_the_engines_status() -> None:
+    assert UpstreamRejected(422, b"{}", None).status == 422
+
+
+@pytest.mark.parametrize(
+    ("side", "exc", "code"),
+    [
+        ("prefill", ReadTimeout("no answer within 1 s"), "pd_upstream_timeout"),
+        ("prefill", ConnectFailed("refused"), "pd_prefill_failed"),
+        ("decode", ConnectionClosed("reset"), "pd_decode_failed"),
+        ("decode", ValueError("Port out of range 0-65535"), "pd_decode_failed"),
+        ("decode", UnicodeError("label too long"), "pd_decode_failed"),
+    ],
+)
+def test_any_exception_from_an_instance_is_that_instances_retryable_failure(
+    side: str, exc: Exception, code: str
+) -> None:
+    err = translate(exc, UPSTREAM_FAILURES[side], f"{side} i1")  # type: ignore[index]
+    assert err.code.value == code and err.retryable and err.message.startswith(f"{side} i1: ")
+    assert err.__cause__ is exc
+    if not isinstance(exc, (ReadTimeout, ConnectFailed, ConnectionClosed)):
+        assert type(exc).__name__ in err.message  # a foreign exception is named
+
+
+def test_a_metaserver_failure_is_pd_metaserver_unavailable() -> None:
+    err = translate(MetaUnavailable("connection refused"), META_FAILURES, "cannot record the handoff")
+    assert (
+        err.code.value == "pd_metaserver_unavailable" and err.message == "cannot record the handoff: connection refused"
+    )

@@ -1,12 +1,14 @@
-"""pool.py: eligibility, compatible candidates, accounting that survives refreshes."""
+"""pool.py: eligibility, compatible candidates, accounting (leases) that survives refreshes."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from pdgate.metaserver.models import Role
 from pdgate.router.breaker import BreakerConfig, BreakerState
-from pdgate.router.pool import InstanceView, Pool, static_instance_id
+from pdgate.router.pairing import InstanceView
+from pdgate.router.pool import Pool, static_instance_id
 
 P1 = InstanceView(id="p1", role=Role.PREFILL, url="http://p1", model="m", block_size=16)
 P2 = replace(P1, id="p2", url="http://p2")
@@ -14,15 +16,15 @@ D1 = InstanceView(id="d1", role=Role.DECODE, url="http://d1", model="m", block_s
 D32 = replace(D1, id="d32", url="http://d32", block_size=32)
 
 
-def ids(trackers: list) -> list[str]:
-    return [t.id for t in trackers]
+def ids(instances: list) -> list[str]:
+    return [i.id for i in instances]
 
 
 def test_prefills_need_an_available_compatible_decode() -> None:
     pool = Pool()
     pool.replace([P1, replace(P2, block_size=32), D1])
     assert ids(pool.prefill_candidates("m", 0)) == ["p1"]  # p2 (block 32) has no decode
-    assert ids(pool.decode_candidates(pool.trackers["p1"], 0)) == ["d1"]
+    assert ids(pool.decode_candidates(pool.instances["p1"], 0)) == ["d1"]
     assert pool.models(0) == ["m"]
     pool.set_health("http://d1", False, "connection refused")
     assert pool.prefill_candidates("m", 0) == [] and pool.models(0) == []
@@ -36,15 +38,15 @@ def test_draining_unknown_model_and_open_breaker_are_skipped() -> None:
         [P1, replace(P2, draining=True), D1, InstanceView(id="s", role=Role.PREFILL, url="http://s", model=None)]
     )
     assert ids(pool.prefill_candidates("m", 0)) == ["p1"]
-    tr = pool.trackers["p1"]
-    pool.record(tr, False, 0)
+    inst = pool.instances["p1"]
+    with pool.lease(inst, 10, lambda: 0) as lease:
+        lease.failed()
     assert pool.prefill_candidates("m", 1) == [] and events == [("p1", BreakerState.OPEN)]
     assert "p1 has its circuit breaker open" in pool.explain("m", 1)
     assert ids(pool.prefill_candidates("m", 5)) == ["p1"]  # half-open: one probe may pass
-    pool.begin(tr, 10, 5)
-    assert pool.prefill_candidates("m", 5) == []
-    pool.end(tr, 10)
-    pool.record(tr, True, 6)
+    with pool.lease(inst, 10, lambda: 5) as lease:
+        assert pool.prefill_candidates("m", 5) == []  # the probe is out
+        lease.succeeded()
     assert ids(pool.prefill_candidates("m", 6)) == ["p1"]
 
 
@@ -53,25 +55,36 @@ def test_exclusions_and_both_role() -> None:
     pool = Pool()
     pool.replace([P1, P2, both, D1])
     assert ids(pool.prefill_candidates("m", 0, exclude=["p1"])) == ["b", "p2"]
-    assert ids(pool.decode_candidates(pool.trackers["p1"], 0, exclude=["d1"])) == ["b"]
+    assert ids(pool.decode_candidates(pool.instances["p1"], 0, exclude=["d1"])) == ["b"]
 
 
-def test_trackers_keep_counts_across_refreshes_and_drop_vanished_ids() -> None:
+def test_live_instances_keep_counts_across_refreshes_and_drop_vanished_ids() -> None:
     seen: list[tuple[str, int]] = []
     pool = Pool(on_inflight=lambda t: seen.append((t.id, t.requests)))
     pool.replace([P1, D1])
-    tr = pool.trackers["p1"]
-    pool.begin(tr, 100, 0)
-    pool.replace([replace(P1, reported=7), D1])
-    assert pool.trackers["p1"] is tr and tr.requests == 1 and tr.tokens == 100 and tr.reported == 7
-    pool.replace([D1])
-    assert "p1" not in pool.trackers and seen[-1] == ("p1", 0)
+    inst = pool.instances["p1"]
+    with pool.lease(inst, 100, lambda: 0):
+        pool.replace([replace(P1, reported=7), D1])
+        assert pool.instances["p1"] is inst and inst.requests == 1 and inst.tokens == 100 and inst.reported == 7
+        pool.replace([D1])
+        assert "p1" not in pool.instances and seen[-1] == ("p1", 0)
+    assert inst.requests == 0 and inst.tokens == 0  # a lease ending after its instance left never goes negative
+
+
+def test_a_lease_ends_its_count_however_the_request_ends() -> None:
+    pool = Pool(BreakerConfig(failures=1, open_s=5))
+    pool.replace([P1, D1])
+    inst = pool.instances["p1"]
+    with pytest.raises(RuntimeError), pool.lease(inst, 7, lambda: 0):
+        assert (inst.requests, inst.tokens) == (1, 7)
+        raise RuntimeError("boom")  # no verdict: the breaker is left alone
+    assert (inst.requests, inst.tokens) == (0, 0) and ids(pool.prefill_candidates("m", 0)) == ["p1"]
 
 
 def test_incompatible_decode_never_offered() -> None:
     pool = Pool()
     pool.replace([P1, D32])
-    assert pool.decode_candidates(pool.trackers["p1"], 0) == []
+    assert pool.decode_candidates(pool.instances["p1"], 0) == []
     assert "d32 has block_size 32, p1 has 16" in pool.explain("m", 0)
 
 
@@ -95,6 +108,6 @@ def test_static_instance_id_is_a_valid_metaserver_id() -> None:
 def test_a_prefill_that_left_the_snapshot_mid_request_still_pairs() -> None:
     pool = Pool()
     pool.replace([P1, D1, D32])
-    p1 = pool.trackers["p1"]
+    p1 = pool.instances["p1"]
     pool.replace([D1, D32])  # p1's lease lapsed while its request was in flight
     assert ids(pool.decode_candidates(p1, 0)) == ["d1"]
