@@ -29,25 +29,20 @@ import json
 import os
 import platform
 import resource
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import orjson  # noqa: E402
+import orjson
 
-from tests.support.ports import free_port  # noqa: E402
-from tests.support.servers import wait_http  # noqa: E402
+from bench.router_libs import measure_libs
+from bench.router_procs import LOGS, PY, ROOT, Procs, cpu_seconds, cpus
+from tests.support.ports import free_port
+from tests.support.servers import wait_http
 
-PY = sys.executable
-CLK = os.sysconf("SC_CLK_TCK")
-LOGS = Path(tempfile.mkdtemp(prefix="pdgate-bench-router-"))
 TARGETS = {"cpu_us_nonstream_c32": 400, "cpu_us_stream32": 600, "errors_c1024": 0, "added_p50_ms_c1": 1.0}
 
 # Canned engines and metaserver in one raw ASGI process: isolates the router's own cost.
@@ -130,44 +125,6 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
 
 
-def cpus() -> int:
-    return len(os.sched_getaffinity(0))
-
-
-PIN = False  # --pin: measured, pinning the proxy to one CPU of this 2-vCPU box added ms of latency at c=1
-
-
-def pinned(cmd: list[str], cpu: str) -> list[str]:
-    if PIN and cpus() > 1 and shutil.which("taskset"):
-        return ["taskset", "-c", cpu, *cmd]
-    return cmd
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
-
-
-class Procs:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, cmd: list[str], cpu: str) -> subprocess.Popen[bytes]:
-        log = (LOGS / f"{name}.log").open("wb")
-        proc = subprocess.Popen(pinned(cmd, cpu), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        self.procs.append(proc)
-        return proc
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 # -- load generation --------------------------------------------------------------------------
 
 
@@ -182,8 +139,8 @@ async def run_load(
     url: str, concurrency: int, total: int, stream: bool, tokens: int, direct: dict[str, Any] | None
 ) -> dict[str, Any]:
     from pdgate.metaserver.models import HandoffCreate
-    from pdgate.router.meta import PooledMetaClient
     from pdgate.router.http_pool import HttpPool
+    from pdgate.router.meta import PooledMetaClient
 
     pool = HttpPool(connect_timeout=10)
     meta = PooledMetaClient(direct["metaserver"], pool=pool, timeout=60) if direct else None
@@ -424,156 +381,6 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# -- library measurements (--libs) -------------------------------------------------------------
-
-LIB_SERVER = """
-import sys, orjson
-BODY = orjson.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": "hello", "finish_reason": "length"}],
-                     "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]]}})
-kind, port = sys.argv[1], int(sys.argv[2])
-async def raw(scope, receive, send):
-    if scope["type"] != "http":
-        while True:
-            m = await receive()
-            if m["type"] == "lifespan.startup": await send({"type": "lifespan.startup.complete"})
-            elif m["type"] == "lifespan.shutdown": await send({"type": "lifespan.shutdown.complete"}); return
-    body, more = b"", True
-    while more:
-        m = await receive(); body += m.get("body", b""); more = m.get("more_body", False)
-    orjson.loads(body)
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": BODY})
-app = raw
-if kind == "starlette":
-    from starlette.applications import Starlette
-    from starlette.responses import Response
-    from starlette.routing import Route
-    async def h(request):
-        orjson.loads(await request.body()); return Response(BODY, media_type="application/json")
-    app = Starlette(routes=[Route("/v1/completions", h, methods=["POST"])])
-elif kind == "fastapi":
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response
-    app = FastAPI()
-    @app.post("/v1/completions")
-    async def h(request: Request):
-        orjson.loads(await request.body()); return Response(BODY, media_type="application/json")
-import uvicorn
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-"""
-
-
-async def client_cpu(kind: str, url: str, n: int, conc: int) -> float:
-    body = orjson.dumps({"model": "m", "prompt": "hello world " * 20, "max_tokens": 16})
-    hdrs = {"content-type": "application/json"}
-    if kind == "httpx":
-        import httpx
-
-        c = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000))
-
-        async def one() -> None:
-            orjson.loads((await c.post(url, content=body, headers=hdrs)).content)
-
-        close: Any = c.aclose
-    elif kind == "aiohttp":
-        import aiohttp
-
-        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000))
-
-        async def one() -> None:
-            async with s.post(url, data=body, headers=hdrs) as r:
-                orjson.loads(await r.read())
-
-        close = s.close
-    else:
-        from pdgate.router.http_pool import HttpPool
-
-        pool = HttpPool()
-        h = [(b"content-type", b"application/json")]
-
-        async def one() -> None:
-            r = await pool.request("POST", url, h, body)
-            orjson.loads(await r.read())
-
-        close = pool.aclose
-    sem = asyncio.Semaphore(conc)
-
-    async def task() -> None:
-        async with sem:
-            await one()
-
-    for _ in range(100):
-        await one()
-    r0 = resource.getrusage(resource.RUSAGE_SELF)
-    await asyncio.gather(*(task() for _ in range(n)))
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
-    await close()
-    return ((r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)) / n * 1e6
-
-
-def json_costs() -> dict[str, float]:
-    import json as std
-
-    doc = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hello world " * 200}],
-        "max_tokens": 64,
-        "kv_transfer_params": {"remote_block_ids": [list(range(64))], "remote_engine_id": "e"},
-    }
-    raw = orjson.dumps(doc)
-    out = {}
-    for name, dumps, loads in (
-        ("orjson", orjson.dumps, orjson.loads),
-        ("json", lambda o: std.dumps(o).encode(), std.loads),
-    ):
-        t = time.process_time()
-        for _ in range(5000):
-            loads(raw)
-            dumps(doc)
-        out[name] = (time.process_time() - t) / 5000 * 1e6
-    return out
-
-
-def measure_libs() -> dict[str, Any]:
-    import uvloop
-
-    print("\n== libraries (CPU per request/op, concurrency 32) ==")
-    results: dict[str, Any] = {"client_us": {}, "server_us": {}, "json_us": json_costs()}
-    procs = Procs()
-    try:
-        port = free_port()
-        procs.start("lib-raw", [PY, "-c", LIB_SERVER, "raw", str(port)], "0")
-        wait_http(f"http://127.0.0.1:{port}/v1/completions", timeout=20, status=None)
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        kinds = ["httpx", "native"]
-        try:
-            import aiohttp  # noqa: F401
-
-            kinds.insert(1, "aiohttp")
-        except ImportError:
-            print("(aiohttp not installed: skipped)")
-        for kind in kinds:
-            us = uvloop.run(client_cpu(kind, url, 1000 if kind == "httpx" else 4000, 32))
-            results["client_us"][kind] = us
-            print(f"client {kind:<8} {us:8.0f} us/request")
-        for kind in ("raw", "starlette", "fastapi"):
-            port = free_port()
-            proc = procs.start(f"lib-{kind}", [PY, "-c", LIB_SERVER, kind, str(port)], "0")
-            surl = f"http://127.0.0.1:{port}/v1/completions"
-            wait_http(surl, timeout=20, status=None)
-            uvloop.run(client_cpu("native", surl, 300, 32))
-            c0 = cpu_seconds(proc.pid)
-            uvloop.run(client_cpu("native", surl, 4000, 32))
-            us = (cpu_seconds(proc.pid) - c0) / 4300 * 1e6
-            results["server_us"][kind] = us
-            print(f"server {kind:<9} {us:8.0f} us/request (uvicorn + uvloop + httptools)")
-        for name, us in results["json_us"].items():
-            print(f"json   {name:<9} {us:8.1f} us per loads+dumps of a 2.6 kB chat body")
-    finally:
-        procs.stop()
-    return results
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests per scenario")
@@ -583,8 +390,7 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true", help="taskset: proxies on CPU 0, everything else on the others")
     ap.add_argument("--only", nargs="+", type=int, help="run only the scenarios with these concurrencies")
     args = ap.parse_args()
-    global PIN
-    PIN = args.pin
+    pin: bool = args.pin
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
     info = {
@@ -592,13 +398,13 @@ def main() -> None:
         "python": platform.python_version(),
         "cpus": cpus(),
         "load_avg_before": os.getloadavg(),
-        "pinning": "proxies on CPU 0, sims/metaserver/client on the others" if PIN and cpus() > 1 else "none",
+        "pinning": "proxies on CPU 0, sims/metaserver/client on the others" if pin and cpus() > 1 else "none",
     }
     libs = measure_libs() if args.libs else None
-    procs = Procs()
+    procs = Procs(pin)
     try:
         stack = start_stack(procs, args.modes)
-        if PIN and cpus() > 1:  # the load generator stays off the proxies' CPU
+        if pin and cpus() > 1:  # the load generator stays off the proxies' CPU
             os.sched_setaffinity(0, set(range(1, cpus())))
         print(f"\n== router benchmark ({'quick' if args.quick else 'full'}), logs in {LOGS} ==")
         print(HEAD)
