@@ -1,7 +1,8 @@
 """Every counter the connector keeps, with what it counts: the one list of its stats names.
 
-The scheduler half bumps them (`scheduler.py`; workers report through it), the stats file carries them
-under "counters", and `stats.py` exports each on vLLM's `/metrics` as `pdgate_connector_<name>_total`.
+The scheduler half bumps them (its two sides, through `outbox.py`; workers report through it), the
+stats file carries them under "counters", and `stats.py` exports each on vLLM's `/metrics` as
+`pdgate_connector_<name>_total`.
 A new counter is added here, then bumped where it happens. No imports: readable without vLLM.
 """
 
