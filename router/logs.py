@@ -2,7 +2,8 @@
 
 Why a contextvar: the proxy sets it once per request (`transfer_id.set(...)`) and every log line below,
 in the pool, the policies or the embedded metaserver, carries it without passing it through each call.
-Records logged outside a request show the metaserver's own subject (instance or transfer id) or "-".
+Records logged outside a request show the transfer id the embedded metaserver is handling, or "-".
+The connector and the metaserver call the same field `transfer_id`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s [%(transfer_id)s] %(message)s"
 
 
 class TransferIdFilter(logging.Filter):
+    """Adds `transfer_id` (of the request, else of the embedded metaserver's handoff) to each record."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        tid = getattr(record, "transfer_id", None)
-        if tid is None:
+        if not hasattr(record, "transfer_id"):
             tid = transfer_id.get()
-            if tid == "-":
-                tid = metaserver_transfer_id.get()
-            record.transfer_id = tid
-        if not hasattr(record, "subject"):
-            record.subject = tid
+            record.transfer_id = metaserver_transfer_id.get() if tid == "-" else tid
         return True
 
 
