@@ -19,6 +19,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from pdgate.router.pool import static_instance_id
 
 from tests.integration.router.conftest import Deployment
 
@@ -154,14 +155,13 @@ def engines() -> Iterator[Callable[[Script], Engine]]:
 
 
 def router(prefill: list[Engine], decode: list[Engine], **settings: Any) -> Deployment:
+    defaults: dict[str, Any] = {
+        "prefill_policy": "round_robin",
+        "decode_policy": "round_robin",
+        "breaker_failures": 1000,
+    }
     return Deployment(
-        prefill=[e.url for e in prefill],
-        decode=[e.url for e in decode],
-        model=MODEL,
-        prefill_policy="round_robin",
-        decode_policy="round_robin",
-        breaker_failures=1000,
-        **settings,
+        prefill=[e.url for e in prefill], decode=[e.url for e in decode], model=MODEL, **{**defaults, **settings}
     )
 
 
@@ -174,12 +174,14 @@ def post(url: str, **body: Any) -> httpx.Response:
 @pytest.mark.parametrize("how", list(BAD_JSON_ANSWERS))
 def test_a_bad_json_answer_never_reaches_the_client_as_a_200(engines: Callable[[Script], Engine], how: str) -> None:
     bad = engines(BAD_JSON_ANSWERS[how])
-    with router([engines(good_prefill)], [bad]) as r:
+    with router([engines(good_prefill)], [bad], breaker_failures=3) as r:
         for _ in range(3):
             resp = post(r.url)
             assert resp.status_code == 502, (how, resp.status_code, resp.content)
             assert resp.headers["x-pdgate-error"] == "pd_decode_failed"
             assert resp.json()["error"]["code"] == "pd_decode_failed"
+        breakers = {i["id"]: i["breaker"] for i in r.health()["instances"]}
+        assert breakers[static_instance_id(bad.url)] == "open"  # each bad answer counted against the decode
 
 
 @pytest.mark.parametrize("how", list(BAD_JSON_ANSWERS))
