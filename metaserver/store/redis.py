@@ -3,10 +3,10 @@
 Why Lua: every handoff transition is one EVALSHA of a script in `store/lua/` that checks the state and
 writes the record, its deadline and (on terminal moves) the prefill's event stream atomically, so
 concurrent claimers on different replicas see exactly one winner and a sweeper on every replica can
-run at once. Scripts are registered once per client (redis-py `Script`: EVALSHA, reloaded on NOSCRIPT,
-so a restarted Redis needs no restart of ours). Keys come only from `store/keys.py`; the store's
-constants (prefixes, TTLs, bounds) are written into the scripts when they are registered, so a call
-sends only what changes. Concurrent calls share round trips (`_Pipeliner`: auto-pipelining).
+run at once. The scripts decide nothing of their own: they interpret the rows of `ledger.MOVES`, which
+`store/scripts.py` loads into them with this store's constants (see `ledger.py` for why a table and not
+a read followed by a compare-and-set). Keys come only from `store/keys.py`. Concurrent calls share
+round trips (`pipeline.Pipeliner`: auto-pipelining).
 
 Long-polls: `wait_handoff` listens on one pub/sub channel (one subscriber per store, shared by all
 waiters) and re-reads every 0.5 s in case a message was lost; `read_events` uses XREAD BLOCK on a
