@@ -345,7 +345,7 @@ def create_app(
         status, body = health_body(pool, discovery, clock(), full=full)
         return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
-    @api.get("/metrics", tags=["ops"])
+    @api.get("/metrics", tags=["ops"], response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus() -> Response:
         svc = holder.get("svc")
         if svc is not None:  # embedded metaserver: its store-wide gauges are read at scrape time

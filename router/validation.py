@@ -14,7 +14,7 @@ and the runtime check are one rule. Types are strict: `"7"` is not an integer an
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from pdgate.router.bodies import CHAT
@@ -37,6 +37,8 @@ MAX_N = 128
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INT)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]
+_T = TypeVar("_T")
+_NonEmpty = Annotated[list[_T], Field(min_length=1)]
 
 
 class InvalidField(BadRequest):
@@ -84,7 +86,11 @@ Prompt = Annotated[
     Any,
     PlainValidator(
         _check_prompt,
-        json_schema_input_type=StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] | None,
+        json_schema_input_type=StrictStr
+        | _NonEmpty[StrictStr]
+        | _NonEmpty[TokenId]
+        | _NonEmpty[_NonEmpty[TokenId]]
+        | None,
     ),
 ]
 
