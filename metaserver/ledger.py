@@ -33,6 +33,7 @@ from pdgate.errors import Code, PDGateError
 __all__ = [
     "ALLOWED",
     "CLAIMED_STATE",
+    "FIRST_STATE",
     "LAPSES",
     "MOVES",
     "Claimant",
@@ -52,6 +53,8 @@ __all__ = [
 
 S = HandoffState
 
+# The state of a new record (`create`); leaving it wakes the long-polls waiting for the KV location.
+FIRST_STATE = S.PENDING
 # The state in which a record has a claimant (`decode_instance_id`); the claimant rules apply in it.
 CLAIMED_STATE = S.CLAIMED
 
@@ -215,7 +218,7 @@ def create(
     return Handoff(
         transfer_id=transfer_id,
         kv_key=kv_key,
-        state=S.PENDING,
+        state=FIRST_STATE,
         prefill_instance_id=body.prefill_instance_id,
         request_id=body.request_id,
         created_at=now,

@@ -152,7 +152,7 @@ class MemoryStore(Store):
             self._feed(rec.prefill_instance_id).append(ledger.event_for(rec), now)
         else:
             self._push_deadline(rec)
-        if before is HandoffState.PENDING and rec.state is not HandoffState.PENDING:
+        if before is ledger.FIRST_STATE and rec.state is not ledger.FIRST_STATE:
             waker = self._left_pending.pop(rec.transfer_id, None)
             if waker is not None:
                 waker.set()

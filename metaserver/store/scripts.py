@@ -77,6 +77,7 @@ def config(keys: Keys, policy: LedgerPolicy) -> dict[str, Any]:
         "moves": {name: _move_row(move) for name, move in ledger.MOVES.items()},
         "lapses": ledger.LAPSES,
         "claimed": ledger.CLAIMED_STATE,
+        "pending": ledger.FIRST_STATE,
         "kept": registry.KEPT_ON_REREGISTER,
     }
 

@@ -6,6 +6,7 @@
 --   CFG.moves   ledger.MOVES, name -> {sources = {STATE = true}, to, lease, field, claimant,
 --               below_max_claims, reason, terminal}
 --   CFG.lapses  ledger.LAPSES (move names, tried in order)   CFG.claimed  ledger.CLAIMED_STATE
+--   CFG.pending ledger.FIRST_STATE (a new record's state; leaving it wakes long-polls)
 --   CFG.kept    registry.KEPT_ON_REREGISTER
 --
 -- Layout shared by the handoff scripts:
@@ -38,7 +39,7 @@ local function count_move(from, to)
 end
 
 local function left_pending(before, tid)
-  if before == 'PENDING' then
+  if before == CFG.pending then
     redis.call('PUBLISH', CFG.left_pending, tid)
   end
 end

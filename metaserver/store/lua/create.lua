@@ -10,12 +10,12 @@ if existing then
 end
 redis.call('SET', KEYS[3], ARGV[3], 'NX')
 local kv = string.format('%.0f', redis.call('INCR', KEYS[3]))
-redis.call('HSET', key, 'transfer_id', ARGV[2], 'kv_key', kv, 'state', 'PENDING',
+redis.call('HSET', key, 'transfer_id', ARGV[2], 'kv_key', kv, 'state', CFG.pending,
   'prefill_instance_id', ARGV[4], 'created_at', ARGV[1], 'updated_at', ARGV[1],
   'deadline', ARGV[6], 'lease_s', ARGV[7], 'claims', 0)
 if ARGV[5] ~= '' then
   redis.call('HSET', key, 'request_id', ARGV[5])
 end
 redis.call('ZADD', KEYS[1], ARGV[6], ARGV[2])
-count_move(nil, 'PENDING')
+count_move(nil, CFG.pending)
 return {'ok', kv}
