@@ -61,3 +61,20 @@ def test_health_is_503_while_the_store_is_unreachable() -> None:
             assert f":{redis.port}" not in httpx.get(d.url + "/health", timeout=5).text
             redis.start()
             wait_until(lambda: d.health()["status"] == "ok", timeout=30, what="/health to recover with Redis")
+
+
+def test_health_is_503_while_an_external_metaserver_is_unreachable() -> None:
+    """Static engines look healthy, but every request needs the ledger: /health must not say ok."""
+    from tests.integration.router.conftest import start_sims
+    from tests.support.ports import free_port
+
+    sims = start_sims([("prefill", ()), ("decode", ())])
+    try:
+        nowhere = f"http://127.0.0.1:{free_port()}"
+        with Deployment(metaserver=nowhere, prefill=[sims[0].url], decode=[sims[1].url], metaserver_timeout_s=0.5) as d:
+            wait_until(lambda: d.health()["models"] == ["sim-model"], timeout=20, what="the static pair")
+            got = httpx.get(d.url + "/health", timeout=5)
+            assert got.status_code == 503 and "registry cannot be read" in got.json()["reason"]
+    finally:
+        for sim in sims:
+            sim.stop()
