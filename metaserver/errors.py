@@ -141,23 +141,23 @@ CORE_ERRORS: dict[Code, type[MetaError]] = {
 }
 
 
-def from_core(exc: PDGateError, subject: str) -> MetaError:
-    """The `CORE_ERRORS` entry for `exc`: a refused move names the handoff (`subject`, its transfer id) and
-    the state it is in (409 while live, 410 once terminal); refused input names where it was (`subject`)."""
+def from_core(exc: PDGateError, about: str) -> MetaError:
+    """The `CORE_ERRORS` entry for `exc`: a refused move names the handoff (`about`, its transfer id) and
+    the state it is in (409 while live, 410 once terminal); refused input names where it was (`about`)."""
     cls = CORE_ERRORS.get(exc.code, InternalError)
     if isinstance(exc, IllegalTransition):
-        detail = f"handoff {subject}: {exc.detail} (it is {exc.current.value})"
+        detail = f"handoff {about}: {exc.detail} (it is {exc.current.value})"
         return cls(detail, current_state=exc.current)
-    return cls(f"{subject}.{exc}")
+    return cls(f"{about}.{exc}")
 
 
 @contextlib.contextmanager
-def core_errors(subject: str) -> Iterator[None]:
+def core_errors(about: str) -> Iterator[None]:
     """Re-raise the pure cores' refusals inside the block as `from_core` maps them."""
     try:
         yield
     except (IllegalTransition, RegistrationInvalid) as exc:
-        raise from_core(exc, subject) from None
+        raise from_core(exc, about) from None
 
 
 _TITLES = {
