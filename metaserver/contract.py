@@ -22,17 +22,19 @@ sentence. Mismatched pairs are refused before dispatch because elsewhere they pr
 hangs (DP/TP mismatches in vllm-ascend #16144, sglang #15674).
 
 `kv_transfer_params` (`KVTransferParams`): the dict vLLM carries on a request and returns with a finished
-prefill. The router builds the prefill's (`for_prefill`), the prefill's connector answers with the KV it
-holds (`KVTransferParams(...)` with the `remote_*` fields), and the router forwards that answer to the
-decode (`for_decode`). Every side reads a dict through `parse`, which names the field it refuses; keys this
-contract does not type (vLLM NIXL's `remote_host`, a simulator's `tp_size`) travel verbatim in `extra`.
+prefill. Each hop has one constructor: the router's request to a prefill (`prefill_request`), the prefill's
+answer with the KV it holds (`KVTransferParams(...)` with the `remote_*` fields, `to_dict()`), and the
+router's request to a decode (`decode_request` of that answer). The router's two are plain functions on
+dicts because it runs them on every request and reads none of the fields. Every reader goes through
+`KVTransferParams.parse`, which names the field it refuses; keys this contract does not type (vLLM
+NIXL's `remote_host`, a simulator's `tp_size`) travel verbatim in `extra`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, cast
 
 from pdgate.metaserver.models import MAX_KV_KEY, KVLocation, TransportKind, is_valid_id
 from pydantic import ValidationError
@@ -46,7 +48,9 @@ __all__ = [
     "KVShape",
     "KVTransferParams",
     "Mismatch",
+    "decode_request",
     "mismatch",
+    "prefill_request",
     "source_rank",
     "tp_mismatch",
 ]
@@ -94,9 +98,10 @@ class KVFacts:
     kv_replicated: bool = False
 
 
-@dataclass(frozen=True)
-class Mismatch:
-    """Why a decode cannot take a prefill's KV: the field that differs and both values."""
+class Mismatch(NamedTuple):
+    """Why a decode cannot take a prefill's KV: the field that differs and both values.
+
+    A named tuple: the router builds one for every refused pair of its pool, so it must be cheap."""
 
     field: str  # model | block_size | kv_dtype | kv_layout | transport | tp_size
     prefill: Any
@@ -221,25 +226,6 @@ class KVTransferParams:
     remote_location: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)  # untyped keys, passed on verbatim
 
-    # -- constructors for each hop -------------------------------------------------------------------
-
-    @classmethod
-    def for_prefill(cls, transfer_id: str, *, kv_key: int | None, metaserver: str | None = None) -> KVTransferParams:
-        """What the router sends a prefill: keep the KV of this request for the handoff `transfer_id`."""
-        return cls(do_remote_decode=True, transfer_id=transfer_id, kv_key=kv_key, metaserver=metaserver or None)
-
-    def for_decode(self, transfer_id: str, *, kv_key: int | None, metaserver: str | None = None) -> KVTransferParams:
-        """The prefill's answer as the router forwards it to a decode: the router's handoff id wins; the
-        prefill's `kv_key` and `metaserver`, when it sent them, win over the router's."""
-        return replace(
-            self,
-            do_remote_prefill=True,
-            do_remote_decode=False,
-            transfer_id=transfer_id,
-            kv_key=self.kv_key if self.kv_key is not None else kv_key,
-            metaserver=self.metaserver if self.metaserver is not None else (metaserver or None),
-        )
-
     # -- wire form -----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,8 +237,9 @@ class KVTransferParams:
             out["kv_key"] = self.kv_key
         if self.metaserver is not None:
             out["metaserver"] = self.metaserver
-        if self.remote_block_ids is not None:
-            out["remote_block_ids"] = [list(g) if isinstance(g, tuple) else g for g in self.remote_block_ids]
+        blocks = self.remote_block_ids
+        if blocks is not None:
+            out["remote_block_ids"] = [list(g) for g in blocks] if blocks and type(blocks[0]) is tuple else list(blocks)
         if self.remote_engine_id is not None:
             out["remote_engine_id"] = self.remote_engine_id
         if self.remote_num_tokens is not None:
@@ -274,7 +261,7 @@ class KVTransferParams:
         Absent and null fields read as not set. Presence rules belong to the reader (`require_transfer_id`,
         `block_ids`): a vLLM prefill answer without a `transfer_id` is still a valid answer to forward.
         """
-        if not isinstance(params, Mapping):
+        if type(params) is not dict and not isinstance(params, Mapping):
             raise InvalidTransferParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
         get = params.get
         location = get("remote_location")
@@ -289,7 +276,7 @@ class KVTransferParams:
             remote_num_tokens=_int(params, "remote_num_tokens", 0, _MAX_TOKENS),
             remote_request_id=_text(params, "remote_request_id"),
             prefill_instance_id=_id(params, "prefill_instance_id"),
-            remote_location=location if isinstance(location, Mapping) else None,
+            remote_location=location if type(location) is dict or isinstance(location, Mapping) else None,
             extra={k: v for k, v in params.items() if k not in _TYPED},
         )
 
@@ -322,24 +309,59 @@ class KVTransferParams:
             return None
 
 
+def prefill_request(transfer_id: str, *, kv_key: int | None, metaserver: str | None = None) -> dict[str, Any]:
+    """What the router sends a prefill: keep the KV of this request for the handoff `transfer_id`.
+
+    The wire form of `KVTransferParams(do_remote_decode=True, transfer_id=..., kv_key=..., metaserver=...)`,
+    written out as a dict because the router builds one per request.
+    """
+    out: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    if kv_key is not None:
+        out["kv_key"] = kv_key
+    if metaserver:
+        out["metaserver"] = metaserver
+    return out
+
+
+def decode_request(
+    answer: Mapping[str, Any], transfer_id: str, *, kv_key: int | None, metaserver: str | None = None
+) -> dict[str, Any]:
+    """The prefill's answer as the router forwards it to a decode, the one definition of that hop.
+
+    Everything the prefill said travels verbatim (a vLLM NIXL prefill's keys included); the router's handoff
+    id wins, and the prefill's `kv_key` and `metaserver`, when it sent them, win over the router's. Done on
+    the dict rather than through `parse`: the router reads none of these fields, and the decode parses them
+    anyway, naming any field it refuses.
+    """
+    out = dict(answer)
+    out["do_remote_prefill"] = True
+    out["do_remote_decode"] = False
+    out["transfer_id"] = transfer_id
+    if out.get("kv_key") is None and kv_key is not None:
+        out["kv_key"] = kv_key
+    if out.get("metaserver") is None and metaserver:
+        out["metaserver"] = metaserver
+    return out
+
+
 def _bad(key: str, expected: str, value: Any) -> InvalidTransferParams:
     return InvalidTransferParams(f"kv_transfer_params.{key} must be {expected}, got {value!r}", field=key)
 
 
 def _flag(params: Mapping[str, Any], key: str) -> bool:
     value = params.get(key)
-    if value is None:
+    if value is None or value is False:
         return False
-    if not isinstance(value, bool):
+    if value is not True:
         raise _bad(key, "true or false", value)
-    return value
+    return True
 
 
 def _id(params: Mapping[str, Any], key: str) -> str | None:
     value = params.get(key)
     if value is None:
         return None
-    if not isinstance(value, str) or not is_valid_id(value):
+    if type(value) is not str or not is_valid_id(value):
         raise _bad(key, "a URL-safe id string (letters, digits, . _ : -; at most 128 characters)", value)
     return value
 
@@ -348,7 +370,7 @@ def _text(params: Mapping[str, Any], key: str) -> str | None:
     value = params.get(key)
     if value is None:
         return None
-    if not isinstance(value, str):
+    if type(value) is not str and not isinstance(value, str):
         raise _bad(key, "a string", value)
     return value
 
@@ -357,7 +379,7 @@ def _int(params: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
     value = params.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if type(value) is not int or not lo <= value <= hi:  # bool is an int subclass: refused too
         raise _bad(key, f"an int in [{lo}, {hi}]", value)
     return value
 
@@ -365,12 +387,14 @@ def _int(params: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
 def _block_ids(value: Any) -> BlockIds | None:
     if value is None:
         return None
-    if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
+    if type(value) is list and value and type(value[0]) is list:
         return tuple(_flat_ids(g, value) for g in value)
     return _flat_ids(value, value)
 
 
 def _flat_ids(ids: Any, whole: Any) -> tuple[int, ...]:
-    if not isinstance(ids, list) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in ids):
+    if type(ids) is not list:
+        raise _bad("remote_block_ids", "a list of block ids >= 0 (or one such list per KV cache group)", whole)
+    if ids and not (all(type(b) is int for b in ids) and min(ids) >= 0):  # bool is refused: its type is not int
         raise _bad("remote_block_ids", "a list of block ids >= 0 (or one such list per KV cache group)", whole)
     return tuple(ids)

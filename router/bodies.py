@@ -7,9 +7,9 @@ The router reads `model`, `stream`, `prompt`/`messages` (for prefix affinity and
 `min_tokens`/`min_completion_tokens`, and our `kv_transfer_params`; the decode copy is the client's body
 with the prefill's `kv_transfer_params`. Every other field passes through untouched.
 
-The `kv_transfer_params` themselves are built and read by `pdgate.metaserver.contract.KVTransferParams`;
-a prefill answer whose params the contract refuses is a failed prefill (retried elsewhere), not a decode
-that would fail on them.
+The `kv_transfer_params` of both hops are the contract's (`pdgate.metaserver.contract`): the prefill's
+request is `prefill_request`, and the decode's is `decode_request` of the prefill's answer. The router
+does not parse that answer: it reads none of its fields, and the decode parses them, naming any it refuses.
 
 A completion with several prompts is refused (400): vLLM returns the `kv_transfer_params` of the first
 prompt only, so the others would silently be recomputed on decode. Send one request per prompt.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
+from pdgate.metaserver.contract import decode_request, prefill_request
 from pdgate.router.errors import BadRequest, PrefillFailed
 
 from pdgate.errors import Code
@@ -135,7 +135,7 @@ def request_facts(body: dict[str, Any], endpoint: str, prefix_chars: int) -> Req
 
 
 def prefill_params(transfer_id: str, kv_key: int, metaserver: str | None) -> dict[str, Any]:
-    return KVTransferParams.for_prefill(transfer_id, kv_key=kv_key, metaserver=metaserver).to_dict()
+    return prefill_request(transfer_id, kv_key=kv_key, metaserver=metaserver)
 
 
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
@@ -152,8 +152,8 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
 
 
 def kv_params_from_prefill(raw: bytes) -> dict[str, Any]:
-    """The `kv_transfer_params` of a prefill's answer; a prefill that sent none, or params the contract
-    refuses, failed (never decode without the KV: that would silently recompute the prompt)."""
+    """The `kv_transfer_params` of a prefill's answer; a prefill that sent none failed (never decode
+    without the KV: that would silently recompute the prompt)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -163,10 +163,6 @@ def kv_params_from_prefill(raw: bytes) -> dict[str, Any]:
         raise PrefillFailed(
             "prefill answered without kv_transfer_params (is the engine started with a KV connector as producer?)"
         )
-    try:
-        KVTransferParams.parse(params)
-    except InvalidTransferParams as exc:
-        raise PrefillFailed(f"prefill answered unusable kv_transfer_params: {exc.message}") from exc
     return params
 
 
@@ -174,7 +170,7 @@ def decode_params(
     from_prefill: dict[str, Any], transfer_id: str, kv_key: int, metaserver: str | None
 ) -> dict[str, Any]:
     """The prefill's answer (read by `kv_params_from_prefill`) as the decode gets it."""
-    return KVTransferParams.parse(from_prefill).for_decode(transfer_id, kv_key=kv_key, metaserver=metaserver).to_dict()
+    return decode_request(from_prefill, transfer_id, kv_key=kv_key, metaserver=metaserver)
 
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pdgate.metaserver.contract import mismatch
 from pdgate.metaserver.models import Instance, Role, TransportKind
 
-__all__ = ["InstanceView", "explain", "incompatibility"]
+__all__ = ["InstanceView", "compatible", "explain", "incompatibility"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,11 @@ class InstanceView:
             self.kv_replicated,
             self.transport,
         )
+
+
+def compatible(p: InstanceView, d: InstanceView) -> bool:
+    """Whether decode `d` can take prefill `p`'s KV (no sentence built: for filtering a whole pool)."""
+    return mismatch(p, d) is None
 
 
 def incompatibility(p: InstanceView, d: InstanceView) -> str | None:

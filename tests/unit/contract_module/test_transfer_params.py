@@ -5,23 +5,24 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
+from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams, decode_request, prefill_request
 from pdgate.metaserver.models import KVLocation
 
 from pdgate.errors import Code, PDGateError
 
 
-def test_the_prefill_request() -> None:
-    params = KVTransferParams.for_prefill("pd-1", kv_key=42, metaserver="http://meta:1")
-    assert params.to_dict() == {
+def test_the_prefill_request_is_the_wire_form_of_the_typed_params() -> None:
+    wire = prefill_request("pd-1", kv_key=42, metaserver="http://meta:1")
+    assert wire == {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "transfer_id": "pd-1",
         "kv_key": 42,
         "metaserver": "http://meta:1",
     }
-    assert "metaserver" not in KVTransferParams.for_prefill("t", kv_key=1, metaserver=None).to_dict()
-    assert KVTransferParams.parse(params.to_dict()) == params
+    typed = KVTransferParams(do_remote_decode=True, transfer_id="pd-1", kv_key=42, metaserver="http://meta:1")
+    assert KVTransferParams.parse(wire) == typed and typed.to_dict() == wire
+    assert "metaserver" not in prefill_request("t", kv_key=1, metaserver=None)
 
 
 def test_the_prefill_answer_round_trips() -> None:
@@ -53,14 +54,23 @@ def test_the_decode_request_keeps_what_the_prefill_said() -> None:
         "remote_host": "10.0.0.5",  # vLLM NIXL's own keys travel untouched
         "tp_size": 2,
     }
-    out = KVTransferParams.parse(from_p).for_decode("pd-1", kv_key=42, metaserver="http://meta:1").to_dict()
+    out = decode_request(from_p, "pd-1", kv_key=42, metaserver="http://meta:1")
     assert out["do_remote_prefill"] is True and out["do_remote_decode"] is False
     assert out["transfer_id"] == "pd-1"
     assert out["kv_key"] == 9  # the prefill's own value wins
     assert out["remote_block_ids"] == [[1, 2]] and out["metaserver"] == "http://meta:1"
     assert (out["remote_host"], out["tp_size"]) == ("10.0.0.5", 2)
-    no_key = KVTransferParams.parse({"kv_key": None}).for_decode("t", kv_key=5, metaserver=None)
-    assert no_key.kv_key == 5 and no_key.metaserver is None
+    no_key = decode_request({"kv_key": None}, "t", kv_key=5, metaserver=None)
+    assert no_key["kv_key"] == 5 and "metaserver" not in no_key
+    assert from_p == {  # the prefill's answer itself is left as it was
+        "do_remote_prefill": True,
+        "remote_engine_id": "p1",
+        "remote_block_ids": [[1, 2]],
+        "kv_key": 9,
+        "remote_host": "10.0.0.5",
+        "tp_size": 2,
+    }
+    assert KVTransferParams.parse(out).block_ids() == (1, 2)  # and the decode reads it
 
 
 @pytest.mark.parametrize(

@@ -77,11 +77,6 @@ def test_a_prefill_answer_without_params_is_a_prefill_failure(raw: bytes) -> Non
         kv_params_from_prefill(raw)
 
 
-def test_a_prefill_answer_with_unusable_params_is_a_prefill_failure() -> None:
-    with pytest.raises(PrefillFailed, match=r"kv_transfer_params\.remote_block_ids must be"):
-        kv_params_from_prefill(b'{"kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": "1,2"}}')
-
-
 def test_several_prompts_are_refused_with_a_reason() -> None:
     with pytest.raises(BadRequest) as info:
         request_facts({"prompt": ["a", "b"]}, COMPLETIONS, 64)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 from pdgate.metaserver.models import Role, TransportKind
-from pdgate.router.pairing import InstanceView, explain, incompatibility
+from pdgate.router.pairing import InstanceView, compatible, explain, incompatibility
 
 P = InstanceView(
     id="p1", role=Role.PREFILL, url="http://p1", model="m", tp_size=2, block_size=16, kv_dtype="auto",
@@ -16,7 +16,8 @@ D = replace(P, id="d1", role=Role.DECODE, url="http://d1")
 
 
 def test_identical_shapes_pair() -> None:
-    assert incompatibility(P, D) is None
+    assert incompatibility(P, D) is None and compatible(P, D)
+    assert not compatible(P, replace(D, block_size=32))
 
 
 @pytest.mark.parametrize(
