@@ -29,6 +29,7 @@ __all__ = [
     "is_loopback",
     "matches_any",
     "read_secret_file",
+    "read_secret_lines",
     "resolve_secret",
 ]
 
@@ -63,12 +64,7 @@ def bearer(authorization: str | None) -> str | None:
     return token or None
 
 
-def read_secret_file(path: str | os.PathLike[str]) -> str:
-    """The secret on the first line of `path` (surrounding whitespace removed).
-
-    Refused: a file that does not exist or cannot be read, an empty secret, and a file that other users
-    may read (mode bits for group or others): a secret that anyone on the host can read protects nothing.
-    """
+def _read_private(path: str | os.PathLike[str]) -> tuple[Path, str]:
     p = Path(path)
     try:
         mode = p.stat().st_mode
@@ -79,6 +75,28 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
         raise SecretFileError(
             f"secret file {str(p)!r} is accessible to other users (mode {stat.filemode(mode)}): chmod 600 it"
         )
+    return p, text
+
+
+def read_secret_lines(path: str | os.PathLike[str]) -> list[str]:
+    """Every non-blank line of `path`, stripped (a file of client API keys, one per line).
+
+    Refused like `read_secret_file`: unreadable, readable by other users, or without any secret.
+    """
+    p, text = _read_private(path)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise SecretFileError(f"secret file {str(p)!r} is empty")
+    return lines
+
+
+def read_secret_file(path: str | os.PathLike[str]) -> str:
+    """The secret on the first line of `path` (surrounding whitespace removed).
+
+    Refused: a file that does not exist or cannot be read, an empty secret, and a file that other users
+    may read (mode bits for group or others): a secret that anyone on the host can read protects nothing.
+    """
+    p, text = _read_private(path)
     secret = text.splitlines()[0].strip() if text.strip() else ""
     if not secret:
         raise SecretFileError(f"secret file {str(p)!r} is empty")

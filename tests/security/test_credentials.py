@@ -16,7 +16,7 @@ import httpx
 import pytest
 from pdgate.metaserver.settings import MetaSettings, parse_cli
 
-from pdgate.auth import SecretFileError, credential_matches, matches_any, read_secret_file
+from pdgate.auth import SecretFileError, credential_matches, matches_any, read_secret_file, read_secret_lines
 from tests.security.conftest import AUTH, TOKEN, Serve, registration
 from tests.support.meta import uid
 
@@ -128,6 +128,10 @@ def test_admin_token_from_a_file_never_the_command_line(tmp_path: Path, monkeypa
         read_secret_file(secret)
     with pytest.raises(ValueError, match="admin_token"):
         parse_cli(["--admin-token-file", str(tmp_path / "missing")])
+    keys = tmp_path / "client-keys"
+    keys.write_text("k1\n\n  k2 \n")
+    keys.chmod(0o600)
+    assert read_secret_lines(keys) == ["k1", "k2"]
     empty = tmp_path / "empty"
     empty.write_text("\n")
     empty.chmod(0o600)
