@@ -78,7 +78,9 @@ class Load:
         timeout = httpx.Timeout(args.request_timeout, connect=args.connect_timeout)
         self.http = httpx.AsyncClient(limits=limits, timeout=timeout)
         self.clients = [
-            openai.AsyncOpenAI(base_url=u.rstrip("/") + "/v1", api_key="chaos", max_retries=0, http_client=self.http)
+            openai.AsyncOpenAI(
+                base_url=u.rstrip("/") + "/v1", api_key="chaos", max_retries=0, http_client=self.http, timeout=timeout
+            )
             for u in self.urls
         ]
         self.end = time.time() + args.duration
@@ -113,21 +115,28 @@ class Load:
 
     async def request(self, worker: int, seq: int, stream: bool) -> None:
         t0 = time.time()
-        tries = len(self.clients) if self.a.failover else 1
+        # A client of several routers goes round them, twice, with a short pause between rounds.
+        tries = 2 * len(self.clients) if self.a.failover else 1
         first = self.rr
         self.rr += 1
         outcome: tuple[str, str | None, int | None, str] = ("untyped", None, None, "not sent")
         retries = 0
+        failed_on: list[int] = []
         for attempt in range(tries):
-            client = self.clients[(first + attempt) % len(self.clients)]
+            which = (first + attempt) % len(self.clients)
+            client = self.clients[which]
+            if attempt and which == first % len(self.clients):
+                await asyncio.sleep(0.2)
             try:
                 kind, code, detail = await self._once(client, _prompt(worker, seq), stream)
                 outcome = (kind, code, 200, detail)
             except Exception as exc:
                 outcome = classify_exception(exc)
-                if isinstance(exc, openai.APIConnectionError) and attempt + 1 < tries:
-                    retries += 1
-                    continue
+                if isinstance(exc, openai.APIConnectionError):
+                    failed_on.append(which)
+                    if attempt + 1 < tries:
+                        retries += 1
+                        continue
             break
         kind, code, status, detail = outcome
         rec = {"t0": round(t0, 4), "t1": round(time.time(), 4), "s": int(stream), "o": kind, "c": code}
@@ -137,6 +146,8 @@ class Load:
             rec["d"] = detail
         if retries:
             rec["r"] = retries
+        if failed_on:
+            rec["f"] = failed_on  # which routers refused or broke the connection, in order
         self.record(rec)
 
     async def streamer(self, worker: int) -> None:
