@@ -1,8 +1,8 @@
 """Point: every integer and every piece of free-form metadata is bounded in the model layer.
 
-On the old code a 30-digit integer in `transport_addresses[].meta` made `GET /v1/instances` answer 500
-for everyone (memory store), and a huge `num_tokens` on Redis committed READY and then answered 500 on
-every later read and claim of that handoff.
+Unbounded, a 30-digit integer in `transport_addresses[].meta` is stored and then cannot be re-encoded:
+`GET /v1/instances` answers 500 for everyone (memory store); a huge `num_tokens` on Redis commits READY
+and then answers 500 on every later read and claim of that handoff.
 """
 
 from __future__ import annotations

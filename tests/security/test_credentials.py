@@ -1,7 +1,7 @@
 """Point: who may do what on the metaserver (admin token, protected mode, secret files, anonymous ids).
 
-Each test reproduces what an anonymous client could do on the old code: register an instance (and so
-receive every client's prompts), read another request's KV location, or squat transfer ids.
+Each test plays an anonymous client trying what an unguarded metaserver allows: register an instance
+(and so receive every client's prompts), read another request's KV location, or squat transfer ids.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Points: one cursor grammar on both stores (400 before the store), and bounded long-polls.
 
-Old code: `cursor=99999999999999999999` answered 500 on Redis and 200 on memory, `+5` and `0-0` differed
-between the stores; 200 anonymous `wait=6` polls held 203 Redis connections; with Redis frozen a
-`wait=1` poll hung for 20.8 s; and polling an unknown instance created an event feed that lived an hour.
+What goes wrong without them: a cursor each store parses its own way (`99999999999999999999` is 500 on
+Redis and 200 on memory; `+5` and `0-0` differ), anonymous `wait=6` polls that each hold a Redis
+connection, a `wait=1` poll that hangs as long as a frozen Redis does, and an event feed created (and
+kept for an hour) for every unknown instance someone polls.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Point: an instance URL is validated at registration (422 naming `body.url`), optionally against
-`--allowed-engine-networks`. On the old code each of these URLs was stored, and the router then failed
-to probe or dial it (a port of 99999 stopped the health loop for every instance)."""
+`--allowed-engine-networks`. Stored, each of these URLs would fail only later, when the router probes
+or dials it (a port of 99999 stops a health loop that gathers every instance at once)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Point: slow and greedy clients, on raw sockets against the served metaserver (`pdgate.serving`).
 
-Old code: a connection that sent no bytes, trickled its headers, or declared a body it never sent stayed
-open past 150 s; a large Content-Length was read before being refused; connections were not counted.
+Plain uvicorn keeps a connection that sends no bytes, trickles its headers, or declares a body it never
+sends open indefinitely, and counts no connections.
 Here the limits are short (1 s) so each case is seen closing well within a test's patience.
 """
 
