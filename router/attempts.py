@@ -45,7 +45,7 @@ from pdgate.router.pool import LiveInstance, Pool
 from pdgate.router.request_flow import MAX_ANSWER, ProxiedRequest, mint_transfer_id, snippet
 from pdgate.router.retry import Verdict, backoff, retry_elsewhere, verdict
 from pdgate.router.settings import RouterSettings
-from pdgate.router.streaming import is_sse, relay_stream, send_body
+from pdgate.router.streaming import engine_error, is_sse, relay_stream, send_body
 from pdgate.router.upstream import Upstream, UpstreamResponse
 
 from pdgate.errors import Code, PDGateError
@@ -275,6 +275,8 @@ class Dispatcher:
                         data = await resp.next_chunk(self._d_timeout)
                         if data is None:
                             raise DecodeFailed(f"{where} answered 200 with an empty stream")
+                        if b'"error"' in data and (found := engine_error(data)) is not None and found[0] == 0:
+                            raise DecodeFailed(f"{where} failed the request before its first token: {found[1]}")
                         self._m.decode_ttft.observe(perf_counter() - t)
                     else:
                         self._m.decode_ttft.observe(perf_counter() - t)

@@ -2,21 +2,24 @@
 
 The stream is not parsed. Before the status line goes out the decode must have answered
 `text/event-stream` (`pdgate.router.attempts` checks it, while another decode can still be tried).
-After that, two cheap checks decide how it ended: the transport (the decode's connection closed,
-went silent or failed in any other way before the end of the HTTP body) and the last bytes (an SSE
-body must end with `data: [DONE]`). A stream that breaks gets one terminal SSE error event
-(`pd_decode_failed`), so a client never mistakes a truncated answer for a complete one.
+After that, three cheap checks decide how it ended: the transport (the decode's connection closed,
+went silent or failed in any other way before the end of the HTTP body), the engine's own error event
+(vLLM ends a stream whose generation failed with `data: {"error": ...}`; only a chunk that contains
+`"error"` is looked at more closely) and the last bytes (an SSE body must end with `data: [DONE]`).
+A stream that breaks gets one terminal SSE error event (`pd_decode_failed`), so a client never
+mistakes a truncated answer for a complete one, and always gets a pdgate code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import orjson
 from pdgate.router.asgi import Send
 from pdgate.router.errors import UPSTREAM_FAILURES, DecodeFailed, RouterError, sse_error, translate
 from pdgate.router.upstream import UpstreamResponse
 
-__all__ = ["SSE", "is_sse", "relay_stream", "send_body", "send_error"]
+__all__ = ["SSE", "engine_error", "is_sse", "relay_stream", "send_body", "send_error"]
 
 SSE = b"text/event-stream"
 _TAIL = 32
@@ -24,6 +27,26 @@ _TAIL = 32
 
 def is_sse(content_type: bytes | None) -> bool:
     return content_type is not None and content_type[: len(SSE)].lower() == SSE
+
+
+def engine_error(chunk: bytes) -> tuple[int, str] | None:
+    """(offset, message) of the first complete SSE event in `chunk` whose JSON object has an "error" key
+    (the engine reporting that the request failed mid-stream), or None."""
+    pos = 0
+    while (start := chunk.find(b"data: {", pos)) >= 0:
+        end = chunk.find(b"\n\n", start)
+        if end < 0:
+            return None
+        try:
+            event = orjson.loads(chunk[start + 6 : end])
+        except orjson.JSONDecodeError:
+            event = None  # "data: {" inside some text, not an event
+        if isinstance(event, dict) and "error" in event:
+            err = event["error"]
+            message = err.get("message") if isinstance(err, dict) else err
+            return start, str(message)
+        pos = end + 2
+    return None
 
 
 async def send_body(
@@ -61,6 +84,12 @@ async def relay_stream(
     error: RouterError | None = None
     chunk = first
     while chunk is not None:
+        if b'"error"' in chunk and (found := engine_error(chunk)) is not None:
+            at, message = found
+            if at:
+                await send({"type": "http.response.body", "body": chunk[:at], "more_body": True})
+            error = DecodeFailed(f"{where}: the engine failed the request mid-stream: {message}")
+            break
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
         tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
         try:

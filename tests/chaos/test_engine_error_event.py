@@ -8,7 +8,7 @@ client gets an error with no pdgate code: an untyped failure in the chaos suite'
 
 Real sockets and processes: a real pdgate-router process, a real pdgate-sim prefill, and a decode that
 answers exactly what vLLM sends in that case (served by uvicorn over a real socket), read by the
-official `openai` client.
+official `openai` client. The router turns that event into `pd_decode_failed` (`streaming.relay_stream`).
 """
 
 from __future__ import annotations
@@ -80,11 +80,6 @@ def router_url() -> Iterator[str]:
         decode.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the router relays an engine's in-stream error event verbatim (no pd_ code); "
-    "fix belongs in router/streaming.py relay_stream (owned by the router refactor)",
-)
 def test_engine_error_event_mid_stream_reaches_the_client_typed(router_url: str) -> None:
     client = openai.OpenAI(base_url=router_url + "/v1", api_key="x", max_retries=0, timeout=30)
     with pytest.raises(openai.APIError) as info:

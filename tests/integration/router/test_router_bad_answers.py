@@ -89,6 +89,25 @@ def json_to_a_stream(req: dict[str, Any]) -> bytes:
     return whole(ANSWER) if req.get("stream") else good_decode(req)
 
 
+VLLM_ERROR = (
+    b'data: {"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}\n\n'
+)
+
+
+def sse(*events: bytes) -> bytes:
+    body = b"".join(events)
+    return head("200 OK", "content-type: text/event-stream", f"content-length: {len(body)}") + body
+
+
+def error_mid_stream(req: dict[str, Any]) -> bytes:
+    """What vLLM sends when generation fails after the stream started: its own error event, then [DONE]."""
+    return sse(SSE_EVENT, VLLM_ERROR, b"data: [DONE]\n\n") if req.get("stream") else good_decode(req)
+
+
+def error_before_a_token(req: dict[str, Any]) -> bytes:
+    return sse(VLLM_ERROR, b"data: [DONE]\n\n") if req.get("stream") else good_decode(req)
+
+
 def deep_kv_params(req: dict[str, Any]) -> bytes:
     """Valid JSON whose kv_transfer_params nest deeper than the router can re-encode for the decode (orjson
     reads 1024 levels but writes 254)."""
@@ -206,6 +225,25 @@ def test_a_stream_answered_with_json_is_a_typed_error_and_retried(engines: Calla
         for _ in range(2):
             stream = r.openai().completions.create(model=MODEL, prompt="x", max_tokens=1, stream=True)
             assert "".join(c.choices[0].text for c in stream if c.choices) == " ok"
+
+
+def test_an_engine_error_event_mid_stream_reaches_the_client_typed(engines: Callable[[Script], Engine]) -> None:
+    with router([engines(good_prefill)], [engines(error_mid_stream)]) as r:
+        got: list[str] = []
+        with pytest.raises(openai.APIError) as info:
+            for chunk in r.openai().completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True):
+                got.append(chunk.choices[0].text)
+    assert got == [" ok"] and info.value.code == "pd_decode_failed"
+    assert "Internal server error" in info.value.message
+
+
+def test_an_engine_error_event_before_any_token_is_retried(engines: Callable[[Script], Engine]) -> None:
+    bad, good = engines(error_before_a_token), engines(good_decode)
+    with router([engines(good_prefill)], [bad, good]) as r:
+        for _ in range(2):
+            stream = r.openai().completions.create(model=MODEL, prompt="x", max_tokens=1, stream=True)
+            assert "".join(c.choices[0].text for c in stream if c.choices) == " ok"
+    assert bad.completions == 1 and good.completions == 2
 
 
 def test_any_failure_handling_one_prefills_answer_is_that_prefills_failure(
