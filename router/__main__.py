@@ -30,9 +30,24 @@ def _settings(argv: Sequence[str] | None) -> RouterSettings:
         raise SystemExit(2) from None
 
 
+_SECRET_FLAGS = ("--admin-token", "--api-key", "--upstream-api-key", "--metaserver-token")
+
+
+def _secrets_on_argv(argv: Sequence[str]) -> list[str]:
+    """Secret flags given with their value on the command line, where `ps` shows them to every user."""
+    return sorted({a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in _SECRET_FLAGS})
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     settings = _settings(argv)
     configure_logging(settings.log_level)
+    exposed = _secrets_on_argv(sys.argv[1:] if argv is None else argv)
+    if exposed:
+        logging.getLogger("pdgate.router").warning(
+            "%s given on the command line: every user of this host can read it (ps); use the environment "
+            "(PDGATE_ROUTER_<NAME>) or the matching --*-file flag",
+            ", ".join(exposed),
+        )
     logging.getLogger("pdgate.router").info(
         "router on %s:%d; instances from %s%s; policies prefill=%s decode=%s",
         settings.host,

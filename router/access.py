@@ -4,7 +4,9 @@ Two credentials, never mixed up: client keys (`--api-key`, `--api-key-file`) ope
 `/v1/chat/completions` and `/v1/models`; the admin token (`--admin-token-file`, the environment)
 opens the embedded metaserver's `/v1/instances` and `/v1/handoffs` and the instance URLs in
 `/health`. A client key never grants an admin right. With no admin token the router is in protected
-mode, as the metaserver is: the admin rights belong to loopback peers only.
+mode, as the metaserver is: the admin rights belong to loopback peers only. With an external
+metaserver, its token (`--metaserver-token-file`) is the cluster's admin token and also opens the
+instance URLs in `/health`.
 
 Comparisons go through `pdgate.auth` (constant time, every key compared).
 """

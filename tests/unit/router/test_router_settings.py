@@ -115,3 +115,10 @@ def test_allowed_engine_networks_bound_static_urls() -> None:
         RouterSettings(decode=["http://engine:80"], allowed_engine_networks="10.0.0.0/8")
     with pytest.raises(ValidationError, match="CIDR"):
         RouterSettings(allowed_engine_networks="10.0.0.0/33")
+
+
+def test_secret_values_on_the_command_line_are_named_for_a_warning() -> None:
+    from pdgate.router.__main__ import _secrets_on_argv
+
+    argv = ["--port", "1", "--api-key", "k", "--admin-token=x", "--api-key-file", "f", "--upstream-api-key-file", "g"]
+    assert _secrets_on_argv(argv) == ["--admin-token", "--api-key"]
