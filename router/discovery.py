@@ -12,8 +12,9 @@ wedged while its connector still heartbeats, and a static instance that died.
 
 One instance can never stop the others: whatever goes wrong while probing it (any exception, not only
 the upstream errors) is that instance's failed check, and a registry record whose URL breaks the URL
-rule (`pdgate.metaserver.urls`; a record written before the rule, or straight into the store) is left
-out of the pool with a warning. So a bad record can neither stop the health loop nor fail start-up.
+rule (`pdgate.metaserver.urls`; a record written before the rule, or straight into the store), or that
+is this router's own address (possible with an external metaserver), is left out of the pool with a
+warning. So a bad record can neither stop the health loop nor fail start-up.
 Reasons kept for `/health` name the failure, never an address; the log line has the details.
 """
 
@@ -28,6 +29,7 @@ import orjson
 from pdgate.metaserver.client import MetaAPI, MetaError, MetaUnavailable
 from pdgate.metaserver.models import Role
 from pdgate.metaserver.urls import check_engine_url
+from pdgate.router.loops import is_own_address
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.pairing import InstanceView
 from pdgate.router.pool import Pool, static_instance_id
@@ -65,6 +67,7 @@ class Discovery:
         self._registry: list[InstanceView] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._networks = settings.engine_networks
+        self._own = (settings.host, settings.port) if settings.port else None  # this router's socket
         self._refused: set[str] = set()  # registry URLs already warned about
         self.registry_error: str | None = None  # why the last registry read failed (for operators)
         self.registry_reason: str | None = None  # the same, without addresses (for anyone)
@@ -94,6 +97,8 @@ class Discovery:
         """The pool's view of a registry record, or None (logged once) when its URL breaks the rule."""
         try:
             check_engine_url(inst.url, self._networks)
+            if is_own_address(inst.url, self._own):
+                raise ValueError("it is this router's own address (a forwarding loop)")
             return InstanceView.from_instance(inst)
         except Exception as exc:
             key = f"{getattr(inst, 'id', '?')} {getattr(inst, 'url', '?')}"

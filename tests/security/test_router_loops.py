@@ -67,3 +67,15 @@ def test_the_router_refuses_to_register_its_own_address() -> None:
             assert got.status_code == 422, got.text
             assert "url" in got.json()["detail"] and "own address" in got.json()["detail"]
         assert "myself" not in {i["id"] for i in d.health()["instances"]}
+
+
+def test_a_router_ignores_its_own_address_in_an_external_registry() -> None:
+    """With an external metaserver the router cannot refuse the registration; it leaves itself out."""
+    with Deployment() as registry, Deployment(metaserver=registry.url) as router:
+        own = _as_instance(router.url, "router-itself")
+        assert httpx.post(registry.url + "/v1/instances", json=own, timeout=5).status_code == 200
+        wait_until(
+            lambda: "router-itself" in {i["id"] for i in registry.health()["instances"]}, timeout=10, what="listed"
+        )
+        time.sleep(3 * router.settings.refresh_interval_s)
+        assert "router-itself" not in {i["id"] for i in router.health()["instances"]}
