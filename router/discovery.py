@@ -66,6 +66,7 @@ class Discovery:
         self._static_models: dict[str, str | None] = {url: settings.model for url in roles}
         self._registry: list[InstanceView] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self._networks = settings.engine_networks
         self._own = (settings.host, settings.port) if settings.port else None  # this router's socket
         self._refused: set[str] = set()  # registry URLs already warned about
@@ -76,11 +77,12 @@ class Discovery:
 
     async def refresh_once(self) -> None:
         try:
-            instances = await asyncio.wait_for(self._meta().list_instances(), self._s.metaserver_timeout_s)
+            # Bounded by the client's own timeout (metaserver_timeout_s, or the store's socket timeouts),
+            # not by asyncio.wait_for: on Python < 3.12 wait_for swallows a cancellation that races with
+            # its result, and this loop would then outlive the router's shutdown.
+            instances = await self._meta().list_instances()
         except Exception as exc:
             detail = exc.detail if isinstance(exc, MetaError) else f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-                detail = f"no answer within {self._s.metaserver_timeout_s:g} s"
             if self.registry_error is None:
                 log.warning("registry refresh failed (keeping the last snapshot): %s", detail)
             self.registry_error = detail
@@ -173,13 +175,14 @@ class Discovery:
     # -- loops ----------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._stopping = False
         self._tasks = [
             asyncio.create_task(self._loop(self.refresh_once, self._s.refresh_interval_s), name="pdgate-refresh"),
             asyncio.create_task(self._loop(self.health_once, self._s.health_interval_s), name="pdgate-health"),
         ]
 
     async def _loop(self, step: Callable[[], Awaitable[None]], interval: float) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(interval)
             try:
                 await step()
@@ -187,13 +190,16 @@ class Discovery:
                 log.exception("background step %s failed", getattr(step, "__name__", step))
 
     async def stop(self) -> None:
+        """Stop both loops. A cancellation that some awaited library call swallowed is sent again
+        (the flag ends the loop at its next turn in any case): shutdown never waits on a loop."""
+        self._stopping = True
+        while pending := [t for t in self._tasks if not t.done()]:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=0.5)
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("background loop %s ended with %r", task.get_name(), task.exception())
         self._tasks = []
 
 
