@@ -117,13 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="scenario numbers or names, e.g. 1 3 4a (skips scale)")
     p.add_argument("--no-scale", action="store_true")
     p.add_argument("--scale-streams", type=int, default=4096)
+    p.add_argument("--scale-only", action="store_true", help="rerun scale into the existing results JSON")
     p.add_argument("--no-docs", action="store_true", help="do not write docs/RELIABILITY.md")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/chaos[-quick].json)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _raise_fd_limit()
-    result = run(args)
     out = args.out or RESULTS / ("chaos-quick.json" if args.quick else "chaos.json")
+    if args.scale_only:
+        from chaos_scale import run_scale
+
+        result = json.loads(out.read_text())
+        result["scale"] = run_scale(args.scale_streams, RESULTS)
+        s = result["scale"]
+        s["pass"] = "error" not in s and s.get("untyped") == 0 and s.get("ok") == args.scale_streams
+    else:
+        result = run(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print()

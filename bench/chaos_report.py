@@ -124,6 +124,10 @@ def render_markdown(result: dict[str, Any]) -> str:
             "",
             "## Scale",
             "",
+            f"Run: {s.get('started', result['started'])}; machine load (`uptime`) at its start: "
+            f"`{s.get('uptime_start', '?')}`, at its end: `{s.get('uptime_end', '?')}`. Each client sends one "
+            "streaming request; decodes send a token every few seconds so every stream stays open at once.",
+            "",
             "| streams sent | answered fully | untyped | typed | peak open streams | router RSS MB per 1,000 "
             "open streams | router RSS idle / peak MB | router fds idle / at peak |",
             "|---|---|---|---|---|---|---|---|",

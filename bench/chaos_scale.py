@@ -9,6 +9,7 @@ the router at the sample with the most.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ def run_scale(
         ready_lease_s=30.0,
         claim_lease_s=10.0,
         token_delay_s=token_delay_s,
-        stream_idle_timeout_s=10.0,
+        stream_idle_timeout_s=2 * token_delay_s + 10.0,
         decode_timeout_s=60.0,
         prefill_timeout_s=60.0,
         metaserver_timeout_s=5.0,
@@ -64,6 +65,8 @@ def run_scale(
     for p in (out, stop):
         p.unlink(missing_ok=True)
     row: dict[str, Any] = {"scenario": "scale", "title": f"{streams} concurrent streams through one router"}
+    row["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    row["uptime_start"] = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     t_start = time.time()
     try:
         stack = Stack(procs, timing=timing).start()
@@ -100,4 +103,5 @@ def run_scale(
         procs.close()
     row["wall_s"] = round(time.time() - t_start, 1)
     row["load_avg"] = round(os.getloadavg()[0], 2)
+    row["uptime_end"] = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     return row
