@@ -33,7 +33,15 @@ def _proxied(d: Deployment) -> float:
 
 def test_two_routers_listing_each_other_do_not_amplify_a_request() -> None:
     # No retries and a low in-flight cap bound the storm the loop makes without the hop header.
-    bounds = {"prefill_retries": 0, "decode_retries": 0, "max_inflight": 20, "prefill_timeout_s": 10.0}
+    # Health probes are kept out of the way: each router's /health is 503 (it has no real pair), which
+    # would only hide the other router from it.
+    bounds = {
+        "prefill_retries": 0,
+        "decode_retries": 0,
+        "max_inflight": 20,
+        "prefill_timeout_s": 10.0,
+        "health_interval_s": 600.0,
+    }
     with Deployment(**bounds) as a, Deployment(**bounds) as b:
         assert httpx.post(a.url + "/v1/instances", json=_as_instance(b.url, "router-b"), timeout=5).status_code == 200
         assert httpx.post(b.url + "/v1/instances", json=_as_instance(a.url, "router-a"), timeout=5).status_code == 200
