@@ -138,6 +138,8 @@ class Engine:
 
     def serve(self, rfile: Any, conn: socket.socket) -> None:
         request_line = rfile.readline().decode("latin-1")
+        if not request_line:  # a connection closed before sending a request (a connect that timed out)
+            return
         length = 0
         while (line := rfile.readline()) not in (b"\r\n", b"\n", b""):
             name, _, value = line.decode("latin-1").partition(":")
