@@ -36,7 +36,7 @@ MAX_SAFE_INT = 2**53 - 1  # exact in a double, so in every JSON parser the body 
 MAX_N = 128
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INT)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]
+TokenId = Annotated[int, Field(ge=0, le=2**64 - 1)]
 _T = TypeVar("_T")
 _NonEmpty = Annotated[list[_T], Field(min_length=1)]
 
@@ -55,13 +55,21 @@ class InvalidField(BadRequest):
 
 
 def _tokens(items: list[Any]) -> bool:
-    return all(type(t) is int and 0 <= t <= MAX_SAFE_INT for t in items)
+    """Whether `items` holds only integers >= 0 that orjson keeps as integers (below 2**64).
+
+    Read off the encoding rather than item by item (several times faster on long prompts): a float, a
+    bool, null, a string, a negative number or a nested list each leave a character other than digits
+    and commas between the outer brackets."""
+    try:
+        return not orjson.dumps(items)[1:-1].translate(None, b"0123456789,")
+    except orjson.JSONEncodeError:  # an integer past 64 bits (not from a parsed body: orjson reads it as a float)
+        return False
 
 
 def _check_prompt(value: Any) -> Any:
     """A prompt as OpenAI defines it: a string, strings, token ids, or lists of token ids.
 
-    Checked by hand: a pydantic union over a token-id list costs milliseconds per request."""
+    Checked by hand: a pydantic union over a long token-id list is many times slower."""
     if value is None or type(value) is str:
         return value
     if type(value) is not list:
