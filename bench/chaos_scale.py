@@ -44,7 +44,7 @@ def _inflight(url: str) -> int:
 
 
 def run_scale(
-    streams: int, results_dir: Path, *, tokens: int = 8, token_delay_s: float = 12.0, ramp_s: float = 60.0
+    streams: int, results_dir: Path, *, tokens: int = 10, token_delay_s: float = 8.0, ramp_s: float = 40.0
 ) -> dict[str, Any]:
     procs = Procs()
     # Thousands of handoffs in flight on a small machine: the ledger gets its default leases and timeout,
