@@ -46,9 +46,9 @@ class Code(str, Enum):
     HANDOFF_NOT_FOUND = "handoff_not_found"
     INVALID_CURSOR = "invalid_cursor"
     TOO_MANY_REQUESTS = "too_many_requests"
-    UPSTREAM_REJECTED = "upstream_rejected"  # an engine's own 4xx, relayed verbatim
     REQUEST_TIMEOUT = "request_timeout"  # the client did not send its headers in time
     SERVER_BUSY = "server_busy"  # connection limit reached; retry shortly
+    UPSTREAM_REJECTED = "upstream_rejected"  # an engine's own 4xx, relayed verbatim
     LOOP_DETECTED = "pd_loop_detected"
     # -- ledger state ---------------------------------------------------------------------------
     HANDOFF_EXISTS = "handoff_exists"
@@ -115,14 +115,14 @@ CODES: dict[Code, CodeInfo] = {
     Code.HANDOFF_NOT_FOUND: CodeInfo(404, openai_type=_BAD),
     Code.INVALID_CURSOR: CodeInfo(400, openai_type=_BAD),
     Code.TOO_MANY_REQUESTS: CodeInfo(429, retryable=True, openai_type="rate_limit_error"),
+    Code.REQUEST_TIMEOUT: CodeInfo(408, openai_type=_BAD),
+    Code.SERVER_BUSY: CodeInfo(503, retryable=True),
     Code.UPSTREAM_REJECTED: CodeInfo(400, openai_type=_BAD),
     Code.LOOP_DETECTED: CodeInfo(508, openai_type=_BAD),
     Code.HANDOFF_EXISTS: CodeInfo(409, openai_type=_BAD),
     Code.ILLEGAL_TRANSITION: CodeInfo(409, openai_type=_BAD),
     Code.HANDOFF_TERMINAL: CodeInfo(410, openai_type=_BAD),
     Code.PREFILL_FAILED: CodeInfo(502, retryable=True),
-    Code.REQUEST_TIMEOUT: CodeInfo(408, openai_type=_BAD),
-    Code.SERVER_BUSY: CodeInfo(503, retryable=True),
     Code.DECODE_FAILED: CodeInfo(502, retryable=True),
     Code.KV_EXPIRED: CodeInfo(504),
     Code.KV_NOT_READY: CodeInfo(504),
