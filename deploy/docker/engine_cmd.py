@@ -475,8 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     _ensure_tiny_model(spec, sys.executable)
     print(f"[pdgate-engine] {spec.flavour} {spec.role} {spec.instance_id} at {spec.url}: {shlex.join(command)}")
     sys.stdout.flush()
-    os.execvpe(command[0], command, {**os.environ, **engine_env(spec)})
-    return 127  # not reached
+    os.execvpe(command[0], command, {**os.environ, **engine_env(spec)})  # replaces this process
 
 
 if __name__ == "__main__":

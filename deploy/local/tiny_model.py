@@ -85,7 +85,7 @@ def _build_tokenizer(shape: type[ModelShape]) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(list(_corpus(20000, shape.seed)), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves this constructor untyped
         tokenizer_object=tok,
         bos_token=SPECIAL_TOKENS[0],
         eos_token=SPECIAL_TOKENS[1],
@@ -102,7 +102,7 @@ def _build_weights(config: Any, seed: int) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
+        skeleton = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers leaves this constructor untyped
     gen = torch.Generator().manual_seed(seed)
     state: dict[str, Any] = {}
     for name, param in sorted(skeleton.named_parameters()):
@@ -141,7 +141,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], *, force: bool = False) ->
     tokenizer = _build_tokenizer(shape)
     if len(tokenizer) != shape.vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, expected {shape.vocab_size}")
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]  # torch_dtype is read from **kwargs; the checkpoint records it
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,

@@ -26,10 +26,10 @@ def _version(name: str) -> str:
 
 
 def main() -> int:
-    _metadata.version = _version
+    _metadata.version = _version  # type: ignore[assignment]  # the shim: same call, looser name
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    result = vllm_main()
+    result = vllm_main()  # type: ignore[no-untyped-call]  # vLLM's CLI entry is untyped
     return int(result or 0)
 
 
