@@ -1,7 +1,9 @@
 """The handoff state machine: one declarative table of moves (`MOVES`) and its Python interpreter.
 
     PENDING --ready--> READY --claim--> CLAIMED --done--> DONE
-       |                 |                 |  (claim lease lapses -> READY, another decode may claim)
+       |                 |  ^              |  (claim lease lapses -> READY, another decode may claim)
+       |                 |  +--------------+
+       |                 +--done, by the decode whose claim lapsed--> DONE
        +--- abort / lease lapse -----------+--> ABORTED | EXPIRED
 
 Why a table, interpreted twice, and not Lua that only compares-and-sets what Python decided: a decision
@@ -16,7 +18,15 @@ field of its own; the contract suite (`tests/contract/`) runs every rule against
 
 The rules held by the table: the claimant renewal and the claimant check (`Claimant`), the lapse rule
 (`LAPSES`: a lapsed claim returns to READY while fewer than `max_claims` claims have lapsed, else the
-record expires) and the terminal bookkeeping (entering a terminal state ends the lease). Nothing here
+record expires), the late DONE (`Move.lapsed_sources`) and the terminal bookkeeping (entering a terminal
+state ends the lease).
+
+The late DONE: a lapsed claim returns the record to READY and keeps its claimant in `decode_instance_id`
+(the last claimant; a new claim overwrites it). That decode's DONE on the READY record still succeeds:
+its pull was verified while the prefill held the blocks (the record was never terminal), so DONE lets
+the prefill free them at once instead of holding them for the rest of the READY lease. A DONE from
+anyone else, or anonymous, on a READY record is refused as before; once another decode claimed, the
+record is CLAIMED by it and the claimant check refuses the late one. Nothing here
 reads a clock or touches a socket; `now` and every lease are arguments.
 """
 
@@ -76,8 +86,6 @@ class Claimant(str, Enum):
     TAKE = "take"
     # A caller that names itself must be the claimant; an anonymous caller is not checked.
     CHECK = "check"
-    # The claimant is forgotten (a lapsed claim: another decode may claim).
-    DROP = "drop"
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,9 @@ class Move:
     claimant: Claimant = Claimant.NONE
     below_max_claims: bool = False  # applies only while `claims < max_claims`
     reason: str | None = None  # a fixed reason; "%s" is replaced by the state the record leaves
+    # States the move may also leave, but only for a caller that names itself and is the record's last
+    # claimant (`decode_instance_id`, kept when a claim lapses): the late DONE (module docstring).
+    lapsed_sources: frozenset[HandoffState] = frozenset()
 
     @property
     def terminal(self) -> bool:
@@ -105,10 +116,11 @@ MOVES: Mapping[str, Move] = {
     for m in (
         Move("ready", frozenset({S.PENDING}), S.READY, Lease.RECORD, field="location"),
         Move("claim", frozenset({S.READY}), S.CLAIMED, Lease.CALLER, claimant=Claimant.TAKE),
-        Move("done", frozenset({S.CLAIMED}), S.DONE, claimant=Claimant.CHECK),
+        Move("done", frozenset({S.CLAIMED}), S.DONE, claimant=Claimant.CHECK, lapsed_sources=frozenset({S.READY})),
         Move("abort", _LIVE, S.ABORTED, field="reason"),
-        # The sweeper's moves, tried in `LAPSES` order on a record whose lease is due.
-        Move("requeue", frozenset({S.CLAIMED}), S.READY, Lease.RECORD, claimant=Claimant.DROP, below_max_claims=True),
+        # The sweeper's moves, tried in `LAPSES` order on a record whose lease is due. A requeued record
+        # keeps its last claimant (the late DONE); the next claim replaces it.
+        Move("requeue", frozenset({S.CLAIMED}), S.READY, Lease.RECORD, below_max_claims=True),
         Move("expire", _LIVE, S.EXPIRED, reason="%s lease lapsed"),
     )
 }
@@ -116,7 +128,7 @@ LAPSES: tuple[str, ...] = ("requeue", "expire")
 
 # Every legal (from -> to), derived from `MOVES` for readers and tests; nothing decides with it.
 ALLOWED: Mapping[HandoffState, frozenset[HandoffState]] = {
-    state: frozenset(m.to for m in MOVES.values() if state in m.sources) for state in S
+    state: frozenset(m.to for m in MOVES.values() if state in m.sources | m.lapsed_sources) for state in S
 }
 assert all((m.lease is Lease.NONE) == m.terminal for m in MOVES.values()), "a live state needs a lease"
 
@@ -181,7 +193,10 @@ def apply(
             raise refused(move, rec.state, claimant=holder or "", caller=caller)
         if move.claimant is Claimant.CHECK and caller is not None and caller != holder:
             raise refused(move, rec.state, claimant=holder or "", caller=caller)
-    if not _applies(move, rec, max_claims):
+    if rec.state in move.lapsed_sources:  # the late DONE: only the last claimant, naming itself
+        if caller is None or caller != rec.decode_instance_id:
+            raise refused(move, rec.state)
+    elif not _applies(move, rec, max_claims):
         raise refused(move, rec.state)
     update: dict[str, object] = {
         "state": move.to,
@@ -194,8 +209,6 @@ def apply(
         update["reason"] = move.reason % rec.state.value
     if move.claimant is Claimant.TAKE:
         update.update(decode_instance_id=caller, claims=rec.claims + 1)
-    elif move.claimant is Claimant.DROP:
-        update["decode_instance_id"] = None
     return rec.model_copy(update=update)
 
 
@@ -239,7 +252,7 @@ def claim(rec: Handoff, decode_instance_id: str, *, now: float, lease_s: float) 
 
 
 def done(rec: Handoff, decode_instance_id: str | None, *, now: float) -> Handoff:
-    """CLAIMED -> DONE (see `Claimant.CHECK`)."""
+    """CLAIMED -> DONE (see `Claimant.CHECK`), or READY -> DONE by the decode whose claim lapsed."""
     return apply(MOVES["done"], rec, now=now, caller=decode_instance_id)
 
 

@@ -60,6 +60,7 @@ def _move_row(move: ledger.Move) -> dict[str, Any]:
         "below_max_claims": move.below_max_claims,
         "reason": move.reason,
         "terminal": move.terminal,
+        "lapsed_sources": move.lapsed_sources,
     }
 
 

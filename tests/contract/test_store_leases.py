@@ -38,14 +38,45 @@ async def test_lapsed_claim_returns_to_ready_until_max_claims(store: Store) -> N
     moved = await store.expire_due(now=now + 5.5)
     assert len(moved) == 1 and moved[0].before is S.CLAIMED
     rec = moved[0].handoff
-    assert rec.state is S.READY and rec.decode_instance_id is None and rec.claims == 1
+    # The record remembers its last claimant (the late DONE), and anyone may claim it again.
+    assert rec.state is S.READY and rec.decode_instance_id == "d0" and rec.claims == 1
     assert rec.deadline == pytest.approx(now + 5.5 + READY_LEASE, abs=1e-3)
-    with pytest.raises(IllegalTransition):
-        await store.done("c", "d0", now=now + 6)  # the lapsed claimant can no longer finish
     await store.claim("c", "d1", now=now + 6, lease_s=5)
+    with pytest.raises(IllegalTransition):
+        await store.done("c", "d0", now=now + 6.5)  # re-claimed by d1: the lapsed claimant cannot finish
     moved = await store.expire_due(now=now + 11.5)
     assert [(m.before, m.handoff.state, m.handoff.claims) for m in moved] == [(S.CLAIMED, S.EXPIRED, 2)]
     assert moved[0].handoff.reason == "CLAIMED lease lapsed"
+
+
+async def test_the_lapsed_claimant_finishes_a_requeued_record(store: Store) -> None:
+    """A pull verified while the prefill held the blocks, whose DONE arrives after the claim lapsed: the
+    DONE still lands, so the prefill hears it on its feed and frees at once (not at the READY lease)."""
+    now = t0()
+    await claimed(store, "late", now, decode="d0")
+    (back,) = await store.expire_due(now=now + 5.5)
+    assert back.handoff.state is S.READY
+    moved = await store.done("late", "d0", now=now + 6)
+    assert moved.before is S.READY and moved.handoff.state is S.DONE and moved.handoff.deadline is None
+    events = await store.read_events("p0", None, wait=0)
+    assert [(e.transfer_id, e.state) for e in events.events][-1:] == [("late", S.DONE)]
+    assert await store.expire_due(now=now + 1000) == []  # nothing left to lapse
+
+
+async def test_only_the_lapsed_claimant_naming_itself_finishes_a_requeued_record(store: Store) -> None:
+    now = t0()
+    await claimed(store, "r", now, decode="d0")
+    await store.expire_due(now=now + 5.5)
+    for caller in (None, "d1"):  # anonymous, or another decode: the record's READY, not theirs
+        with pytest.raises(IllegalTransition) as err:
+            await store.done("r", caller, now=now + 6)
+        assert err.value.current is S.READY
+    # A record that was never claimed has no last claimant: DONE is refused as before.
+    await create(store, "fresh", now)
+    await store.mark_ready("fresh", LOC, now=now)
+    with pytest.raises(IllegalTransition):
+        await store.done("fresh", "d0", now=now + 1)
+    assert (await store.get_handoff("r")).state is S.READY  # type: ignore[union-attr]
 
 
 async def test_a_renewed_claim_does_not_lapse_at_the_old_deadline(store: Store) -> None:

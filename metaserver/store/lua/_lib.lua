@@ -4,7 +4,7 @@
 --   CFG.events_prefix  CFG.handoff_prefix  CFG.left_pending  CFG.state_counts   key names (keys.py)
 --   CFG.terminal_ttl_ms  CFG.events_maxlen  CFG.events_ttl_s  CFG.max_claims     retention (LedgerPolicy)
 --   CFG.moves   ledger.MOVES, name -> {sources = {STATE = true}, to, lease, field, claimant,
---               below_max_claims, reason, terminal}
+--               below_max_claims, reason, terminal, lapsed_sources = {STATE = true}}
 --   CFG.lapses  ledger.LAPSES (move names, tried in order)   CFG.claimed  ledger.CLAIMED_STATE
 --   CFG.pending ledger.FIRST_STATE (a new record's state; leaving it wakes long-polls)
 --   CFG.kept    registry.KEPT_ON_REREGISTER
@@ -88,7 +88,12 @@ local function apply_move(m, key, tid, now, rec, caller, value, lease)
       return {'illegal', state, holder or ''}
     end
   end
-  if not applies(m, rec) then
+  if m.lapsed_sources[state] then
+    -- the late DONE: only the last claimant (kept when its claim lapsed), naming itself
+    if caller == '' or holder ~= caller then
+      return {'illegal', state}
+    end
+  elseif not applies(m, rec) then
     return {'illegal', state}
   end
   local reason = nil
@@ -119,8 +124,6 @@ local function apply_move(m, key, tid, now, rec, caller, value, lease)
   redis.call('HSET', key, unpack(fields))
   if m.claimant == 'take' then
     redis.call('HINCRBY', key, 'claims', 1)
-  elseif m.claimant == 'drop' then
-    redis.call('HDEL', key, 'decode_instance_id')
   end
   redis.call('ZADD', KEYS[1], deadline, tid)
   count_move(state, m.to)

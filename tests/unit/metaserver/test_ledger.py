@@ -27,7 +27,7 @@ def test_table_terminal_states_lead_nowhere_and_live_ones_can_end() -> None:
 def test_caller_moves_leave_only_their_sources() -> None:
     assert MOVES["ready"].sources == {S.PENDING}
     assert MOVES["claim"].sources == {S.READY}
-    assert MOVES["done"].sources == {S.CLAIMED}
+    assert MOVES["done"].sources == {S.CLAIMED} and MOVES["done"].lapsed_sources == {S.READY}
     assert MOVES["abort"].sources == MOVES["expire"].sources == {S.PENDING, S.READY, S.CLAIMED}
     assert LAPSES == ("requeue", "expire") and MOVES["requeue"].sources == {S.CLAIMED}
 
@@ -117,7 +117,12 @@ def test_lapse_expires_pending_and_ready() -> None:
 def test_lapsed_claim_goes_back_to_ready_until_max_claims() -> None:
     rec = ledger.claim(ledger.mark_ready(new(), LOC, now=101), "d0", now=102, lease_s=5)
     back = ledger.lapse(rec, now=107, max_claims=2)
-    assert back is not None and back.state is S.READY and back.decode_instance_id is None and back.deadline == 137
+    assert back is not None and back.state is S.READY and back.decode_instance_id == "d0" and back.deadline == 137
+    late = ledger.done(back, "d0", now=107.5)  # the lapsed claimant's DONE still lands
+    assert late.state is S.DONE and late.deadline is None
+    for caller in (None, "d1"):
+        with pytest.raises(ledger.IllegalTransition):
+            ledger.done(back, caller, now=107.5)
     rec = ledger.claim(back, "d1", now=108, lease_s=5)
     assert rec.claims == 2
     final = ledger.lapse(rec, now=113, max_claims=2)
