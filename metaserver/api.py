@@ -29,6 +29,7 @@ import orjson
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pdgate.metaserver.batch import parse_batch, render_batch, run_batch
 from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.errors import (
     AdminTokenRequired,
@@ -44,6 +45,8 @@ from pdgate.metaserver.errors import (
 from pdgate.metaserver.guards import AccessGuard, LongPolls, TooManyLongPolls, check_cursor
 from pdgate.metaserver.models import (
     AbortBody,
+    BatchBody,
+    BatchResults,
     ClaimBody,
     DoneBody,
     Handoff,
@@ -400,6 +403,19 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
         body = parse_body(await read_body(request, max_body), AbortBody, optional=True)
         reason = body.reason if body is not None else AbortBody().reason
         return _json(await get_service().abort(transfer_id, reason))
+
+    @router.post(
+        "/v1/handoffs/batch",
+        openapi_extra=_body_doc(BatchBody),
+        response_model=BatchResults,
+        responses=common,
+        tags=["handoffs"],
+        summary="Many create/ready/claim/done/abort calls in one request, each answered on its own",
+    )
+    async def batch(request: Request) -> Response:
+        items = parse_batch(await read_body(request, max_body))
+        outcomes = await run_batch(get_service(), items)
+        return Response(render_batch(items, outcomes), media_type=_JSON)
 
     @router.get(
         "/v1/handoffs/{transfer_id}",

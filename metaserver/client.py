@@ -19,12 +19,20 @@ The service's own errors (`pdgate.metaserver.errors`) subclass these families, s
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import httpx
 import orjson
 from pdgate.metaserver.models import (
     AbortBody,
+    BatchBody,
+    BatchClaim,
+    BatchCreate,
+    BatchDone,
+    BatchItem,
+    BatchReady,
     ClaimBody,
     DoneBody,
     Handoff,
@@ -56,6 +64,7 @@ __all__ = [
     "MetaUnauthorized",
     "MetaUnavailable",
     "error_from_answer",
+    "error_from_problem",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -288,6 +297,41 @@ class MetaClient:
     async def abort(self, transfer_id: str, reason: str) -> Handoff:
         return await self._model(Handoff, "POST", f"/v1/handoffs/{transfer_id}/abort", body=AbortBody(reason=reason))
 
+    async def batch(self, items: Sequence[BatchItem]) -> list[Handoff | MetaError]:
+        """Many ledger calls in one request (`POST /v1/handoffs/batch`): per item, in order, the record or
+        the typed error its single call would have raised. A failure of the request itself (unreachable,
+        refused envelope) raises. A metaserver without the batch route (404/405) gets the calls one by one,
+        concurrently, so a newer client works against an older server."""
+        if not items:
+            return []
+        try:
+            data = await self._call("POST", "/v1/handoffs/batch", body=BatchBody(items=list(items)))
+        except MetaError as exc:
+            if exc.status not in (404, 405):
+                raise
+            return list(await asyncio.gather(*(self._single(item) for item in items)))
+        out: list[Handoff | MetaError] = []
+        for item, result in zip(items, data["results"], strict=True):
+            if "handoff" in result and result["handoff"] is not None:
+                out.append(Handoff.model_validate(result["handoff"]))
+            else:
+                out.append(error_from_problem(result.get("status", 500), result.get("problem"), "POST", _path(item)))
+        return out
+
+    async def _single(self, item: BatchItem) -> Handoff | MetaError:
+        try:
+            if isinstance(item, BatchCreate):
+                return await self.create_handoff(HandoffCreate.model_validate(item.model_dump(exclude={"op"})))
+            if isinstance(item, BatchReady):
+                return await self.mark_ready(item.transfer_id, item.location)
+            if isinstance(item, BatchClaim):
+                return await self.claim(item.transfer_id, item.decode_instance_id, item.lease_s)
+            if isinstance(item, BatchDone):
+                return await self.done(item.transfer_id, item.decode_instance_id)
+            return await self.abort(item.transfer_id, item.reason)
+        except MetaError as exc:
+            return exc
+
     async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff:
         params = {"wait": wait} if wait else None
         return await self._model(Handoff, "GET", f"/v1/handoffs/{transfer_id}", params=params, wait=wait)
@@ -319,6 +363,10 @@ def _error_from(resp: httpx.Response, method: str, path: str) -> MetaError:
     return error_from_answer(resp.status_code, resp.content, method, path)
 
 
+def _path(item: BatchItem) -> str:
+    return "/v1/handoffs" if isinstance(item, BatchCreate) else f"/v1/handoffs/{item.transfer_id}/{item.op}"
+
+
 def error_from_answer(status: int, content: bytes, method: str, path: str) -> MetaError:
     """Turn an RFC 7807 (or FastAPI `detail`) answer into the typed error for its status (`BY_STATUS`),
     carrying the body's `code` and `current_state`.
@@ -326,14 +374,19 @@ def error_from_answer(status: int, content: bytes, method: str, path: str) -> Me
     Public so that a subclass of `MetaClient` with another HTTP layer (the router's pooled client)
     raises exactly the errors this client raises.
     """
-    cls = BY_STATUS.get(status, MetaError)
-    detail = f"metaserver {method} {path} answered {status}"
-    code: str | None = None
-    state: HandoffState | None = None
     try:
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
         data = None
+    return error_from_problem(status, data, method, path)
+
+
+def error_from_problem(status: int, data: Any, method: str, path: str) -> MetaError:
+    """`error_from_answer` for a problem already parsed (a batch item's, or any JSON value)."""
+    cls = BY_STATUS.get(status, MetaError) if isinstance(status, int) else MetaError
+    detail = f"metaserver {method} {path} answered {status}"
+    code: str | None = None
+    state: HandoffState | None = None
     if isinstance(data, dict):
         if isinstance(data.get("detail"), str):
             detail = f"{detail}: {data['detail']}"

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdgate.metaserver.api import error_from_exception, parse_body
+from pdgate.metaserver.batch import BATCH_ROUTE, parse_batch, render_batch, run_batch
 from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, AdminTokenRequired, BodyTooLarge, InvalidInput, problem_body
 from pdgate.metaserver.guards import AccessGuard
 from pdgate.metaserver.models import AbortBody, ClaimBody, DoneBody, HandoffCreate, KVLocation
@@ -66,6 +67,20 @@ async def _abort(svc: MetaService, tid: str, raw: bytes) -> tuple[Any, int]:
     return await svc.abort(tid, body.reason if body else AbortBody().reason), 200
 
 
+class _Raw:
+    """A body already rendered (a batch's results)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
+async def _batch(svc: MetaService, _tid: str, raw: bytes) -> tuple[Any, int]:
+    items = parse_batch(raw)
+    return _Raw(render_batch(items, await run_batch(svc, items))), 200
+
+
 async def _get(svc: MetaService, tid: str, _raw: bytes) -> tuple[Any, int]:
     return await svc.get_handoff(tid), 200
 
@@ -80,6 +95,7 @@ _ACTIONS: dict[tuple[str, str], tuple[str, Handler, bool]] = {
 }
 _CREATE = ("/v1/handoffs", _create, True)
 _GET = ("/v1/handoffs/{transfer_id}", _get, False)
+_BATCH = (BATCH_ROUTE, _batch, True)
 
 
 def _match(method: str, path: str, query: bytes) -> tuple[tuple[str, Handler, bool], str] | None:
@@ -89,6 +105,8 @@ def _match(method: str, path: str, query: bytes) -> tuple[tuple[str, Handler, bo
     if len(parts) == 3:
         return (_CREATE, "") if method == "POST" else None
     if len(parts) == 4:
+        if method == "POST" and parts[3] == "batch":
+            return _BATCH, ""
         return (_GET, parts[3]) if method == "GET" and not query and parts[3] else None
     if len(parts) == 5 and parts[3]:
         found = _ACTIONS.get((method, parts[4]))
@@ -127,7 +145,7 @@ class FastPath:
             self.guard.check(auth, client[0] if client else None, write=write)
             raw = await self._read(receive, declared) if write else b""
             model, status = await handler(svc, tid, raw)
-            body = model.__pydantic_serializer__.to_json(model)
+            body = model.body if type(model) is _Raw else model.__pydantic_serializer__.to_json(model)
         except _ClientGone:
             return
         except Exception as exc:

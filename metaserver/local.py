@@ -12,9 +12,13 @@ input fails the same way (pydantic raises before anything reaches the store).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from pdgate.metaserver.batch import run_batch
+from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.models import (
+    BatchItem,
     Handoff,
     HandoffCreate,
     HandoffEvents,
@@ -83,6 +87,9 @@ class LocalMetaClient:
 
     async def abort(self, transfer_id: str, reason: str) -> Handoff:
         return await self.service.abort(transfer_id, reason)
+
+    async def batch(self, items: Sequence[BatchItem]) -> list[Handoff | MetaError]:
+        return await run_batch(self.service, items) if items else []
 
     async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff:
         return await self.service.get_handoff(transfer_id, wait)

@@ -7,6 +7,7 @@ or the router mounting the metaserver in-process, each get their own (or share t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from pdgate.metaserver.store.base import Store
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "pdgate_metaserver_"
 
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -59,6 +61,31 @@ class MetaMetrics:
             ["state"],
             registry=r,
         )
+
+        self.batch_items = Histogram(
+            PREFIX + "batch_items",
+            "Items per POST /v1/handoffs/batch (how much the callers' batching saves)",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_outcomes = Counter(
+            PREFIX + "batch_item_outcomes_total",
+            "Batch items answered, by operation and the status its single route would have answered",
+            ["op", "status"],
+            registry=r,
+        )
+        self._outcome_children: dict[tuple[str, int], Counter] = {}
+
+    def observe_batch(self, items: Sequence[object], outcomes: Sequence[object]) -> None:
+        """Count one batch: its size, and each item's operation and status (`batch.run_batch` calls it)."""
+        self.batch_items.observe(len(items))
+        for item, outcome in zip(items, outcomes, strict=True):
+            op = str(getattr(item, "op", "invalid"))
+            status = int(getattr(outcome, "status", 201 if op == "create" else 200))
+            child = self._outcome_children.get((op, status))
+            if child is None:
+                child = self._outcome_children[(op, status)] = self.batch_outcomes.labels(op, str(status))
+            child.inc()
 
     async def refresh_from_store(self, store: Store) -> None:
         """Read the store-wide gauges just before a scrape renders them.

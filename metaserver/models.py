@@ -13,15 +13,25 @@ from __future__ import annotations
 import math
 import re
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pdgate.metaserver.urls import check_engine_url
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "CONTRACT_VERSION",
+    "MAX_BATCH_ITEMS",
     "TERMINAL_STATES",
     "AbortBody",
+    "BatchAbort",
+    "BatchBody",
+    "BatchClaim",
+    "BatchCreate",
+    "BatchDone",
+    "BatchItem",
+    "BatchOutcome",
+    "BatchReady",
+    "BatchResults",
     "ClaimBody",
     "DoneBody",
     "Handoff",
@@ -352,3 +362,59 @@ class Problem(BaseModel):
     detail: str
     code: str
     current_state: HandoffState | None = None
+
+
+# -- batches (`POST /v1/handoffs/batch`) ----------------------------------------------------------
+# Why: the engines' control threads and the router make many ledger calls at once; one HTTP request
+# carrying all of them costs the metaserver one request's overhead, and the store pipelines the items.
+# Each item is one of the single routes' bodies plus its `op` and `transfer_id`, answered on its own.
+
+MAX_BATCH_ITEMS = 512
+
+
+class BatchCreate(HandoffCreate):
+    op: Literal["create"] = "create"
+
+
+class BatchReady(_Model):
+    op: Literal["ready"] = "ready"
+    transfer_id: Ident
+    location: KVLocation
+
+
+class BatchClaim(ClaimBody):
+    op: Literal["claim"] = "claim"
+    transfer_id: Ident
+
+
+class BatchDone(DoneBody):
+    op: Literal["done"] = "done"
+    transfer_id: Ident
+
+
+class BatchAbort(AbortBody):
+    op: Literal["abort"] = "abort"
+    transfer_id: Ident
+
+
+BatchItem = Annotated[BatchCreate | BatchReady | BatchClaim | BatchDone | BatchAbort, Field(discriminator="op")]
+
+
+class BatchBody(_Model):
+    """Body of `POST /v1/handoffs/batch`: items run in order per transfer id, concurrently across ids."""
+
+    items: list[BatchItem] = Field(..., min_length=1, max_length=MAX_BATCH_ITEMS)
+
+
+class BatchOutcome(BaseModel):
+    """One item's answer: `status` as its single route would answer, with the record or the problem."""
+
+    status: int
+    handoff: Handoff | None = None
+    problem: Problem | None = None
+
+
+class BatchResults(BaseModel):
+    """Answer of `POST /v1/handoffs/batch` (200 once the envelope is valid): one outcome per item, in order."""
+
+    results: list[BatchOutcome]
