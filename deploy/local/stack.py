@@ -163,7 +163,10 @@ class LocalStack:
         self._cpu_cursor = 0
         # The admin token of the router's metaserver: generated per stack, handed to the router and the
         # engines in their environment (never argv, where `ps` shows it to every user of the host).
-        self.admin_token = self.config.router_env.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(32)
+        # An operator's own token (the config's, else the launcher's environment) wins over a fresh one.
+        self.admin_token = (
+            self.config.router_env.get(ADMIN_TOKEN_ENV) or os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(32)
+        )
 
     @property
     def admin_headers(self) -> dict[str, str]:

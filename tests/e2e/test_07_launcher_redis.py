@@ -28,6 +28,8 @@ from tests.support.redis import RedisServer
 pytestmark = pytest.mark.e2e
 
 PREFIX = "e2e"
+# The launcher takes an operator's admin token from its environment; the test needs it to see engine URLs.
+ADMIN_TOKEN = "e2e-launcher-admin-token"
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class Launched:
     run_dir: Path
 
     def engine(self, role: str) -> FoundEngine:
-        body = httpx.get(self.url + "/health", timeout=10, trust_env=False).json()
+        auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        body = httpx.get(self.url + "/health", headers=auth, timeout=10, trust_env=False).json()
         [inst] = [i for i in body["instances"] if i["role"] == role]
         return FoundEngine(inst["id"], inst["url"], self.run_dir)
 
@@ -103,7 +106,7 @@ def launched(
         str(vllm_env.venv),
         "--no-install",
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PDGATE_ROUTER_ADMIN_TOKEN=ADMIN_TOKEN)
     proc = ManagedProcess("pdgate-local", argv, log_path=e2e_run_dir / "launcher.out", env=env, cwd=repo_root())
     proc.start()
     try:
