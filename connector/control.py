@@ -14,6 +14,13 @@ Per command, the retry rules (decided on the client's exception types, never on 
   Abort      best effort, a few retries; gone/unknown are fine (nothing to abort).
   Check      one try; unknown -> the record is lost, free; unreachable -> keep (local deadline).
 
+Batching: READY, claim, DONE and abort go through a `pdgate.metaserver.batcher.Batcher`, so every such
+call waiting when a request goes out rides in that one `POST /v1/handoffs/batch` (at most
+`_MAX_IN_FLIGHT` requests out at once); one engine step's commands are one request, and a backlog never
+turns into one round trip per call after the other. Each call still gets its own typed error, so the
+retry rules above are the single calls' rules. The queue depth and each call's latency (queued ->
+answered) go into the stats file (`control` key) and into a log line every `_REPORT_EVERY_S`.
+
 A failure that reaches the scheduler half carries a `pdgate.errors.Code`: the metaserver client's own
 (`MetaError.code`, from the answer's problem body), or one of the control thread's (`KV_NOT_READY` when
 no READY came in time, `HANDOFF_TERMINAL` when the long-poll saw the record end).
@@ -55,8 +62,18 @@ from pdgate.connector.messages import (
     WriteStats,
 )
 from pdgate.connector.registration import Registrar, backoff
+from pdgate.metaserver.batcher import Batcher
 from pdgate.metaserver.client import MetaClient, MetaConflict, MetaError, MetaGone, MetaNotFound, MetaUnavailable
-from pdgate.metaserver.models import TERMINAL_STATES, HandoffState, InstanceLoad, RegisterResponse
+from pdgate.metaserver.models import (
+    TERMINAL_STATES,
+    BatchAbort,
+    BatchClaim,
+    BatchDone,
+    BatchReady,
+    HandoffState,
+    InstanceLoad,
+    RegisterResponse,
+)
 
 from pdgate.errors import Code
 
@@ -66,6 +83,8 @@ logger = logging.getLogger(__name__)
 
 _LONG_POLL_CAP_S = 10.0
 _STATS_EVERY_S = 0.2
+_MAX_IN_FLIGHT = 2  # batch requests out at once (see the module docstring)
+_REPORT_EVERY_S = 30.0
 
 
 class ControlThread:
@@ -90,6 +109,8 @@ class ControlThread:
         self._load: InstanceLoad | None = None
         self._registrar: Registrar | None = None
         self._client: MetaClient | None = None
+        self._batcher: Batcher | None = None
+        self._reported_calls = 0
         self._closed = False
         self.feed_ok_at: float | None = None
         self._pending_stats: dict[str, Any] | None = None
@@ -131,6 +152,8 @@ class ControlThread:
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
         self._client = self._client_factory()
+        self._batcher = Batcher(self._client.batch, max_in_flight=_MAX_IN_FLIGHT)
+        self._loop.call_later(_REPORT_EVERY_S, self._report)
         started.set()
         try:
             self._loop.run_forever()
@@ -170,6 +193,31 @@ class ControlThread:
     def _meta(self) -> MetaClient:
         assert self._client is not None
         return self._client
+
+    @property
+    def batcher(self) -> Batcher:
+        """The ledger-call queue (read its `snapshot()` from the loop's thread, or for a report)."""
+        assert self._batcher is not None
+        return self._batcher
+
+    def _report(self) -> None:
+        """Log the ledger calls since the last report (queue depth, latency), when there were any."""
+        self._loop.call_later(_REPORT_EVERY_S, self._report)
+        if self.batcher.calls == self._reported_calls:
+            return
+        snap = self.batcher.snapshot(reset=True)
+        calls = snap["calls"] - self._reported_calls
+        self._reported_calls = snap["calls"]
+        lat = snap["call_ms"]
+        logger.info(
+            "ledger calls: %d (%d requests so far), queue depth max %d, latency ms p50 %s p99 %s max %s",
+            calls,
+            snap["requests"],
+            snap["queue_depth_max"],
+            lat.get("p50"),
+            lat.get("p99"),
+            lat.get("max"),
+        )
 
     # registration and the event feed
 
@@ -219,7 +267,7 @@ class ControlThread:
         attempt = 0
         while True:
             try:
-                h = await self._meta.mark_ready(cmd.transfer_id, cmd.location)
+                h = await self.batcher.call(BatchReady(transfer_id=cmd.transfer_id, location=cmd.location))
             except MetaConflict as exc:
                 if exc.current_state in (HandoffState.READY, HandoffState.CLAIMED):
                     # An earlier try landed although its answer was lost: recorded.
@@ -253,7 +301,9 @@ class ControlThread:
                 )
                 return
             try:
-                h = await self._meta.claim(transfer_id, me, self._cfg.claim_lease_s)
+                h = await self.batcher.call(
+                    BatchClaim(transfer_id=transfer_id, decode_instance_id=me, lease_s=self._cfg.claim_lease_s)
+                )
                 self._results.put(Claimed(transfer_id, h))
                 return
             except MetaConflict as exc:
@@ -292,7 +342,7 @@ class ControlThread:
         attempt = 0
         while True:
             try:
-                await self._meta.done(transfer_id, self._instance_id())
+                await self.batcher.call(BatchDone(transfer_id=transfer_id, decode_instance_id=self._instance_id()))
                 self._results.put(DoneResult(transfer_id, True))
                 return
             except MetaGone as exc:
@@ -323,7 +373,7 @@ class ControlThread:
     async def _abort(self, cmd: Abort) -> None:
         for attempt in range(5):
             try:
-                await self._meta.abort(cmd.transfer_id, cmd.reason)
+                await self.batcher.call(BatchAbort(transfer_id=cmd.transfer_id, reason=cmd.reason))
                 return
             except (MetaGone, MetaNotFound, MetaConflict):
                 return
@@ -367,7 +417,8 @@ class ControlThread:
         path = self._cfg.stats_file
         if not path:
             return
-        snapshot = {**snapshot, "pid": os.getpid(), "written_at": time.time()}
+        control = self._batcher.snapshot() if self._batcher is not None else {}
+        snapshot = {**snapshot, "control": control, "pid": os.getpid(), "written_at": time.time()}
         directory = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(directory, exist_ok=True)
