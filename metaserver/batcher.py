@@ -92,7 +92,7 @@ class Batcher:
     def _flush(self) -> None:
         self._scheduled = False
         while self._queue and self._in_flight < self.max_in_flight:
-            batch = []
+            batch: list[tuple[BatchItem, asyncio.Future[Handoff], float]] = []
             while self._queue and len(batch) < self.max_items:
                 entry = self._queue.popleft()
                 if not entry[1].done():  # a caller that gave up (cancelled) is not sent
