@@ -54,8 +54,8 @@ def _counts(url: str) -> dict[str, int]:
     return dict(st.get("counts", {})) if st else {}
 
 
-def _outage_probe(ctx: Ctx, until: float) -> None:
-    """While a dependency is down: how fast the router answers, and what its /health says."""
+def _outage_probe(ctx: Ctx, until: float, key: str = "probe") -> None:
+    """While a dependency is down (or just back): how fast the router answers, and what its /health says."""
     router = ctx.stack.routers[0].url
     latencies: list[float] = []
     codes: Counter[str] = Counter()
@@ -75,16 +75,28 @@ def _outage_probe(ctx: Ctx, until: float) -> None:
             codes[f"{r.status_code} {err.get('code') if isinstance(err, dict) else ''}".strip()] += 1
         except httpx.HTTPError as exc:
             codes[type(exc).__name__] += 1
-        if health is None and time.time() - ctx.t_fault > 1.0:
+        if health is None and key == "probe" and time.time() - ctx.t_fault > 1.0:
             try:
                 h = httpx.get(router + "/health", timeout=2.0)
                 health = {"status": h.status_code, "registry_error": h.json().get("registry_error")}
             except (httpx.HTTPError, ValueError) as exc:
                 health = {"error": repr(exc)}
         time.sleep(0.1)
-    ctx.extra["probe_answers"] = dict(codes)
-    ctx.extra["probe_max_latency_s"] = round(max(latencies), 3) if latencies else None
-    ctx.extra["health_during_outage"] = health
+    ctx.extra[f"{key}_answers"] = dict(codes)
+    ctx.extra[f"{key}_max_latency_s"] = round(max(latencies), 3) if latencies else None
+    if key == "probe":
+        ctx.extra["health_during_outage"] = health
+
+
+def _outage_s(ctx: Ctx) -> float:
+    """Down past the engines' instance lease: their records lapse (or vanish) while no heartbeat lands."""
+    return max(ctx.knobs.outage_s, ctx.stack.timing.instance_lease_s + 0.5)
+
+
+def _probe_after(ctx: Ctx) -> None:
+    """Right after the dependency is back, for one instance lease: engines re-register meanwhile, and the
+    router must keep serving them (issue 10: instances don't vanish because the registry was unreadable)."""
+    _outage_probe(ctx, time.time() + ctx.stack.timing.instance_lease_s + 1.0, key="probe_after")
 
 
 def _redis_restart(ctx: Ctx) -> None:
@@ -99,8 +111,9 @@ def _redis_restart(ctx: Ctx) -> None:
     ctx.t_fault = time.time()  # the fault is the crash, not the set-up before it
     os.kill(redis.pid, signal.SIGKILL)  # a crash: no shutdown save, no final AOF fsync
     redis.stop()
-    _outage_probe(ctx, time.time() + ctx.knobs.outage_s)
+    _outage_probe(ctx, time.time() + _outage_s(ctx))
     redis.start()
+    _probe_after(ctx)
     ctx.extra["kv_keys_before"] = kv_before
     for d in ctx.stack.decodes:
         httpx.post(d.url + "/sim/script", json={"decode_delay": 0.0}, timeout=3.0)
@@ -123,6 +136,18 @@ def after_redis(ctx: Ctx) -> None:
     lat = ctx.extra.get("probe_max_latency_s")
     bound = ctx.stack.timing.metaserver_timeout_s * 2 + 0.5
     ctx.extra["ok_fast_503"] = lat is not None and lat <= bound and _probe_typed(ctx)
+    after_outage(ctx)
+
+
+def after_outage(ctx: Ctx) -> None:
+    """During the outage and for one lease after it, the router names the broken dependency or serves:
+    never `pd_no_compatible_pair` for instances that only lapsed because they could not heartbeat."""
+    answers = {**ctx.extra.get("probe_answers", {})}
+    for k, n in ctx.extra.get("probe_after_answers", {}).items():
+        answers[k] = answers.get(k, 0) + n
+    ctx.extra["ok_outage_named"] = bool(answers) and all(
+        k == "503 pd_metaserver_unavailable" or k.startswith("200") for k in answers
+    )
 
 
 def _probe_typed(ctx: Ctx) -> bool:
@@ -147,9 +172,10 @@ def restart_metaserver(ctx: Ctx) -> None:
     st = ctx.stack
     assert st.metaserver is not None
     st.metaserver.kill()
-    _outage_probe(ctx, time.time() + ctx.knobs.outage_s)
+    _outage_probe(ctx, time.time() + _outage_s(ctx))
     st.metaserver = st.start_metaserver()
     wait_ready(st.meta_url, proc=st.metaserver)
+    _probe_after(ctx)
 
 
 def kill_router(ctx: Ctx) -> None:
@@ -194,7 +220,7 @@ SCENARIOS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "3-stop-decode": ("SIGSTOP one decode, then SIGCONT", stop_decode, {"after": after_stop_decode}),
     "4a-redis-restart": ("Restart Redis (no persistence)", _redis_restart, {"after": after_redis}),
     "4b-redis-restart-aof": ("Restart Redis (AOF everysec)", _redis_restart, {"after": after_redis, "aof": True}),
-    "5-metaserver-restart": ("Kill and restart the metaserver", restart_metaserver, {}),
+    "5-metaserver-restart": ("Kill and restart the metaserver", restart_metaserver, {"after": after_outage}),
     "6-kill-router": ("Kill one of two routers (client round robin)", kill_router, {"routers": 2, "failover": True}),
     "8-reregister": ("Engine registered twice / back on a new URL", reregister, {"after": after_reregister}),
 }

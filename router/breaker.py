@@ -7,6 +7,9 @@ good probes close it, one failure opens it again. Outcomes are recorded per side
 counts against a decode), and a decode counts as a success only when its stream ended cleanly.
 
 Every state change goes through `_move`, the one place that calls `on_transition` (logs, gauge).
+
+`forgive` closes a breaker that opened because of a shared dependency rather than the instance (the
+pool calls it when the ledger turns out to have been down: see `Pool.ledger_outage`).
 """
 
 from __future__ import annotations
@@ -88,6 +91,14 @@ class CircuitBreaker:
             self._failures += 1
             if self._failures >= self.config.failures:
                 self._open(now)
+
+    def forgive(self, since: float) -> bool:
+        """Close the breaker if it opened at or after `since`; True if it did. Its failures then were
+        not this instance's own (every instance failed the same way while the ledger was down)."""
+        if self._state is BreakerState.CLOSED or self._opened_at < since:
+            return False
+        self._move(BreakerState.CLOSED)
+        return True
 
     def _open(self, now: float) -> None:
         self._opened_at = now

@@ -16,6 +16,15 @@ rule (`pdgate.metaserver.urls`; a record written before the rule, or straight in
 is this router's own address (possible with an external metaserver), is left out of the pool with a
 warning. So a bad record can neither stop the health loop nor fail start-up.
 Reasons kept for `/health` name the failure, never an address; the log line has the details.
+
+An outage of the registry is not a death of its instances: while the metaserver or its store cannot be
+read, engines cannot heartbeat either, so right after it comes back their records may have lapsed (a
+store restarted empty, or one restored from its AOF with stale heartbeats) until their next heartbeat
+re-registers them. An instance missing from the first reads after an outage therefore stays in the pool
+for its own lease (plus one refresh) from the moment the registry came back: the health checks keep
+judging it, the ledger works again, and requests keep flowing instead of failing with
+`pd_no_compatible_pair`. Absent longer than that, or absent while the registry was readable all along, it
+is gone.
 """
 
 from __future__ import annotations
@@ -65,6 +74,10 @@ class Discovery:
         self._static_roles = roles
         self._static_models: dict[str, str | None] = {url: settings.model for url in roles}
         self._registry: list[InstanceView] = []
+        self._leases: dict[str, float] = {}  # instance id -> its registry lease (s), for the outage grace
+        self._recovered_at: float | None = None  # when the registry became readable after its last outage
+        self._said_kept = False
+        self._last_ok = clock()  # the last good registry read
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._networks = settings.engine_networks
@@ -87,13 +100,47 @@ class Discovery:
                 log.warning("registry refresh failed (keeping the last snapshot): %s", detail)
             self.registry_error = detail
             self.registry_reason = _reason(exc)
+            self._recovered_at = None
+            if isinstance(exc, MetaUnavailable):  # the ledger is down too: no instance is to blame
+                forgiven = self._pool.ledger_outage(since=self._last_ok)  # failures since may be the outage's
+                if forgiven:
+                    log.info("closed the breakers of %s: they opened while the ledger was down", ", ".join(forgiven))
         else:
+            now = self._clock()
+            self._last_ok = now
+            self._pool.ledger_back()
             if self.registry_error is not None:
                 log.info("registry refresh works again")
+                self._recovered_at = now
+                self._said_kept = False
             self.registry_error = self.registry_reason = None
-            self._registry = [v for v in (self._view(i) for i in instances) if v is not None]
+            fresh = [v for v in (self._view(i) for i in instances) if v is not None]
+            self._registry = fresh + self._kept_through_outage(fresh, now)
+            for inst in instances:
+                self._leases[inst.id] = inst.lease_s
         await self._learn_static_models()
         self._install()
+
+    def _kept_through_outage(self, fresh: list[InstanceView], now: float) -> list[InstanceView]:
+        """Instances of the last snapshot that the registry no longer lists, still inside the grace after
+        an outage (see the module docstring); the rest are gone, and so is their lease."""
+        listed = {v.id for v in fresh}
+        kept: list[InstanceView] = []
+        for v in self._registry:
+            if v.id in listed:
+                continue
+            lease = self._leases.get(v.id, 0.0)
+            if self._recovered_at is not None and now <= self._recovered_at + lease + self._s.refresh_interval_s:
+                kept.append(v)
+            else:
+                self._leases.pop(v.id, None)
+        if kept and not self._said_kept:
+            self._said_kept = True
+            log.info(
+                "registry lists %d instance(s) fewer right after an outage; keeping them while they re-register",
+                len(kept),
+            )
+        return kept
 
     def _view(self, inst: Any) -> InstanceView | None:
         """The pool's view of a registry record, or None (logged once) when its URL breaks the rule."""

@@ -13,6 +13,12 @@ and stops counting against an instance and where its outcome reaches the breaker
 Eligible = not draining, model known, last health check passed, breaker lets a request through, and
 (for a prefill) at least one eligible decode can take its KV. Which decodes can take which prefill's KV
 is computed once per change of the instances' compatibility fields, not per request.
+
+A shared outage is not an instance's failure: while the ledger (metaserver or its store) is known to be
+down, every decode fails its claim and every prefill its READY, and counting that against their breakers
+would open all of them, so that after the store is back the router would answer `pd_no_compatible_pair`
+for `breaker_open_s`. `ledger_outage` stops the verdicts while it lasts and forgives the breakers that
+opened in the moments before it was noticed; the health checks still judge each instance meanwhile.
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ class Pool:
         self._compatible: dict[str, list[LiveInstance]] = {}  # prefill id -> decodes that can take its KV
         self._fingerprint: tuple[object, ...] = ()
         self.views: tuple[InstanceView, ...] = ()
+        self.ledger_down = False  # a shared outage: failures say nothing about the instance
 
     # -- refresh ----------------------------------------------------------------------------
 
@@ -200,6 +207,15 @@ class Pool:
         if self._on_inflight is not None:
             self._on_inflight(inst)
 
+    def ledger_outage(self, since: float) -> list[str]:
+        """The ledger is unreachable (noticed now, possibly down since `since`): no breaker verdicts
+        until `ledger_back`, and breakers that opened since `since` are closed. Returns their ids."""
+        self.ledger_down = True
+        return [inst.id for inst in self.instances.values() if inst.breaker.forgive(since)]
+
+    def ledger_back(self) -> None:
+        self.ledger_down = False
+
     def set_health(self, url: str, ok: bool, reason: str = "") -> None:
         for inst in self.instances.values():
             if inst.view.url == url:
@@ -254,5 +270,5 @@ class Lease:
         self._pool._release(inst, self.tokens)
         if self.ok is True:
             inst.breaker.record_success(self._clock())
-        elif self.ok is False:
+        elif self.ok is False and not self._pool.ledger_down:
             inst.breaker.record_failure(self._clock())
