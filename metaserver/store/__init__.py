@@ -1,7 +1,9 @@
 """Stores of the metaserver's shared state; `open_store(url)` picks one by URL scheme.
 
 `memory://` is the embedded store (one process); `redis://`, `rediss://` and `unix://` open the Redis
-store. Backends are imported only when used, so the memory store needs nothing of redis-py.
+store on one Redis, `redis+sentinel://` (`rediss+sentinel://`) on a Sentinel-managed master and
+`redis+cluster://` (`rediss+cluster://`) on a Redis Cluster (`store/redis_urls.py` reads them). Backends
+are imported only when used, so the memory store needs nothing of redis-py.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ SCHEMES: dict[str, Callable[[str, LedgerPolicy], Store]] = {
     "redis": _redis,
     "rediss": _redis,
     "unix": _redis,
+    "redis+sentinel": _redis,
+    "rediss+sentinel": _redis,
+    "redis+cluster": _redis,
+    "rediss+cluster": _redis,
 }
 
 

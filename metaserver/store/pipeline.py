@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -21,8 +22,10 @@ class Pipeliner:
     missing on the server (NOSCRIPT, e.g. a restarted Redis) is loaded and its call retried alone.
     """
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, *, ready: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`ready` is awaited before each send (the Redis store uses it to set up a cluster client once)."""
         self._client = client
+        self._ready = ready
         self._pending: list[tuple[AsyncScript, list[Any], list[Any], asyncio.Future[Any]]] = []
         self._scheduled = False
         self._sending: set[asyncio.Future[None]] = set()
@@ -44,6 +47,13 @@ class Pipeliner:
         task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[tuple[AsyncScript, list[Any], list[Any], asyncio.Future[Any]]]) -> None:
+        if self._ready is not None:
+            try:
+                await self._ready()
+            except BaseException as exc:
+                for *_, fut in batch:
+                    _settle(fut, exc)
+                return
         if len(batch) == 1:
             script, keys, args, fut = batch[0]
             try:
@@ -55,7 +65,9 @@ class Pipeliner:
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for script, keys, args, _ in batch:
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                    # execute_command, not pipe.evalsha: redis-py's cluster pipeline refuses the method
+                    # (it cannot know the keys' slots in general); the command itself routes by KEYS.
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
                 results = await pipe.execute(raise_on_error=False)
         except BaseException as exc:
             for *_, fut in batch:

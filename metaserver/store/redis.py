@@ -1,4 +1,5 @@
-"""RedisStore: the production store; several metaserver replicas on one Redis behave as one.
+"""RedisStore: the production store; several metaserver replicas on one Redis (plain, Sentinel-managed
+or a Cluster, see `redis_urls.py`) behave as one.
 
 Why Lua: every handoff transition is one EVALSHA of a script in `store/lua/` that checks the state and
 writes the record, its deadline and (on terminal moves) the prefill's event stream atomically, so
@@ -11,17 +12,22 @@ round trips (`pipeline.Pipeliner`: auto-pipelining).
 Long-polls: `wait_handoff` listens on one pub/sub channel (one subscriber per store, shared by all
 waiters) and re-reads every 0.5 s in case a message was lost; `read_events` uses XREAD BLOCK on a
 separate connection pool without a socket timeout. Connection errors become `StoreUnavailable` (503);
-redis-py reconnects by itself once Redis is back.
+redis-py reconnects by itself once Redis is back (with Sentinel: to whichever master the Sentinels name).
+
+On a Redis Cluster the ledger is sharded by prefill (`keys.py`); a move names only the transfer id, so
+its shard comes from a locator key written before the record (cached here, so a move on the replica that
+made the record is still one round trip). The sweeper and the per-state counts visit every shard in one
+pipeline, which redis-py splits by node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
 import redis.asyncio as aioredis
@@ -41,14 +47,14 @@ from pdgate.metaserver.models import (
     KVLocation,
 )
 from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
-from pdgate.metaserver.store.keys import DEFAULT_PREFIX, INSTANCE_TTL_GRACE_S, Keys
-from pdgate.metaserver.store.memory import kv_key_seed
+from pdgate.metaserver.store.keys import INSTANCE_TTL_GRACE_S, LOCATOR_LIVE_S, Keys, ShardKeys, ttl_ms
 from pdgate.metaserver.store.pipeline import Pipeliner
-from pdgate.metaserver.store.scripts import load_scripts
-from redis.asyncio.retry import Retry
-from redis.backoff import ConstantBackoff
+from pdgate.metaserver.store.redis_urls import connect, parse_store_url
+from pdgate.metaserver.store.scripts import SCRIPTS, config, source
+from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["RedisStore"]
@@ -58,25 +64,26 @@ T = TypeVar("T")
 S = HandoffState
 
 # redis-py's failures -> the store error a caller sees (first match wins): the store boundary's one table.
+# A cluster that is down, a slot not served or a multi-key call caught mid-migration (TRYAGAIN) is as
+# unavailable as a server that does not answer: the caller may retry.
 _REDIS_ERRORS: tuple[tuple[tuple[type[Exception], ...], type[MetaError], str], ...] = (
-    ((RedisConnectionError, RedisTimeoutError, OSError), StoreUnavailable, "redis store unavailable"),
+    (
+        (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError, RedisClusterException),
+        StoreUnavailable,
+        "redis store unavailable",
+    ),
     ((RedisError,), StoreFailure, "redis store error"),
 )
 _BLOCKING_MARGIN_S = 2.0
 
 
+_LOCATOR_CACHE = 65536  # transfer id -> bucket, newest kept (cluster only)
+
+
 def _split_url(url: str) -> tuple[str, str]:
     """Our own `prefix` query parameter is taken out; the rest goes to redis-py as it is."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    prefix = DEFAULT_PREFIX
-    rest = []
-    for k, v in query:
-        if k == "prefix":
-            prefix = v
-        else:
-            rest.append((k, v))
-    return urlunsplit(parts._replace(query=urlencode(rest))), prefix
+    target = parse_store_url(url)
+    return target.url, target.prefix
 
 
 _Args = list[str | int | float]
@@ -137,32 +144,49 @@ class RedisStore(Store):
     def __init__(self, url: str, *, policy: LedgerPolicy | None = None) -> None:
         self.url = url
         self.policy = policy or LedgerPolicy()
-        redis_url, prefix = _split_url(url)
-        self.keys = Keys(prefix)
-        common: dict[str, Any] = {
-            "decode_responses": True,
-            "socket_connect_timeout": 1.0,
-            # One quick reconnect covers a pooled connection that died with a restarted Redis; a Redis
-            # that stays down answers 503 at once instead of after a long backoff.
-            "retry": Retry(ConstantBackoff(0.02), 1),
-            "retry_on_error": [RedisConnectionError],
-        }
+        target = parse_store_url(url)
+        self.mode = target.mode
+        self.keys = Keys(target.prefix, buckets=target.buckets)
         # Connections are made on demand and reused (up to one per concurrent request; `max_connections=N` in
         # the URL caps them). Blocking reads (XREAD BLOCK, pub/sub) hold theirs for the whole wait: own
         # pool, no socket timeout (the block time bounds them).
-        self._redis = aioredis.Redis.from_url(redis_url, max_connections=4096, socket_timeout=5.0, **common)
-        self._blocking = aioredis.Redis.from_url(redis_url, max_connections=4096, socket_timeout=None, **common)
-        self._scripts = load_scripts(self._redis, self.keys, self.policy)
-        self._pipeliner = Pipeliner(self._redis)
+        self._redis = connect(target, socket_timeout=5.0, max_connections=4096)
+        self._blocking = connect(target, socket_timeout=None, max_connections=4096)
+        cfg = config(self.keys, self.policy)
+        register = cast(aioredis.Redis, self._redis).register_script
+        self._scripts: dict[str, AsyncScript] = {name: register(source(name, cfg)) for name in SCRIPTS}
+        self._cluster_ready = not isinstance(self._redis, RedisCluster)
+        self._cluster_lock = asyncio.Lock()
+        ready = None if self._cluster_ready else self._init_cluster
+        self._pipeliner = Pipeliner(cast(aioredis.Redis, self._redis), ready=ready)
+        self._buckets: OrderedDict[str, int] = OrderedDict()  # cluster: the locators this store knows
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._closing = False
 
     # -- plumbing ----------------------------------------------------------------------------
+    async def _init_cluster(self) -> None:
+        """Learn the cluster's slot map once, before the first command: redis-py's cluster client breaks
+        connections when many first commands race to initialise it."""
+        if self._cluster_ready:
+            return
+        async with self._cluster_lock:
+            if not self._cluster_ready:
+                for client in (self._redis, self._blocking):
+                    await cast(RedisCluster, client).initialize()
+                self._cluster_ready = True
+
     async def _guard(self, op: Awaitable[T]) -> T:
         try:
+            if not self._cluster_ready:
+                try:
+                    await self._init_cluster()
+                except BaseException:
+                    if inspect.iscoroutine(op):
+                        op.close()  # never started: no "never awaited" warning
+                    raise
             return await op
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             for kinds, error, what in _REDIS_ERRORS:
                 if isinstance(exc, kinds):
                     raise error(f"{what}: {exc}") from exc
@@ -177,8 +201,11 @@ class RedisStore(Store):
         self, name: str, transfer_id: str, now: float, *, caller: str | None = None, value: str = "", lease: str = ""
     ) -> Moved:
         """One row of `ledger.MOVES`, applied by `move.lua`; its refusals are `ledger.refused`'s."""
+        shard = await self._shard(transfer_id)
+        if shard is None:
+            raise HandoffNotFound(f"handoff {transfer_id} not found")
         args: _Args = [repr(now), transfer_id, name, caller or "", value, lease]
-        keys = [self.keys.deadlines, self.keys.handoff(transfer_id)]
+        keys = [shard.deadlines, shard.handoff(transfer_id)]
         res = await self._guard(self._pipeliner.call(self._scripts["move"], keys, args))
         if res[0] == "ok":
             return Moved(S(res[1]), _handoff(_pairs(res[2:])))
@@ -186,6 +213,40 @@ class RedisStore(Store):
             raise HandoffNotFound(f"handoff {transfer_id} not found")
         claimant = res[2] if len(res) > 2 else None
         raise ledger.refused(ledger.MOVES[name], S(res[1]), claimant=claimant, caller=caller)
+
+    async def _shard(self, transfer_id: str) -> ShardKeys | None:
+        """The shard holding this handoff; None when a cluster has no locator for it (unknown id)."""
+        if not self.keys.sharded:
+            return self.keys.shards[0]
+        bucket = self._buckets.get(transfer_id)
+        if bucket is None:
+            found = await self._guard(self._redis.get(self.keys.locator(transfer_id)))
+            if found is None:
+                return None
+            bucket = int(found)
+            self._remember(transfer_id, bucket)
+        return self.keys.shards[bucket]
+
+    def _remember(self, transfer_id: str, bucket: int) -> None:
+        self._buckets[transfer_id] = bucket
+        if len(self._buckets) > _LOCATOR_CACHE:
+            self._buckets.popitem(last=False)
+
+    async def _locate_new(self, transfer_id: str, bucket: int) -> None:
+        """Cluster: claim the transfer id's locator for `bucket` before the record is written (so no
+        second record with this id can appear in another shard); HandoffExists when another holds it."""
+        ttl = ttl_ms(self.policy.terminal_ttl_s + LOCATOR_LIVE_S)
+        old = await self._guard(self._redis.set(self.keys.locator(transfer_id), bucket, nx=True, get=True, px=ttl))
+        if old is not None and int(old) != bucket:
+            rec = await self.get_handoff(transfer_id)
+            state = rec.state if rec is not None else S.PENDING
+            raise HandoffExists(f"handoff {transfer_id} already exists", current_state=state)
+        self._remember(transfer_id, bucket)
+
+    async def _each_shard(self, script: str, args: _Args) -> list[Any]:
+        """One script call per shard, sent together (one pipeline, split by node on a cluster)."""
+        calls = [self._pipeliner.call(self._scripts[script], [shard.deadlines], args) for shard in self.keys.shards]
+        return list(await self._guard(asyncio.gather(*calls)))
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def ping(self) -> None:
@@ -199,8 +260,11 @@ class RedisStore(Store):
                 await self._listener
             except (asyncio.CancelledError, Exception):
                 pass
-        await self._redis.aclose(close_connection_pool=True)
-        await self._blocking.aclose(close_connection_pool=True)
+        for client in (self._redis, self._blocking):
+            if isinstance(client, aioredis.Redis):
+                await client.aclose(close_connection_pool=True)
+            else:
+                await client.aclose()
 
     # -- registry ----------------------------------------------------------------------------
     async def register(self, inst: Instance, *, now: float) -> Instance:
@@ -272,23 +336,27 @@ class RedisStore(Store):
         leases = {"pending_lease_s": pending_lease_s, "ready_lease_s": ready_lease_s}
         rec = ledger.create(body, transfer_id=transfer_id, kv_key=1, now=now, **leases)
         assert rec.deadline is not None
+        shard = self.keys.shard_of(rec.prefill_instance_id)
+        if self.keys.sharded:
+            await self._locate_new(transfer_id, shard.bucket)
         args = [
             repr(now),
             transfer_id,
-            kv_key_seed(time.time()),
+            shard.bucket,
             rec.prefill_instance_id,
             rec.request_id or "",
             repr(rec.deadline),
             repr(rec.lease_s),
         ]
-        keys = [self.keys.deadlines, self.keys.handoff(transfer_id), self.keys.kv_counter]
+        keys = [shard.deadlines, shard.handoff(transfer_id), shard.kv_counter]
         res = await self._guard(self._pipeliner.call(self._scripts["create"], keys, args))
         if res[0] == "exists":
             raise HandoffExists(f"handoff {transfer_id} already exists", current_state=S(res[1]))
         return rec.model_copy(update={"kv_key": int(res[1])})
 
     async def get_handoff(self, transfer_id: str) -> Handoff | None:
-        d = await self._hash(self.keys.handoff(transfer_id))
+        shard = await self._shard(transfer_id)
+        d = await self._hash(shard.handoff(transfer_id)) if shard is not None else None
         return _handoff(d) if d else None
 
     async def mark_ready(self, transfer_id: str, location: KVLocation, *, now: float) -> Moved:
@@ -304,14 +372,23 @@ class RedisStore(Store):
         return await self._move("abort", transfer_id, now, value=reason)
 
     async def expire_due(self, *, now: float, limit: int = 1000) -> list[Moved]:
+        # Each shard moves at most `limit`: a caller that got fewer than `limit` in all has drained them all.
         args: _Args = [repr(now), "", limit]
-        res = await self._guard(self._scripts["expire"](keys=[self.keys.deadlines], args=args))
-        return [Moved(S(r[0]), _handoff(_pairs(r[1:]))) for r in res]
+        res = await self._each_shard("expire", args)
+        return [Moved(S(r[0]), _handoff(_pairs(r[1:]))) for shard_res in res for r in shard_res]
 
     async def count_handoffs_by_state(self) -> dict[HandoffState, int]:
-        raw = await self._guard(self._redis.hgetall(self.keys.state_counts))
+        async def op() -> list[dict[str, str]]:
+            if not self.keys.sharded:
+                return [cast(dict[str, str], await self._redis.hgetall(self.keys.state_counts))]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for shard in self.keys.shards:
+                    pipe.hgetall(shard.state_counts)
+                return list(await pipe.execute())
+
+        raws = await self._guard(op())
         # max(0, ...): a hand-edited or partly flushed key could drive a counter below zero; never report that.
-        return {state: max(0, int(raw.get(state.value, 0))) for state in LIVE_STATES}
+        return {state: sum(max(0, int(raw.get(state.value, 0))) for raw in raws) for state in LIVE_STATES}
 
     # -- long-polls --------------------------------------------------------------------------
     def _ensure_listener(self) -> None:

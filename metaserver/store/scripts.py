@@ -16,7 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from pdgate.metaserver import ledger, registry
 from pdgate.metaserver.store.base import LedgerPolicy
-from pdgate.metaserver.store.keys import Keys, ttl_ms
+from pdgate.metaserver.store.keys import DEADLINES, EVENTS, HANDOFF, STATE_COUNTS, Keys, ttl_ms
 from redis.commands.core import AsyncScript
 
 __all__ = ["SCRIPTS", "config", "load_scripts", "lua_literal", "source"]
@@ -67,10 +67,12 @@ def _move_row(move: ledger.Move) -> dict[str, Any]:
 def config(keys: Keys, policy: LedgerPolicy) -> dict[str, Any]:
     """Everything a script reads from `CFG`."""
     return {
-        "events_prefix": keys.events_prefix,
-        "handoff_prefix": keys.handoff_prefix,
+        "deadlines_suffix": DEADLINES,
+        "handoff_suffix": HANDOFF,
+        "events_suffix": EVENTS,
+        "state_counts_suffix": STATE_COUNTS,
         "left_pending": keys.left_pending,
-        "state_counts": keys.state_counts,
+        "buckets": len(keys.shards),
         "terminal_ttl_ms": ttl_ms(policy.terminal_ttl_s),
         "events_maxlen": policy.events_maxlen,
         "events_ttl_s": max(1, int(policy.events_ttl_s)),

@@ -1,7 +1,9 @@
 -- Prepended to every script when it is loaded (store/redis.py); not a script of its own.
 -- Before it, store/redis.py puts one line `local CFG = {...}` with the store's constants, so they are
 -- not sent with every call:
---   CFG.events_prefix  CFG.handoff_prefix  CFG.left_pending  CFG.state_counts   key names (keys.py)
+--   CFG.deadlines_suffix  CFG.handoff_suffix  CFG.events_suffix  CFG.state_counts_suffix
+--               a shard's key names after its base (keys.py); CFG.left_pending  the pub/sub channel
+--   CFG.buckets number of ledger shards (kv_key's shard bits; 1 on one Redis)
 --   CFG.terminal_ttl_ms  CFG.events_maxlen  CFG.events_ttl_s  CFG.max_claims     retention (LedgerPolicy)
 --   CFG.moves   ledger.MOVES, name -> {sources = {STATE = true}, to, lease, field, claimant,
 --               below_max_claims, reason, terminal, lapsed_sources = {STATE = true}}
@@ -10,10 +12,17 @@
 --   CFG.kept    registry.KEPT_ON_REREGISTER
 --
 -- Layout shared by the handoff scripts:
---   KEYS[1] deadlines zset; KEYS[2] the handoff hash (absent in expire.lua)
+--   KEYS[1] the shard's deadlines zset; KEYS[2] the handoff hash (absent in expire.lua)
 --   ARGV[1] now (epoch s)  ARGV[2] transfer_id  ARGV[3...] the script's own arguments
 -- Replies: {'ok', before_state, field, value, ...} | {'missing'} | {'illegal', state[, claimant]} | {'exists', state}
 -- No rule is written here: `apply_move` interprets a row of ledger.MOVES, as ledger.apply does in Python.
+
+-- The shard's key base ('{TAG}:'): every ledger key a script derives (records, event streams, state
+-- counts) is in KEYS[1]'s hash slot, as Redis Cluster requires of a script.
+local SHARD = ''
+if KEYS[1] then
+  SHARD = string.sub(KEYS[1], 1, #KEYS[1] - #CFG.deadlines_suffix)
+end
 
 local function deadline_after(now, lease)
   return string.format('%.6f', tonumber(now) + tonumber(lease))
@@ -26,15 +35,15 @@ local function reply(key, before)
   return fields
 end
 
--- Keep the live-records-per-state hash (CFG.state_counts) in step: every script that changes a live
+-- Keep the shard's live-records-per-state hash in step: every script that changes a live
 -- record's state calls this exactly once, in the same atomic step (from = nil on create, to = nil on a
 -- terminal move), so any replica reads the same numbers with one HGETALL.
 local function count_move(from, to)
   if from then
-    redis.call('HINCRBY', CFG.state_counts, from, -1)
+    redis.call('HINCRBY', SHARD .. CFG.state_counts_suffix, from, -1)
   end
   if to then
-    redis.call('HINCRBY', CFG.state_counts, to, 1)
+    redis.call('HINCRBY', SHARD .. CFG.state_counts_suffix, to, 1)
   end
 end
 
@@ -55,7 +64,7 @@ local function finish(key, tid, before, to, reason, now)
   redis.call('ZREM', KEYS[1], tid)
   redis.call('PEXPIRE', key, CFG.terminal_ttl_ms)
   local rec = redis.call('HMGET', key, 'prefill_instance_id', 'kv_key')
-  local stream = CFG.events_prefix .. rec[1]
+  local stream = SHARD .. CFG.events_suffix .. rec[1]
   redis.call('XADD', stream, 'MAXLEN', '~', CFG.events_maxlen, '*',
     'transfer_id', tid, 'kv_key', rec[2], 'state', to, 'reason', reason or '', 'at', now)
   redis.call('EXPIRE', stream, CFG.events_ttl_s)

@@ -1,15 +1,27 @@
--- Create a PENDING handoff with a fresh kv_key (INCR: unique, never a hash of the id).
--- Lua numbers are doubles: the counter stays below 2^53 (see memory.kv_key_seed) and is formatted with
+-- Create a PENDING handoff with a fresh kv_key (unique, never a hash of the id).
+-- kv_key = counter * CFG.buckets + bucket: the shard bits keep the keys of different shards apart with
+-- no cross-shard call. The shard's counter goes up by one per key and never falls below the clock floor
+-- (this server's TIME in ms << 10, shared among the buckets): a counter that lost its last writes (a
+-- replica promoted before it caught up, an AOF that lost its last second, a flushed key) jumps past every
+-- key its predecessor issued, unless that one issued over ~1M keys per second per shard or the two
+-- servers' clocks disagree by more than the failover took.
+-- Lua numbers are doubles: every value stays below 2^53 (until the year 2248) and is formatted with
 -- '%.0f', never tostring, so every digit survives.
--- KEYS[3] kv_key counter. ARGV[3] counter seed, ARGV[4] prefill instance id, ARGV[5] request id ('' = none),
--- ARGV[6] PENDING deadline, ARGV[7] READY lease (s).
+-- KEYS[3] the shard's kv_key counter. ARGV[3] bucket (0..CFG.buckets-1), ARGV[4] prefill instance id,
+-- ARGV[5] request id ('' = none), ARGV[6] PENDING deadline, ARGV[7] READY lease (s).
 local key = KEYS[2]
 local existing = redis.call('HGET', key, 'state')
 if existing then
   return {'exists', existing}
 end
-redis.call('SET', KEYS[3], ARGV[3], 'NX')
-local kv = string.format('%.0f', redis.call('INCR', KEYS[3]))
+local t = redis.call('TIME')
+local floor = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) * 1024 / CFG.buckets)
+local counter = tonumber(redis.call('GET', KEYS[3]) or '0') + 1
+if counter < floor then
+  counter = floor
+end
+redis.call('SET', KEYS[3], string.format('%.0f', counter))
+local kv = string.format('%.0f', counter * CFG.buckets + tonumber(ARGV[3]))
 redis.call('HSET', key, 'transfer_id', ARGV[2], 'kv_key', kv, 'state', CFG.pending,
   'prefill_instance_id', ARGV[4], 'created_at', ARGV[1], 'updated_at', ARGV[1],
   'deadline', ARGV[6], 'lease_s', ARGV[7], 'claims', 0)
