@@ -33,7 +33,9 @@ class Code(str, Enum):
     INVALID_REQUEST = "invalid_request"
     VALIDATION_ERROR = "validation_error"
     MALFORMED_JSON = "malformed_json"
-    MULTIPLE_PROMPTS = "multiple_prompts_unsupported"
+    MULTIPLE_PROMPTS = "multiple_prompts_unsupported"  # no longer sent (prompts fan out); kept: codes are never reused
+    UNSUPPORTED_BY_PD = "pd_unsupported_parameter"  # a field prefill/decode disaggregation cannot serve (param names it)
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: longer than the model's max_model_len
     BODY_TOO_LARGE = "body_too_large"
     REQUEST_TOO_LARGE = "request_too_large"
     INVALID_API_KEY = "invalid_api_key"
@@ -61,6 +63,7 @@ class Code(str, Enum):
     KV_NOT_READY = "pd_kv_not_ready"  # a decode's claim found no READY handoff in time
     KV_LOAD_TIMEOUT = "pd_kv_timeout"  # a decode's KV load outlived its deadline
     NO_COMPATIBLE_PAIR = "pd_no_compatible_pair"
+    NO_INSTANCE = "pd_no_instance"  # no instance of the model answered a route the router passes through
     OVERLOADED = "pd_overloaded"
     UPSTREAM_TIMEOUT = "pd_upstream_timeout"
     METASERVER_UNAVAILABLE = "pd_metaserver_unavailable"
@@ -103,6 +106,8 @@ CODES: dict[Code, CodeInfo] = {
     Code.VALIDATION_ERROR: CodeInfo(422, openai_type=_BAD),
     Code.MALFORMED_JSON: CodeInfo(400, openai_type=_BAD),
     Code.MULTIPLE_PROMPTS: CodeInfo(400, openai_type=_BAD),
+    Code.UNSUPPORTED_BY_PD: CodeInfo(400, openai_type=_BAD),
+    Code.CONTEXT_LENGTH_EXCEEDED: CodeInfo(400, openai_type=_BAD),
     Code.BODY_TOO_LARGE: CodeInfo(413, openai_type=_BAD),
     Code.REQUEST_TOO_LARGE: CodeInfo(413, openai_type=_BAD),
     Code.INVALID_API_KEY: CodeInfo(401, openai_type=_BAD),
@@ -128,6 +133,7 @@ CODES: dict[Code, CodeInfo] = {
     Code.KV_NOT_READY: CodeInfo(504),
     Code.KV_LOAD_TIMEOUT: CodeInfo(504),
     Code.NO_COMPATIBLE_PAIR: CodeInfo(503),
+    Code.NO_INSTANCE: CodeInfo(503, retryable=True),
     Code.OVERLOADED: CodeInfo(429, retryable=True, openai_type="rate_limit_error"),
     Code.UPSTREAM_TIMEOUT: CodeInfo(504, retryable=True),
     Code.METASERVER_UNAVAILABLE: CodeInfo(503, retryable=True),

@@ -2,9 +2,12 @@
 
 Two layers. The two proxy routes (`POST /v1/completions`, `POST /v1/chat/completions`) are raw ASGI
 (`proxy.Proxy`): measured, FastAPI's request handling costs ~70 us more per request than a raw ASGI
-callable under uvicorn, which is a fifth of the router's budget. Everything else is a FastAPI app:
-`GET /v1/models`, `GET /health`, `GET /metrics` and, with no `--metaserver`, the embedded metaserver's
-`/v1/instances` and `/v1/handoffs` routes on the same port.
+callable under uvicorn, which is a fifth of the router's budget. vLLM's other routes (`/tokenize`,
+`/detokenize`, `/version`, `/v1/embeddings`, `/pooling`, ...) go whole to one instance of the model
+(`passthrough.Passthrough`, raw ASGI too). Everything else is a FastAPI app: `GET /v1/models` (the
+instances' own model cards, `max_model_len` included: `model_cards`), `GET /health`, `GET /metrics`
+and, with no `--metaserver`, the embedded metaserver's `/v1/instances` and `/v1/handoffs` routes on
+the same port.
 
 Who may do what (`access`): client API keys open the OpenAI routes; the admin token opens the embedded
 metaserver's routes and the instance URLs in `/health`; with no admin token the router is in protected
@@ -33,6 +36,7 @@ from fastapi import FastAPI, Request, Response
 from pdgate.metaserver.client import MetaAPI
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.access import AdminCheck, ClientKeys
+from pdgate.router.answers import RecordingUpstream
 from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.breaker import BreakerConfig
@@ -43,11 +47,14 @@ from pdgate.router.http_pool import HttpPool
 from pdgate.router.loops import is_own_address
 from pdgate.router.meta import PooledMetaClient
 from pdgate.router.metrics import RouterMetrics
+from pdgate.router.model_cards import ModelCards
+from pdgate.router.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
 from pdgate.router.policies import make_policy
 from pdgate.router.pool import LiveInstance, Pool
 from pdgate.router.proxy import Proxy
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_error
+from pdgate.router.tracing import Tracing, make_tracing
 from pdgate.router.upstream import Upstream
 from pdgate.router.validation import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
@@ -101,6 +108,7 @@ class RouterApp:
         self,
         api: FastAPI,
         proxy: Proxy,
+        passthrough: Passthrough,
         pool: Pool,
         discovery: Discovery,
         metrics: RouterMetrics,
@@ -113,6 +121,7 @@ class RouterApp:
         self.api = api
         self._rest: Callable[..., Any] = rest or api  # the FastAPI app, behind the metaserver's fast path when embedded
         self.proxy = proxy
+        self.passthrough = passthrough
         self.pool = pool
         self.discovery = discovery
         self.metrics = metrics
@@ -133,6 +142,14 @@ class RouterApp:
                 return
             err = MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}; use POST")
             await send_error(send, err, [(b"allow", b"POST")], lambda: None)
+            return
+        if scope["type"] == "http" and (scope["path"] in POST_ROUTES or scope["path"] in GET_ROUTES):
+            allowed = "POST" if scope["path"] in POST_ROUTES else "GET"
+            if scope["method"] == allowed:
+                await self.passthrough(scope, receive, send)
+                return
+            err = MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}; use {allowed}")
+            await send_error(send, err, [(b"allow", allowed.encode())], lambda: None)
             return
         if self._embedded and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == _REGISTER:
             replay = await self._refuse_own_address(scope, receive, send)
@@ -194,8 +211,11 @@ def create_app(
     registry: CollectorRegistry | None = None,
     rng: Random | None = None,
     clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
 ) -> RouterApp:
+    """The router. `tracing` replaces what --otlp-traces-endpoint would build (tests: an in-memory exporter)."""
     s = settings or RouterSettings()
+    tracing = tracing or make_tracing(s.otlp_traces_endpoint)
     metrics = RouterMetrics(registry)
     holder: dict[str, Any] = {}
     inflight_children: dict[str, Any] = {}
@@ -212,18 +232,23 @@ def create_app(
         on_inflight=on_inflight,
     )
     options = {"load_factor": s.prefix_load_factor}
+    engine_auth = [(b"authorization", f"Bearer {s.upstream_api_key}".encode())] if s.upstream_api_key else []
+    cards = ModelCards(pool, lambda: holder["upstream"], clock, s.health_timeout_s, lambda: engine_auth)
     proxy = Proxy(
         s,
         pool=pool,
         meta=lambda: holder["meta"],
-        upstream=lambda: holder["upstream"],
+        upstream=lambda: holder["recording"],
         metrics=metrics,
         prefill_policy=make_policy(s.prefill_policy, **options),
         decode_policy=make_policy(s.decode_policy, **options),
         engine_metaserver=s.engine_metaserver_url() if s.port else s.advertise_metaserver or s.metaserver,
         rng=rng or Random(),
         clock=clock,
+        cards=cards,
+        tracing=tracing,
     )
+    passthrough = Passthrough(s, pool, lambda: holder["upstream"], clock)
     metrics.inflight.set_function(lambda: proxy.inflight)
     discovery = Discovery(s, pool, lambda: holder["meta"], lambda: holder["upstream"], metrics, clock)
     embedded = meta is None and s.embedded
@@ -239,6 +264,9 @@ def create_app(
                 holder["upstream"] = pool_
             else:
                 holder["upstream"] = upstream
+            holder["recording"] = RecordingUpstream(holder["upstream"])
+            if tracing is not None:
+                stack.callback(tracing.shutdown)
             if meta is not None:
                 holder["meta"] = meta
             elif embedded:
@@ -302,7 +330,7 @@ def create_app(
         code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code, Code.INVALID_REQUEST)
         message = {
             404: f"no route {path}; the OpenAI routes are POST /v1/completions, POST /v1/chat/completions "
-            "and GET /v1/models",
+            "and GET /v1/models, and vLLM's " + ", ".join(sorted(POST_ROUTES | GET_ROUTES)) + " are passed through",
             405: f"{request.method} is not allowed on {path}; allowed: {headers.get('Allow', '')}",
         }.get(exc.status_code, str(exc.detail))
         body = error_body(message, "invalid_request_error", code.value)
@@ -331,11 +359,17 @@ def create_app(
 
     @api.get("/v1/models", tags=["openai"])
     async def models(request: Request) -> Response:
+        """The models with a prefill/decode pair now, each with its instances' own card (vLLM's fields,
+        `max_model_len` included); a minimal card when no instance told its own."""
         check_key(request)
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "pdgate", "root": m, "parent": None}
-            for m in pool.models(clock())
-        ]
+        data = []
+        for m in pool.models(clock()):
+            card = await cards.card(m)
+            data.append(
+                dict(card)
+                if card
+                else {"id": m, "object": "model", "created": 0, "owned_by": "pdgate", "root": m, "parent": None}
+            )
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
     @api.get("/health", tags=["ops"], responses={503: {"description": "no compatible pair, or no registry"}})
@@ -366,6 +400,7 @@ def create_app(
     return RouterApp(
         api,
         proxy,
+        passthrough,
         pool,
         discovery,
         metrics,

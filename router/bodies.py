@@ -3,16 +3,20 @@
 The router reads `model`, `stream`, `prompt`/`messages` (for prefix affinity and a token estimate),
 `max_tokens`/`max_completion_tokens`; it rewrites only what the PD protocol needs (vLLM's
 `toy_proxy_server.py` and NIXL's docs): the prefill copy gets `max_tokens=1` (and
-`max_completion_tokens=1` when present), `stream=false`, no `stream_options`, no
-`min_tokens`/`min_completion_tokens`, and our `kv_transfer_params`; the decode copy is the client's body
-with the prefill's `kv_transfer_params`. Every other field passes through untouched.
+`max_completion_tokens=1` when present), `stream=false`, one sample (`n=1`, no `best_of`), no
+`stream_options`, no `min_tokens`/`min_completion_tokens`, and our `kv_transfer_params`; the decode copy
+is the client's body with the prefill's `kv_transfer_params` and without `prompt_logprobs`: vLLM
+computes prompt logprobs only by running the prompt, so a decode asked for them ignores the transferred
+KV and recomputes the whole prompt. The prefill computes them instead, and the router carries them from
+the prefill's answer into the client's (`pdgate.router.answers`). Every other field passes through.
 
 The `kv_transfer_params` of both hops are the contract's (`pdgate.metaserver.contract`): the prefill's
 request is `prefill_request`, and the decode's is `decode_request` of the prefill's answer. The router
 does not parse that answer: it reads none of its fields, and the decode parses them, naming any it refuses.
 
-A completion with several prompts is refused (400): vLLM returns the `kv_transfer_params` of the first
-prompt only, so the others would silently be recomputed on decode. Send one request per prompt.
+A completion with several prompts is split (`split_prompts`) into one request per prompt, each with
+its own prefill/decode pair (`pdgate.router.fanout`): vLLM returns the `kv_transfer_params` of the first
+prompt only, so one prefill of all of them would leave the others to be recomputed on decode.
 """
 
 from __future__ import annotations
@@ -23,8 +27,6 @@ from typing import Any
 import orjson
 from pdgate.metaserver.contract import decode_request, prefill_request
 from pdgate.router.errors import BadRequest, PrefillFailed
-
-from pdgate.errors import Code
 
 __all__ = [
     "CHAT",
@@ -37,6 +39,7 @@ __all__ = [
     "prefill_body",
     "prefill_params",
     "request_facts",
+    "split_prompts",
 ]
 
 COMPLETIONS = "/v1/completions"
@@ -56,10 +59,6 @@ class RequestFacts:
     prefix: bytes  # the first `prefix_chars` of the prompt, for prefix affinity
 
 
-class _MultiPrompt(BadRequest):
-    code = Code.MULTIPLE_PROMPTS
-
-
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
@@ -77,13 +76,7 @@ def _prompt_text(prompt: Any, limit: int) -> tuple[bytes, int]:
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) for t in prompt[:4]):  # one prompt as token ids
             return orjson.dumps(prompt[:limit]), len(prompt)
-        if len(prompt) > 1:
-            raise _MultiPrompt(
-                f"a completion with {len(prompt)} prompts is not supported through prefill/decode "
-                "disaggregation (vLLM returns kv_transfer_params for the first prompt only); "
-                "send one request per prompt"
-            )
-        if len(prompt) == 1:
+        if prompt:  # several prompts are split before this (`split_prompts`); the first stands for all
             return _prompt_text(prompt[0], limit)
     return b"", 1
 
@@ -134,6 +127,15 @@ def request_facts(body: dict[str, Any], endpoint: str, prefix_chars: int) -> Req
     return RequestFacts(endpoint, model, stream, tokens, max_tokens, prefix)
 
 
+def split_prompts(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """One completions body per prompt when `prompt` holds several (strings or token-id lists), in order;
+    None for a single prompt. Run after validation, which checked the prompt's shape."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) < 2 or not isinstance(prompt[0], (str, list)):
+        return None
+    return [{**body, "prompt": p} for p in prompt]
+
+
 def prefill_params(transfer_id: str, kv_key: int, metaserver: str | None) -> dict[str, Any]:
     return prefill_request(transfer_id, kv_key=kv_key, metaserver=metaserver)
 
@@ -144,6 +146,9 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
     if "max_completion_tokens" in p:
         p["max_completion_tokens"] = 1
     p["stream"] = False
+    if "n" in p:
+        p["n"] = 1
+    p.pop("best_of", None)
     p.pop("stream_options", None)
     p.pop("min_tokens", None)
     p.pop("min_completion_tokens", None)
@@ -175,5 +180,6 @@ def decode_params(
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
     d = dict(body)
+    d.pop("prompt_logprobs", None)  # the prefill's answer carries them (see the module doc)
     d["kv_transfer_params"] = kv_params
     return orjson.dumps(d)

@@ -4,10 +4,13 @@ Each class pins a `pdgate.errors.Code`; status, OpenAI `type` and `retryable` co
 router's retry loop (`pdgate.router.retry`) and the wire format read the same table.
 
     RouterError(PDGateError)
-    ├── BadRequest                   400 invalid_request (body not JSON, several prompts, ...)
+    ├── BadRequest                   400 invalid_request (body not JSON, a field of the wrong type, ...)
+    │   ├── UnsupportedByPD          400 pd_unsupported_parameter (`param` names the field: best_of, n, ...)
+    │   └── ContextTooLong           400 context_length_exceeded (past the model's max_model_len)
     ├── Unauthorized                 401 invalid_api_key
     ├── MethodNotAllowed             405 method_not_allowed
     ├── ModelNotFound                404 model_not_found
+    ├── RouteNotServed               404 not_found (no route, or no instance serves this vLLM route)
     ├── PayloadTooLarge              413 request_too_large
     ├── UpstreamRejected             an engine's own 4xx answer, relayed verbatim (not a PD failure)
     └── PDError                      the pd_* family: the disaggregated path itself failed
@@ -15,6 +18,7 @@ router's retry loop (`pdgate.router.retry`) and the wire format read the same ta
         ├── DecodeFailed             502 pd_decode_failed (retryable)
         ├── KVExpired                504 pd_kv_expired (the handoff lapsed before a decode claimed it)
         ├── NoCompatiblePair         503 pd_no_compatible_pair (the message says why)
+        ├── NoInstance               503 pd_no_instance (a passed-through route: no instance answered)
         ├── Overloaded               429 pd_overloaded (with Retry-After)
         ├── UpstreamTimeout          504 pd_upstream_timeout (retryable)
         └── MetaserverUnavailable    503 pd_metaserver_unavailable
@@ -44,19 +48,23 @@ __all__ = [
     "META_FAILURES",
     "UPSTREAM_FAILURES",
     "BadRequest",
+    "ContextTooLong",
     "DecodeFailed",
     "KVExpired",
     "MetaserverUnavailable",
     "MethodNotAllowed",
     "ModelNotFound",
     "NoCompatiblePair",
+    "NoInstance",
     "Overloaded",
     "PDError",
     "PayloadTooLarge",
     "PrefillFailed",
+    "RouteNotServed",
     "RouterError",
     "Side",
     "Unauthorized",
+    "UnsupportedByPD",
     "UpstreamRejected",
     "UpstreamTimeout",
     "error_body",
@@ -75,9 +83,10 @@ class RouterError(PDGateError):
     """A failure the router answers with; `body()` and `headers()` are its wire form."""
 
     code: ClassVar[Code] = Code.INTERNAL
+    param: str | None = None  # the request field the error is about, as OpenAI's and vLLM's errors name it
 
     def body(self) -> bytes:
-        return error_body(self.message, self.openai_type, self.code.value)
+        return error_body(self.message, self.openai_type, self.code.value, self.param)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return error_headers(self.code.value)
@@ -85,6 +94,31 @@ class RouterError(PDGateError):
 
 class BadRequest(RouterError):
     code = Code.INVALID_REQUEST
+
+
+class UnsupportedByPD(BadRequest):
+    """A field that prefill/decode disaggregation cannot serve (beam search, best_of, ...): refused before
+    any engine work, naming the field, instead of an engine failure later."""
+
+    code = Code.UNSUPPORTED_BY_PD
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextTooLong(BadRequest):
+    """A request the engines would refuse for the model's max_model_len, refused before the prefill."""
+
+    code = Code.CONTEXT_LENGTH_EXCEEDED
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RouteNotServed(RouterError):
+    code = Code.NOT_FOUND
 
 
 class Unauthorized(RouterError):
@@ -156,6 +190,10 @@ class Overloaded(PDError):
         return [*error_headers(self.code.value), (b"retry-after", str(self.retry_after_s).encode())]
 
 
+class NoInstance(PDError):
+    code = Code.NO_INSTANCE
+
+
 class UpstreamTimeout(PDError):
     code = Code.UPSTREAM_TIMEOUT
 
@@ -194,8 +232,8 @@ def translate(exc: BaseException, table: Mapping[type[BaseException], type[Route
     raise exc
 
 
-def error_body(message: str, type_: str, code: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "code": code, "param": None}})
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "code": code, "param": param}})
 
 
 def error_headers(code: str) -> list[tuple[bytes, bytes]]:
@@ -204,4 +242,4 @@ def error_headers(code: str) -> list[tuple[bytes, bytes]]:
 
 def sse_error(err: RouterError) -> bytes:
     """The terminal SSE events for a stream that already started."""
-    return b"data: " + error_body(err.message, err.openai_type, err.code.value) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(err.message, err.openai_type, err.code.value, err.param) + b"\n\ndata: [DONE]\n\n"

@@ -1,7 +1,10 @@
 """One proxied request: pair -> handoff -> prefill -> decode -> relay; abort on every way out.
 
 The flow, in order:
- 1. admission (hop header, API key, in-flight bound, body size), parse and validate, resolve the model;
+ 1. admission (hop header, API key, in-flight bound, body size), parse and validate, refuse what PD
+    cannot serve (`validation.check_pd_support`), resolve the model, refuse what its max_model_len
+    forbids (`validation.check_context`, the length from `model_cards`); a completion with several
+    prompts becomes one PD request per prompt from here on (`fanout`);
  2. choose a prefill among eligible instances that have an eligible compatible decode (prefill policy);
  3. mint a `transfer_id`, create the handoff (PENDING) naming that prefill;
  4. send the prefill copy of the body (`bodies.prefill_body`); a failure or timeout aborts that handoff
@@ -9,8 +12,10 @@ The flow, in order:
  5. choose a decode that can take this prefill's KV (decode policy), send it the client's body with the
     prefill's `kv_transfer_params`; a failure before anything was sent to the client retries another
     decode with the same handoff (no second prefill), bounded by `decode_retries`;
- 6. answer: a JSON answer whole once it is checked, a stream chunk by chunk (`streaming.relay_stream`).
-Steps 2-6 are `attempts.Dispatcher`; the request's state is one `request_flow.ProxiedRequest`.
+ 6. answer: a JSON answer whole once it is checked, a stream chunk by chunk (`streaming.relay_stream`),
+    with what the prefill's answer adds (true `cached_tokens`, `prompt_logprobs`: `answers`).
+Steps 2-6 are `attempts.Dispatcher`; the request's state is one `request_flow.ProxiedRequest`. With
+`--otlp-traces-endpoint` the request is one span with a child span per phase (`tracing`).
 An engine's 4xx is the client's error: relayed verbatim, not retried. Everything else that goes wrong is
 a typed `PDError`. A client that disconnects cancels the request's task (the watcher on `receive`):
 upstream connections are aborted (so the engines abort), and the handoff is aborted in the background
@@ -23,8 +28,9 @@ allocation of policy or pool objects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from random import Random
 from time import perf_counter
@@ -32,9 +38,10 @@ from typing import Any
 
 from pdgate.metaserver.client import MetaAPI
 from pdgate.router.access import ClientKeys
+from pdgate.router.answers import PatchingSend, capture, prefill_facts
 from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.attempts import Dispatcher
-from pdgate.router.bodies import parse_json, request_facts
+from pdgate.router.bodies import CHAT, COMPLETIONS, parse_json, request_facts, split_prompts
 from pdgate.router.errors import (
     BadRequest,
     ModelNotFound,
@@ -46,22 +53,25 @@ from pdgate.router.errors import (
     Unauthorized,
     UpstreamRejected,
 )
+from pdgate.router.fanout import fan_out
 from pdgate.router.logs import transfer_id as log_transfer_id
 from pdgate.router.loops import HOP_HEADER, LoopDetected
 from pdgate.router.metrics import RouterMetrics
+from pdgate.router.model_cards import ModelCards
 from pdgate.router.policies import Policy
 from pdgate.router.pool import Pool
 from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_error
+from pdgate.router.tracing import TRACE_HEADERS, Tracing
 from pdgate.router.upstream import Upstream
-from pdgate.router.validation import validate_request
+from pdgate.router.validation import check_context, check_pd_support, validate_request
 
 __all__ = ["Proxy"]
 
 log = logging.getLogger(__name__)
 
-_FORWARD = frozenset({b"traceparent", b"tracestate"})
+_FORWARD = TRACE_HEADERS
 
 
 class Proxy:
@@ -80,10 +90,14 @@ class Proxy:
         engine_metaserver: str | None,
         rng: Random,
         clock: Callable[[], float],
+        cards: ModelCards,
+        tracing: Tracing | None = None,
     ) -> None:
         s = settings
         self._pool = pool
         self._m = metrics
+        self._cards = cards
+        self._tracing = tracing
         self._dispatch = Dispatcher(
             s,
             pool=pool,
@@ -189,15 +203,76 @@ class Proxy:
         try:
             body = parse_json(raw)
             validate_request(body, req.endpoint)
+            check_pd_support(body)
             req.body = body
             req.facts = request_facts(body, req.endpoint, self._prefix_chars)
             model = self._resolve_model(req.facts.model)
-            req.overhead_s = perf_counter() - start  # the rest of the time is waiting for engines
-            await self._dispatch.prefill(req, model)
-            return await self._dispatch.decode(req, send)
+            limit = await self._cards.max_model_len(model)
+            if limit is not None:
+                check_context(body, req.endpoint, limit)
+            parts = split_prompts(body) if req.endpoint == COMPLETIONS else None
         except RouterError as exc:
             await self._reply_error(send, req, exc)
             return exc.code.value
+        req.overhead_s = perf_counter() - start  # the rest of the time is waiting for engines
+        if self._tracing is None:
+            return await self._pd(req, model, send, parts)
+        attributes = {
+            "pdgate.transfer_id": req.tid,
+            "gen_ai.request.model": model,
+            "pdgate.prompts": len(parts) if parts else 1,
+        }
+        with self._tracing.request(req.endpoint, req.extra, attributes) as span:
+            outcome = await self._pd(req, model, send, parts)
+            span.set_attribute("pdgate.outcome", outcome)
+            return outcome
+
+    async def _pd(self, req: ProxiedRequest, model: str, send: Send, parts: list[dict[str, Any]] | None) -> str:
+        if parts is None:
+            return await self._one(req, model, send)
+        children = []
+        for i, part in enumerate(parts):
+            child = ProxiedRequest(
+                req.endpoint, mint_transfer_id(), req.rid + f".{i}".encode(), req.client_auth, req.extra
+            )
+            child.body = part
+            child.facts = request_facts(part, req.endpoint, self._prefix_chars)
+            child.overhead_s = req.overhead_s
+            children.append(child)
+        n = req.body.get("n") or 1
+        return await fan_out(
+            lambda child, out: self._one(child, model, out),
+            children,
+            send,
+            req,
+            lambda child: self._dispatch.abort(child, child.abort_reason),
+            n,
+        )
+
+    async def _one(self, req: ProxiedRequest, model: str, send: Send) -> str:
+        """Prefill, then decode, of one prompt; the decode's answer gets what the prefill's answer adds."""
+        try:
+            with capture() as box, self._phase(req, "prefill"):
+                await self._dispatch.prefill(req, model)
+            facts = prefill_facts(box, req.endpoint == CHAT)
+            with self._phase(req, "decode"):
+                return await self._dispatch.decode(req, PatchingSend(send, facts, req.endpoint == CHAT))
+        except RouterError as exc:
+            await self._reply_error(send, req, exc)
+            return exc.code.value
+
+    @contextlib.contextmanager
+    def _phase(self, req: ProxiedRequest, name: str) -> Iterator[None]:
+        """With tracing, a child span of the request's, whose trace context the engine requests carry."""
+        if self._tracing is None:
+            yield
+            return
+        kept = [(k, v) for k, v in req.extra if k not in TRACE_HEADERS]
+        with self._tracing.phase(name) as (span, headers):
+            req.extra = kept + headers
+            yield
+            if req.prefill is not None and name == "prefill":
+                span.set_attribute("pdgate.instance", req.prefill.id)
 
     def _resolve_model(self, model: str | None) -> str:
         pool = self._pool

@@ -137,6 +137,12 @@ class RouterSettings(BaseSettings):
     breaker_open_s: float = Field(10.0, gt=0, description="how long an open breaker rejects before a probe")
     breaker_successes: int = Field(1, ge=1, description="successful probes that close a half-open breaker")
 
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP collector (e.g. http://collector:4318): the router exports one span per request, "
+        "with its prefill and decode phases, and the engines' spans join it (needs pdgate[tracing]); unset: "
+        "an incoming traceparent still goes to both engines",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     access_log: bool = Field(False, description="uvicorn access log (one line per request)")
 
@@ -158,7 +164,7 @@ class RouterSettings(BaseSettings):
                 raise ValueError(f"instance URL {url!r}: {exc}") from None
         return out
 
-    @field_validator("metaserver", "advertise_metaserver")
+    @field_validator("metaserver", "advertise_metaserver", "otlp_traces_endpoint")
     @classmethod
     def _base_url(cls, v: str | None) -> str | None:
         if v is None:

@@ -18,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 
 import orjson
 from pdgate.router.bodies import CHAT
-from pdgate.router.errors import BadRequest
+from pdgate.router.errors import BadRequest, ContextTooLong, UnsupportedByPD
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -30,7 +30,15 @@ from pydantic import (
     ValidationError,
 )
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "InvalidField", "validate_request"]
+__all__ = [
+    "N_THROUGH_PD",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "InvalidField",
+    "check_context",
+    "check_pd_support",
+    "validate_request",
+]
 
 MAX_SAFE_INT = 2**53 - 1  # exact in a double, so in every JSON parser the body reaches
 MAX_N = 128
@@ -47,11 +55,6 @@ class InvalidField(BadRequest):
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
-
-    def body(self) -> bytes:
-        return orjson.dumps(
-            {"error": {"message": self.message, "type": self.openai_type, "code": self.code.value, "param": self.param}}
-        )
 
 
 def _tokens(items: list[Any]) -> bool:
@@ -110,6 +113,8 @@ class _Fields(BaseModel):
     stream: StrictBool | None = False
     max_tokens: TokenCount | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+    use_beam_search: StrictBool | None = None
     stream_options: dict[str, Any] | None = None
 
 
@@ -155,6 +160,78 @@ def validate_request(body: dict[str, Any], endpoint: str) -> None:
             f"the request body cannot be forwarded ({exc}): JSON nested more than 250 levels deep is refused",
             None,
         ) from None
+
+
+N_THROUGH_PD = False
+"""Whether `n > 1` goes through PD. vLLM runs the n samples of one request as n sibling requests that all
+carry the request's `kv_transfer_params`, and the decode lets one request claim a handoff: the other
+siblings fail. Set True once the decode lets the siblings share one claim (the prefill copy already asks
+for one sample, `bodies.prefill_body`, so the switch is this line)."""
+
+
+def check_pd_support(body: dict[str, Any]) -> None:
+    """Refuse (400 `pd_unsupported_parameter`, naming the field) what prefill/decode disaggregation cannot
+    serve, before any engine work: otherwise the engines fail later and the client gets a 502 that
+    blames them. Run after `validate_request` (the types are checked)."""
+    if body.get("use_beam_search") is True:
+        raise UnsupportedByPD(
+            "beam search is not supported through prefill/decode disaggregation: vLLM runs it as one new "
+            "request per step, each of which would need a prefill of its own; set use_beam_search to false "
+            "or send it to a plain vLLM instance",
+            "use_beam_search",
+        )
+    best_of = body.get("best_of")
+    if best_of is not None and best_of > 1:
+        raise UnsupportedByPD(
+            f"best_of={best_of} is not supported through prefill/decode disaggregation (vLLM no longer runs "
+            "best_of either); send n requests with different seeds and pick the best yourself",
+            "best_of",
+        )
+    n = body.get("n")
+    if not N_THROUGH_PD and n is not None and n > 1:
+        raise UnsupportedByPD(
+            f"n={n} is not supported through prefill/decode disaggregation yet: the decode lets one request "
+            "claim the prefill's KV and vLLM runs the n samples as n requests; send n requests with n=1 (and "
+            "different seeds)",
+            "n",
+        )
+
+
+def check_context(body: dict[str, Any], endpoint: str, max_model_len: int) -> None:
+    """Refuse (400 `context_length_exceeded`, naming the field) what vLLM would refuse for the model's
+    `max_model_len`, before the prefill runs: asked later, the decode refuses it after a whole prefill.
+
+    vLLM's rules, no more: `max_tokens` (chat: `max_completion_tokens` when set) above max_model_len, and
+    a prompt of more tokens than max_model_len. A prompt plus `max_tokens` beyond it is not an error:
+    vLLM lowers max_tokens to what is left, and so does the decode. Text prompts are not counted here
+    (that needs the tokenizer); the prefill refuses those itself, before computing anything.
+    """
+    param = (
+        "max_completion_tokens" if endpoint == CHAT and body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    asked = body.get(param)
+    if asked is not None and asked > max_model_len:
+        raise ContextTooLong(
+            f"{param}={asked} cannot be greater than max_model_len={max_model_len}. Please request fewer "
+            "output tokens.",
+            param,
+        )
+    if endpoint == CHAT or body.get("truncate_prompt_tokens") is not None:
+        return
+    prompt = body.get("prompt")
+    longest = 0
+    if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], int):
+            longest = len(prompt)
+        elif isinstance(prompt[0], list):
+            longest = max(len(p) for p in prompt)
+    if longest > max_model_len:
+        raise ContextTooLong(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{longest} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+            "the length of the input prompt.",
+            "prompt",
+        )
 
 
 class ErrorDetail(BaseModel):

@@ -14,6 +14,7 @@ from pdgate.router.bodies import (
     prefill_body,
     prefill_params,
     request_facts,
+    split_prompts,
 )
 from pdgate.router.errors import BadRequest, PrefillFailed
 
@@ -77,12 +78,20 @@ def test_a_prefill_answer_without_params_is_a_prefill_failure(raw: bytes) -> Non
         kv_params_from_prefill(raw)
 
 
-def test_several_prompts_are_refused_with_a_reason() -> None:
-    with pytest.raises(BadRequest) as info:
-        request_facts({"prompt": ["a", "b"]}, COMPLETIONS, 64)
-    assert info.value.status == 400 and "one request per prompt" in info.value.message
-    with pytest.raises(BadRequest):
-        request_facts({"prompt": [[1, 2], [3, 4]]}, COMPLETIONS, 64)
+def test_several_prompts_split_into_one_body_each_in_order() -> None:
+    body = {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 3}
+    assert split_prompts(body) == [{"model": "m", "prompt": p, "max_tokens": 3} for p in ("a", "b", "c")]
+    assert split_prompts({"prompt": [[1, 2], [3]]}) == [{"prompt": [1, 2]}, {"prompt": [3]}]
+    for single in ({"prompt": "a"}, {"prompt": ["a"]}, {"prompt": [1, 2, 3]}, {"prompt": [[1, 2]]}):
+        assert split_prompts(single) is None
+
+
+def test_prefill_copy_asks_one_sample_and_decode_copy_leaves_prompt_logprobs_to_the_prefill() -> None:
+    body = {"prompt": "x", "n": 3, "best_of": 3, "prompt_logprobs": 2, "max_tokens": 9}
+    p = orjson.loads(prefill_body(body, {"transfer_id": "t"}))
+    assert p["n"] == 1 and "best_of" not in p and p["prompt_logprobs"] == 2 and p["max_tokens"] == 1
+    d = orjson.loads(decode_body(body, {"transfer_id": "t"}))
+    assert "prompt_logprobs" not in d and d["n"] == 3 and d["max_tokens"] == 9
 
 
 def test_single_prompt_shapes_are_accepted() -> None:

@@ -1,0 +1,242 @@
+"""What the prefill's answer adds to the client's: usage that tells the truth, and prompt logprobs.
+
+Two things only the prefill's answer knows:
+- how many prompt tokens' KV it computed and handed over (`kv_transfer_params.remote_num_tokens`, else
+  its `usage.prompt_tokens`). The decode's own `usage.prompt_tokens_details.cached_tokens` counts what
+  it found in its local prefix cache (vLLM reports it only with --enable-prompt-tokens-details, and
+  then as 0 for a transferred prompt), so cost accounting would bill every transferred prompt token as
+  computed. The client's answer gets `usage.prompt_tokens_details.cached_tokens` = the larger of the
+  two: prompt tokens the decode did not compute (OpenAI's field, which billing tools already read).
+- `prompt_logprobs`, which the decode is not asked for (`bodies.decode_body`): the prefill's are put
+  where vLLM puts them (completions: each choice's `prompt_logprobs`; chat: the answer's).
+
+How the prefill's answer is seen without a second copy of the attempt logic: `capture()` arms a
+context-local box for the duration of the prefill; `RecordingUpstream` (the upstream the dispatcher
+uses) appends each answer it reads while the box is armed. The prefill that succeeded is the last 200.
+
+The client's answer is rewritten by `PatchingSend`, a `send` in front of the client's: a JSON answer is
+parsed and re-encoded once (its content-length fixed), a stream is cut at event boundaries and only the
+final usage event is re-encoded; every other byte passes as it came.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pdgate.router.asgi import Message, Send
+from pdgate.router.upstream import Headers, Upstream, UpstreamResponse
+
+__all__ = [
+    "PatchingSend",
+    "PrefillFacts",
+    "RecordingUpstream",
+    "capture",
+    "patch_answer",
+    "patch_usage",
+    "prefill_facts",
+    "split_events",
+]
+
+_box: ContextVar[list[tuple[int, bytes]] | None] = ContextVar("pdgate_prefill_answers", default=None)
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[list[tuple[int, bytes]]]:
+    """Record (status, body) of every engine answer read in this context until the block ends."""
+    box: list[tuple[int, bytes]] = []
+    token = _box.set(box)
+    try:
+        yield box
+    finally:
+        _box.reset(token)
+
+
+class _Recorded:
+    """An upstream response whose whole-body read is also recorded."""
+
+    def __init__(self, resp: UpstreamResponse, box: list[tuple[int, bytes]]) -> None:
+        self._resp = resp
+        self._box = box
+        self.status = resp.status
+        self.headers = resp.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        return self._resp.header(name)
+
+    async def next_chunk(self, timeout: float | None = None) -> bytes | None:
+        return await self._resp.next_chunk(timeout)
+
+    async def read(self, timeout: float | None = None, limit: int | None = None) -> bytes:
+        data = await self._resp.read(timeout, limit)
+        self._box.append((self.status, data))
+        return data
+
+    def close(self) -> None:
+        self._resp.close()
+
+
+class RecordingUpstream:
+    """The dispatcher's `Upstream`: the router's pool, plus recording while `capture()` is armed."""
+
+    def __init__(self, inner: Upstream) -> None:
+        self.inner = inner
+
+    async def request(
+        self, method: str, url: str, headers: Headers, body: bytes, *, timeout: float | None = None
+    ) -> UpstreamResponse:
+        resp = await self.inner.request(method, url, headers, body, timeout=timeout)
+        box = _box.get()
+        return resp if box is None else _Recorded(resp, box)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@dataclass(frozen=True)
+class PrefillFacts:
+    """What the client's answer takes from the prefill's."""
+
+    transferred: int | None  # prompt tokens whose KV the prefill computed and handed over
+    prompt_logprobs: Any = None  # vLLM's prompt_logprobs list, when asked for
+
+
+def prefill_facts(box: list[tuple[int, bytes]], chat: bool) -> PrefillFacts:
+    """Read the prefill's answer (the last 200 recorded); nothing known when none parses."""
+    raw = next((data for status, data in reversed(box) if status == 200), None)
+    if raw is None:
+        return PrefillFacts(None)
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return PrefillFacts(None)
+    if not isinstance(data, dict):
+        return PrefillFacts(None)
+    kv = data.get("kv_transfer_params")
+    usage = data.get("usage")
+    n: Any = kv.get("remote_num_tokens") if isinstance(kv, dict) else None
+    if not isinstance(n, int) and isinstance(usage, dict):
+        n = usage.get("prompt_tokens")
+    logprobs: Any = None
+    if chat:
+        logprobs = data.get("prompt_logprobs")
+    else:
+        choices = data.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            logprobs = choices[0].get("prompt_logprobs")
+    return PrefillFacts(n if isinstance(n, int) and not isinstance(n, bool) else None, logprobs)
+
+
+def patch_usage(usage: Any, facts: PrefillFacts) -> None:
+    """Set `usage.prompt_tokens_details.cached_tokens` to the prompt tokens the decode did not compute."""
+    if not isinstance(usage, dict) or facts.transferred is None:
+        return
+    prompt = usage.get("prompt_tokens")
+    transferred = min(facts.transferred, prompt) if isinstance(prompt, int) else facts.transferred
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = usage["prompt_tokens_details"] = {}
+    own = details.get("cached_tokens")
+    details["cached_tokens"] = max(own if isinstance(own, int) else 0, transferred)
+
+
+def patch_answer(answer: dict[str, Any], facts: PrefillFacts, chat: bool) -> None:
+    """A whole (non-stream) answer of the decode, as the client gets it."""
+    patch_usage(answer.get("usage"), facts)
+    if facts.prompt_logprobs is None:
+        return
+    if chat:
+        answer["prompt_logprobs"] = facts.prompt_logprobs
+        return
+    for choice in answer.get("choices") or ():
+        if isinstance(choice, dict):
+            choice["prompt_logprobs"] = facts.prompt_logprobs
+
+
+def split_events(buf: bytes) -> tuple[bytes, bytes]:
+    """(complete SSE events, the incomplete rest) of a stream's bytes so far."""
+    end = buf.rfind(b"\n\n")
+    return (buf[: end + 2], buf[end + 2 :]) if end >= 0 else (b"", buf)
+
+
+def _patch_events(events: bytes, facts: PrefillFacts) -> bytes:
+    """Re-encode the final usage event (no choices, a usage object); every other event as it came."""
+    if b'"usage":{' not in events:
+        return events
+    out: list[bytes] = []
+    for ev in events.split(b"\n\n"):
+        if ev.startswith(b"data: {") and b'"usage":{' in ev:
+            try:
+                obj = orjson.loads(ev[6:])
+            except orjson.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict) and not obj.get("choices") and isinstance(obj.get("usage"), dict):
+                patch_usage(obj["usage"], facts)
+                ev = b"data: " + orjson.dumps(obj)
+        out.append(ev)
+    return b"\n\n".join(out)
+
+
+class PatchingSend:
+    """The client's `send`, behind which a decode's 200 answer gets what the prefill's answer adds."""
+
+    def __init__(self, send: Send, facts: PrefillFacts, chat: bool) -> None:
+        self._send = send
+        self._facts = facts
+        self._chat = chat
+        self._start: Message | None = None
+        self._stream = False
+        self._rest = b""
+
+    async def __call__(self, msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            if msg["status"] != 200:
+                self._facts = PrefillFacts(None)  # an error passes untouched
+                await self._send(msg)
+                return
+            ctype = next((v for k, v in msg["headers"] if k == b"content-type"), b"")
+            self._stream = ctype.lower().startswith(b"text/event-stream")
+            if self._stream:
+                await self._send(msg)
+            else:
+                self._start = msg  # held until the body: its content-length changes
+            return
+        if msg["type"] != "http.response.body" or (self._facts.transferred is None and not self._logprobs()):
+            await self._flush_start(msg.get("body", b""))
+            await self._send(msg)
+            return
+        if self._stream:
+            events, self._rest = split_events(self._rest + msg.get("body", b""))
+            more = msg.get("more_body", False)
+            body = _patch_events(events, self._facts) + (b"" if more else self._rest)
+            if body or not more:
+                await self._send({**msg, "body": body})
+            return
+        await self._whole(msg)
+
+    def _logprobs(self) -> bool:
+        return self._facts.prompt_logprobs is not None
+
+    async def _whole(self, msg: Message) -> None:
+        body = msg.get("body", b"")
+        if self._start is not None:
+            try:
+                answer = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                answer = None
+            if isinstance(answer, dict):
+                patch_answer(answer, self._facts, self._chat)
+                body = orjson.dumps(answer)
+        await self._flush_start(body)
+        await self._send({**msg, "body": body})
+
+    async def _flush_start(self, body: bytes) -> None:
+        start, self._start = self._start, None
+        if start is not None:
+            headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await self._send({**start, "headers": headers})
