@@ -34,7 +34,7 @@ class Code(str, Enum):
     VALIDATION_ERROR = "validation_error"
     MALFORMED_JSON = "malformed_json"
     MULTIPLE_PROMPTS = "multiple_prompts_unsupported"  # no longer sent (prompts fan out); kept: codes are never reused
-    UNSUPPORTED_BY_PD = "pd_unsupported_parameter"  # a field prefill/decode disaggregation cannot serve (param names it)
+    UNSUPPORTED_BY_PD = "pd_unsupported_parameter"  # a field PD disaggregation cannot serve (param names it)
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: longer than the model's max_model_len
     BODY_TOO_LARGE = "body_too_large"
     REQUEST_TOO_LARGE = "request_too_large"
