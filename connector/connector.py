@@ -243,7 +243,7 @@ class PDGateConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None
-        outcomes = self._worker.take_outcomes()
+        outcomes = self._worker.take_outcomes(drain=False)  # get_finished, just before, drained them
         return PDGateWorkerMeta(outcomes) if outcomes else None
 
     # ==== scheduler side =============================================================================

@@ -30,6 +30,8 @@ COUNTERS: dict[str, str] = {
     "pulls_failed": "failed pulls, per TP rank",
     "invalid_blocks": "local blocks reported to vLLM as failed loads",
     "claims_failed": "claims that did not succeed",
+    "claims_by_router": "decode loads that pulled under the router's claim, with no claim round trip of their own",
+    "done_refused": "DONEs the ledger refused (the KV may have been kept or freed late); zero when healthy",
     "recv_released": "handoffs a decode released without pulling (local cache, ended before scheduled)",
     "bad_params": "requests with unusable kv_transfer_params",
     "registrations": "successful registrations with the metaserver",

@@ -27,7 +27,13 @@ __all__ = ["PullOutcome", "RecvDone", "RecvPlan", "StepMetadata", "address_from_
 
 @dataclass(frozen=True)
 class RecvPlan:
-    """Start pulling: every worker reads `sources[its tp rank]` (a transport address) into its blocks."""
+    """Start pulling: every worker reads `sources[its tp rank]` (a transport address) into its blocks.
+
+    `trusted_until` (epoch s) is set when the router claimed the handoff for this decode: a worker whose
+    pull finishes before it reports the request finished itself, in that same step (`PullOutcome.reported`),
+    without waiting for the scheduler half's `RecvDone` a step later; a failed pull likewise, with its
+    blocks as load errors. Past it, the scheduler half confirms with DONE first, as for any late pull.
+    """
 
     req_id: str
     transfer_id: str
@@ -35,15 +41,20 @@ class RecvPlan:
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     sources: tuple[Mapping[str, Any], ...]
+    trusted_until: float | None = None
 
 
 @dataclass(frozen=True)
 class RecvDone:
-    """Report `req_id` as finished receiving; when not `ok`, its `local_block_ids` failed to load."""
+    """Report `req_id` as finished receiving; when not `ok`, its `local_block_ids` failed to load.
+
+    `ranks`: the TP ranks that must report it (None: all); a rank that reported a trusted pull by itself
+    is left out, since vLLM counts one report per rank."""
 
     req_id: str
     ok: bool
     local_block_ids: tuple[int, ...] = ()
+    ranks: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ class PullOutcome:
     nbytes: int = 0
     nblocks: int = 0
     elapsed_s: float = 0.0
+    reported: bool = False  # the worker reported the request finished itself (a trusted pull)
 
 
 # Keys of a transport address that map onto `TransportAddress` fields; the whole dict also travels

@@ -16,6 +16,7 @@ built and read in `location.py`; the counters are listed in `counters.py`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -162,4 +163,18 @@ class SchedulerHalf:
             "counters": dict(self._out.counters),
             "holding": len(self._prefill.held_transfer_ids()),
             "receiving": self._decode.loading,
+            "claim_ms": _summary(self._decode.claim_latency_ms()),
         }
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    """Count, median, p99 and max of the latest samples (nearest rank); empty when there are none."""
+    if not samples:
+        return {}
+    ordered = sorted(samples)
+    n = len(ordered)
+
+    def rank(q: float) -> float:
+        return round(ordered[min(n - 1, max(0, math.ceil(q * n) - 1))], 3)
+
+    return {"n": n, "p50": rank(0.5), "p99": rank(0.99), "max": round(ordered[-1], 3)}

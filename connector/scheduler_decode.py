@@ -25,6 +25,16 @@ Why the pulled data may be used without waiting for DONE (or for the claim befor
   load error. The ledger stays the authority on where the KV is: the early plan is used only if the
   claimed record yields the very same plan.
 
+The router's claim: when the router claimed the handoff for this very instance before sending the
+request (`KVTransferParams.trusted_until`, see `pdgate.metaserver.contract`), there is no Claim round trip
+at all. The record was CLAIMED for us at the ledger's time t_c, before the request left the router, so the
+argument above holds from t_c: a pull that finished before `trusted_until` (half the claim lease after
+t_c, on the wall clock) read held blocks. The RecvPlan carries that bound, and each worker reports such a
+pull finished in the very step it completes (`PullOutcome.reported`), so vLLM schedules the request's
+first forward in the next step; DONE goes out afterwards, off the path. A pull that ended past the bound
+is confirmed by DONE first, like any late pull; a claim made for another instance, or a location hint
+that cannot be used, takes the ordinary path (our Claim of a record the router claimed for us renews it).
+
 Pure bookkeeping like the rest of the scheduler half: `now` is an argument, I/O leaves as commands.
 """
 
@@ -32,8 +42,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdgate.connector.blocks import tokens_to_load
@@ -51,6 +62,8 @@ from pdgate.errors import Code
 __all__ = ["DecodeSide"]
 
 logger = logging.getLogger(__name__)
+
+_CLAIM_SAMPLES = 4096  # the latest claim latencies kept for the stats snapshot
 
 # A claim that failed for one of these left nothing to abort: the record is terminal or unknown.
 _NOTHING_TO_ABORT = frozenset({Code.HANDOFF_TERMINAL, Code.HANDOFF_NOT_FOUND, Code.NOT_FOUND})
@@ -76,6 +89,7 @@ class _Recv:
     early: RecvPlan | None = None  # the plan started from the params' location, before the claim
     claimed: bool = False
     claim_lease_s: float = 0.0
+    by_router: bool = False  # claimed by the router for us: the workers report the pull themselves
     # Monotonic stamps of each phase, for the one log line per transfer. `started_at` is also when the
     # claim was sent (the ledger's claim time is later), the base of the claim-lease bound.
     started_at: float = 0.0
@@ -104,6 +118,8 @@ class DecodeSide:
         self._consumed: set[str] = set()  # req ids whose handoff was set up or released
         self._new_pulls: list[RecvPlan] = []
         self._new_done: list[RecvDone] = []
+        # Claim latency (ms) of the latest loads, from allocation to the claim in hand (0 for the router's).
+        self._claim_ms: deque[float] = deque(maxlen=_CLAIM_SAMPLES)
 
     # ---- vLLM hooks ---------------------------------------------------------------------------------
 
@@ -163,7 +179,7 @@ class DecodeSide:
         rec = _Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, started_at=now)
         self._recv[req_id] = rec
         self._recv_by_transfer[transfer_id] = req_id
-        self._out.send(Claim(transfer_id))
+        trusted_until = kv.trusted_until(self._facts.instance_id)
         location = kv.location()
         if location is not None and kv.kv_key is not None:
             try:
@@ -176,6 +192,8 @@ class DecodeSide:
                     local_block_ids=local,
                     hit_blocks=hit,
                 )
+                if trusted_until is not None:
+                    rec.early = replace(rec.early, trusted_until=trusted_until)
             except LocationError as exc:
                 # Only a hint: the claimed record decides (and fails the load if it is this same location).
                 logger.debug(
@@ -189,10 +207,20 @@ class DecodeSide:
                 rec.state = _State.PULLING
                 rec.pull_started_at = now
                 self._new_pulls.append(rec.early)
+        if rec.early is not None and trusted_until is not None:
+            # The router claimed it for us (module docstring): no round trip before the pull.
+            rec.claimed = rec.by_router = True
+            rec.claimed_at = now
+            assert kv.claim_lease_s is not None
+            rec.claim_lease_s = kv.claim_lease_s
+            self._out.bump("claims_by_router")
+        else:
+            self._out.send(Claim(transfer_id))
         logger.debug(
-            "transfer %s: decode %s claims, %d local blocks (%d cached)",
+            "transfer %s: decode %s %s, %d local blocks (%d cached)",
             transfer_id,
             req_id,
+            "pulls under the router's claim" if rec.by_router else "claims",
             len(local),
             hit,
             extra=about(transfer_id),
@@ -235,7 +263,9 @@ class DecodeSide:
                 self._fail(rec, code, f"tp rank {first.tp_rank}: {first.message}", abort=True)
             else:
                 rec.pulled_at = now
-                if rec.claimed:
+                if rec.by_router:
+                    self._pulled_under_router_claim(rec, now)
+                elif rec.claimed:
                     self._pulled_and_claimed(rec, now)
                 else:
                     rec.state = _State.PULLED
@@ -283,6 +313,8 @@ class DecodeSide:
             self._fail(rec, result.code, result.message, abort=result.code not in _NOTHING_TO_ABORT)
 
     def on_done(self, result: DoneResult, now: float) -> None:
+        if result.code is not None:  # refused (even when the KV was still held): should never happen
+            self._out.bump("done_refused")
         rec = self._recv_for(result.transfer_id)
         if rec is None or rec.state is not _State.CONFIRMING:
             return
@@ -314,6 +346,26 @@ class DecodeSide:
         req_id = self._recv_by_transfer.get(transfer_id)
         return self._recv.get(req_id) if req_id is not None else None
 
+    def claim_latency_ms(self) -> list[float]:
+        """The claim latency of the latest loads (ms, oldest first), for the stats snapshot."""
+        return list(self._claim_ms)
+
+    def _unreported(self, rec: _Recv) -> frozenset[int] | None:
+        """The TP ranks that still need a RecvDone (None: all): under the router's claim a worker may have
+        reported the request itself."""
+        if not rec.by_router:
+            return None
+        return frozenset(r for r in range(self._facts.world_size) if not _reported(rec.outcomes.get(r)))
+
+    def _pulled_under_router_claim(self, rec: _Recv, now: float) -> None:
+        """Every rank pulled. Those that finished within the router's claim already reported the request
+        (same step); DONE goes out now, off the path. A rank past the bound waits for DONE (see top)."""
+        self._out.send(Done(rec.transfer_id))
+        if self._unreported(rec):
+            rec.state = _State.CONFIRMING
+        else:
+            self._complete_ok(rec, now)
+
     def _pulled_and_claimed(self, rec: _Recv, now: float) -> None:
         """Report the load now if the pull ended within the claim lease; else wait for DONE (see top)."""
         self._out.send(Done(rec.transfer_id))
@@ -330,20 +382,24 @@ class DecodeSide:
         pulled = rec.pulled_at if rec.pulled_at is not None else now
         pull_from = rec.pull_started_at if rec.pull_started_at is not None else claimed
         pull_s = max((o.elapsed_s for o in rec.outcomes.values()), default=0.0)
+        self._claim_ms.append((claimed - rec.started_at) * 1e3)
         logger.info(
-            "transfer %s: %s loaded %d tokens in %.1f ms (claim %.1f, pull %.1f [transport %.1f], confirm %.1f)",
+            "transfer %s: %s loaded %d tokens in %.1f ms (claim %.1f%s, pull %.1f [transport %.1f], confirm %.1f)",
             rec.transfer_id,
             rec.req_id,
             rec.num_tokens,
             (now - rec.started_at) * 1e3,
             (claimed - rec.started_at) * 1e3,
+            " by router" if rec.by_router else "",
             max(pulled - pull_from, 0.0) * 1e3,
             pull_s * 1e3,
             max(now - max(claimed, pulled), 0.0) * 1e3,
             extra=about(rec.transfer_id),
         )
         self._drop(rec)
-        self._new_done.append(RecvDone(rec.req_id, True))
+        ranks = self._unreported(rec)
+        if ranks is None or ranks:
+            self._new_done.append(RecvDone(rec.req_id, True, ranks=ranks))
         self._out.bump("recv_ok")
         self._out.bump("tokens_loaded", rec.num_tokens)
 
@@ -357,7 +413,9 @@ class DecodeSide:
             extra=about(rec.transfer_id),
         )
         self._drop(rec)
-        self._new_done.append(RecvDone(rec.req_id, False, rec.local_block_ids))
+        ranks = self._unreported(rec)
+        if ranks is None or ranks:
+            self._new_done.append(RecvDone(rec.req_id, False, rec.local_block_ids, ranks=ranks))
         self._count_failure(len(rec.local_block_ids))
         if abort:
             self._out.send(Abort(rec.transfer_id, f"decode KV load failed: {code.value}: {message}"[:1000]))
@@ -373,3 +431,7 @@ class DecodeSide:
     def _count_failure(self, nblocks: int) -> None:
         self._out.bump("recv_failed")
         self._out.bump("invalid_blocks", nblocks)
+
+
+def _reported(outcome: PullOutcome | None) -> bool:
+    return outcome is not None and outcome.reported

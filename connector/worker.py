@@ -8,7 +8,10 @@ thread" is the transport contract (`connector/transport/base.py`), not just tidi
 
 Per step (`StepMetadata` from the scheduler half):
   pulls     -> submitted to the thread; the outcome travels back to the scheduler half in the worker
-               metadata (vLLM aggregates it over the workers).
+               metadata (vLLM aggregates it over the workers). A pull under the router's claim
+               (`RecvPlan.trusted_until`) that ends before that bound, or fails, is reported finished
+               receiving by this worker in the step it ends (`PullOutcome.reported`), as NIXL's worker
+               does: no round trip through the scheduler half, so no extra engine step.
   recv_done -> reported as finished receiving once no pull of ours is still writing into the blocks;
                a failed one also reports its blocks through `get_block_ids_with_load_errors`.
   holds     -> the prefill keeps blocks for a decode: the thread polls the transport often, because
@@ -22,8 +25,9 @@ import ctypes
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdgate.connector.config import ConnectorConfig
@@ -279,8 +283,10 @@ class WorkerHalf:
         *,
         tp_rank: int,
         transport_factory: Callable[[], Transport],
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._cfg = cfg
+        self._wall = wall
         self.tp_rank = tp_rank
         self._factory = transport_factory
         self._thread: _TransferThread | None = None
@@ -288,6 +294,8 @@ class WorkerHalf:
         self.device_index: int | None = None  # accelerator of the KV cache, known once it is registered
         self._inflight: dict[str, str] = {}  # req_id -> transfer_id of a pull still writing
         self._completions: dict[str, RecvDone] = {}
+        # req_id -> (trusted_until, local blocks) of a pull under the router's claim, still in flight
+        self._trusted: dict[str, tuple[float, tuple[int, ...]]] = {}
         self._holding: set[str] = set()
         self._frees: set[str] = set()
         self._outcomes: list[PullOutcome] = []
@@ -324,11 +332,24 @@ class WorkerHalf:
         for plan in step.pulls:
             if self._thread is None or self.tp_rank >= len(plan.sources):
                 why = "no KV caches registered" if self._thread is None else f"no source for tp rank {self.tp_rank}"
+                trusted = plan.trusted_until is not None
+                if trusted:  # report it failed now, as for any failed pull under the router's claim
+                    self._completions[plan.req_id] = RecvDone(plan.req_id, False, plan.local_block_ids)
                 self._outcomes.append(
-                    PullOutcome(plan.req_id, plan.transfer_id, self.tp_rank, False, Code.TRANSPORT_BAD_REQUEST, why)
+                    PullOutcome(
+                        plan.req_id,
+                        plan.transfer_id,
+                        self.tp_rank,
+                        False,
+                        Code.TRANSPORT_BAD_REQUEST,
+                        why,
+                        reported=trusted,
+                    )
                 )
                 continue
             self._inflight[plan.req_id] = plan.transfer_id
+            if plan.trusted_until is not None:
+                self._trusted[plan.req_id] = (plan.trusted_until, plan.local_block_ids)
             self._thread.inbox.put(
                 _Pull(
                     plan.req_id,
@@ -340,7 +361,8 @@ class WorkerHalf:
                 )
             )
         for done in step.recv_done:
-            self._completions[done.req_id] = done
+            if done.ranks is None or self.tp_rank in done.ranks:
+                self._completions[done.req_id] = done
         if step.holds or step.frees:
             self._holding.update(step.holds)
             self._holding.difference_update(step.frees)
@@ -365,8 +387,12 @@ class WorkerHalf:
         out, self._load_errors = self._load_errors, set()
         return out
 
-    def take_outcomes(self) -> list[PullOutcome]:
-        self._drain()
+    def take_outcomes(self, *, drain: bool = True) -> list[PullOutcome]:
+        """The pull outcomes gathered so far. The facade passes `drain=False`: vLLM calls it right after
+        `get_finished`, and an outcome the transfer thread produced in between then waits for the next
+        step's `get_finished`, so a pull's outcome and its own finished report travel in the same step."""
+        if drain:
+            self._drain()
         out, self._outcomes = self._outcomes, []
         return out
 
@@ -385,4 +411,21 @@ class WorkerHalf:
                 return
             if self._inflight.get(oc.req_id) == oc.transfer_id:
                 del self._inflight[oc.req_id]
+                trusted = self._trusted.pop(oc.req_id, None)
+                if trusted is not None:
+                    oc = self._report_trusted(oc, *trusted)
             self._outcomes.append(oc)
+
+    def _report_trusted(self, oc: PullOutcome, until: float, local: tuple[int, ...]) -> PullOutcome:
+        """A pull under the router's claim ended: report it finished now (`get_finished` of this step)
+        when it failed, or succeeded before `until`; a success past `until` waits for the scheduler half's
+        DONE-confirmed RecvDone. A RecvDone already here (the load hit its deadline) is what counts."""
+        if oc.req_id in self._completions:
+            return oc
+        if not oc.ok:
+            self._completions[oc.req_id] = RecvDone(oc.req_id, False, local)
+        elif self._wall() < until:
+            self._completions[oc.req_id] = RecvDone(oc.req_id, True)
+        else:
+            return oc
+        return replace(oc, reported=True)

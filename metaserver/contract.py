@@ -24,8 +24,16 @@ hangs (DP/TP mismatches in vllm-ascend #16144, sglang #15674).
 `kv_transfer_params` (`KVTransferParams`): the dict vLLM carries on a request and returns with a finished
 prefill. Each hop has one constructor: the router's request to a prefill (`prefill_request`), the prefill's
 answer with the KV it holds (`KVTransferParams(...)` with the `remote_*` fields, `to_dict()`), and the
-router's request to a decode (`decode_request` of that answer). The router's two are plain functions on
-dicts because it runs them on every request and reads none of the fields. Every reader goes through
+router's request to a decode (`decode_request` of that answer, then `with_claim` per decode attempt). The
+router's are plain functions on dicts because it runs them on every request and reads none of the fields.
+
+The router's claim (`RouterClaim`, the `claimed_by`/`claim_deadline`/`claim_lease_s` fields): the router
+claims the handoff in the ledger for the decode it picked before it sends the request, and says so here.
+A decode that finds a claim made for its own instance id (`trusted_until`) skips its own claim round
+trip and pulls at once; a pull it saw finish before `trusted_until` read blocks the prefill still held
+(the record was CLAIMED for it, so neither expiry nor another decode's DONE could free them). Only the
+router writes these fields: `decode_request` drops any the prefill's answer carries, and the router
+replaces the client's `kv_transfer_params` whole. Every reader goes through
 `KVTransferParams.parse`, which names the field it refuses; keys this contract does not type (vLLM
 NIXL's `remote_host`, a simulator's `tp_size`) travel verbatim in `extra`.
 """
@@ -48,11 +56,13 @@ __all__ = [
     "KVShape",
     "KVTransferParams",
     "Mismatch",
+    "RouterClaim",
     "decode_request",
     "mismatch",
     "prefill_request",
     "source_rank",
     "tp_mismatch",
+    "with_claim",
 ]
 
 # Transports whose decode ranks each link to one prefill rank of their own: they need P tp >= D tp.
@@ -194,9 +204,14 @@ _TYPED = frozenset(
         "remote_request_id",
         "prefill_instance_id",
         "remote_location",
+        "claimed_by",
+        "claim_deadline",
+        "claim_lease_s",
     }
 )
+_CLAIM_KEYS = ("claimed_by", "claim_deadline", "claim_lease_s")
 _MAX_TOKENS = 2**40
+_MAX_EPOCH = 2.0**40
 
 BlockIds = tuple[int, ...] | tuple[tuple[int, ...], ...]
 
@@ -224,6 +239,9 @@ class KVTransferParams:
     remote_request_id: str | None = None
     prefill_instance_id: str | None = None
     remote_location: Mapping[str, Any] | None = None
+    claimed_by: str | None = None
+    claim_deadline: float | None = None
+    claim_lease_s: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)  # untyped keys, passed on verbatim
 
     # -- wire form -----------------------------------------------------------------------------------
@@ -250,6 +268,12 @@ class KVTransferParams:
             out["prefill_instance_id"] = self.prefill_instance_id
         if self.remote_location is not None:
             out["remote_location"] = dict(self.remote_location)
+        if self.claimed_by is not None:
+            out["claimed_by"] = self.claimed_by
+        if self.claim_deadline is not None:
+            out["claim_deadline"] = self.claim_deadline
+        if self.claim_lease_s is not None:
+            out["claim_lease_s"] = self.claim_lease_s
         for key, value in self.extra.items():
             out.setdefault(key, value)
         return out
@@ -277,6 +301,9 @@ class KVTransferParams:
             remote_request_id=_text(params, "remote_request_id"),
             prefill_instance_id=_id(params, "prefill_instance_id"),
             remote_location=location if type(location) is dict or isinstance(location, Mapping) else None,
+            claimed_by=_id(params, "claimed_by"),
+            claim_deadline=_float(params, "claim_deadline", 0.0, _MAX_EPOCH),
+            claim_lease_s=_float(params, "claim_lease_s", 0.0, 3600.0),
             extra={k: v for k, v in params.items() if k not in _TYPED},
         )
 
@@ -298,6 +325,14 @@ class KVTransferParams:
                 f"kv_transfer_params.remote_block_ids has {len(blocks)} KV cache groups; one is supported"
             )
         return blocks[0]
+
+    def trusted_until(self, instance_id: str) -> float | None:
+        """When the router claimed this handoff for `instance_id`: the wall-clock time (epoch s) before which
+        a finished pull read blocks the prefill still held, half the claim's lease after the ledger
+        granted it (the other half is room for clocks that differ). None: no such claim, claim yourself."""
+        if self.claimed_by != instance_id or self.claim_deadline is None or not self.claim_lease_s:
+            return None
+        return self.claim_deadline - self.claim_lease_s / 2
 
     def location(self) -> KVLocation | None:
         """The prefill's copy of its READY record, or None when absent or unreadable (it is only a hint)."""
@@ -323,17 +358,27 @@ def prefill_request(transfer_id: str, *, kv_key: int | None, metaserver: str | N
     return out
 
 
+class RouterClaim(NamedTuple):
+    """The claim the router made for one decode: who, and the lease the ledger granted (its clock)."""
+
+    decode_instance_id: str
+    deadline: float  # epoch s at which the claim lapses
+    lease_s: float
+
+
 def decode_request(
     answer: Mapping[str, Any], transfer_id: str, *, kv_key: int | None, metaserver: str | None = None
 ) -> dict[str, Any]:
     """The prefill's answer as the router forwards it to a decode, the one definition of that hop.
 
-    Everything the prefill said travels verbatim (a vLLM NIXL prefill's keys included); the router's handoff
-    id wins, and the prefill's `kv_key` and `metaserver`, when it sent them, win over the router's. Done on
-    the dict rather than through `parse`: the router reads none of these fields, and the decode parses them
-    anyway, naming any field it refuses.
+    Everything the prefill said travels verbatim (a vLLM NIXL prefill's keys included) but a claim, which
+    only the router grants (`with_claim`); the router's handoff id wins, and the prefill's `kv_key` and
+    `metaserver`, when it sent them, win over the router's. Done on the dict rather than through `parse`:
+    the router reads none of these fields, and the decode parses them anyway, naming any field it refuses.
     """
     out = dict(answer)
+    for key in _CLAIM_KEYS:
+        out.pop(key, None)
     out["do_remote_prefill"] = True
     out["do_remote_decode"] = False
     out["transfer_id"] = transfer_id
@@ -341,6 +386,20 @@ def decode_request(
         out["kv_key"] = kv_key
     if out.get("metaserver") is None and metaserver:
         out["metaserver"] = metaserver
+    return out
+
+
+def with_claim(params: Mapping[str, Any], claim: RouterClaim | None) -> dict[str, Any]:
+    """`decode_request`'s params for one decode attempt: with the router's claim for that decode, or
+    without any claim (the decode then claims through the metaserver itself)."""
+    out = dict(params)
+    if claim is None:
+        for key in _CLAIM_KEYS:
+            out.pop(key, None)
+    else:
+        out["claimed_by"] = claim.decode_instance_id
+        out["claim_deadline"] = claim.deadline
+        out["claim_lease_s"] = claim.lease_s
     return out
 
 
@@ -382,6 +441,15 @@ def _int(params: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
     if type(value) is not int or not lo <= value <= hi:  # bool is an int subclass: refused too
         raise _bad(key, f"an int in [{lo}, {hi}]", value)
     return value
+
+
+def _float(params: Mapping[str, Any], key: str, lo: float, hi: float) -> float | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not lo <= value <= hi:  # bool refused: its type is neither
+        raise _bad(key, f"a number in [{lo:g}, {hi:g}]", value)
+    return float(value)
 
 
 def _block_ids(value: Any) -> BlockIds | None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from pdgate.connector.connector import PDGateConnector
 from pdgate.metaserver.client import MetaClient
+from pdgate.metaserver.contract import RouterClaim, with_claim
 from pdgate.metaserver.models import HandoffCreate, HandoffState, Instance
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -90,8 +91,12 @@ class Engine:
         hs = self.worker.get_handshake_metadata()
         self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): hs})
         self.outputs: dict[str, Any] = {}
+        self.steps = 0
+        self.finished_recving: dict[str, int] = {}  # req id -> the step whose worker reported it
+        self.outcome_steps: dict[str, int] = {}  # req id -> the step whose worker output carried its pull's outcome
 
     def step(self) -> SchedulerOutput:
+        self.steps += 1
         so = self.sched.schedule()
         w = self.worker
         # The worker side of one step, in KVConnectorModelRunnerMixin's order.
@@ -107,6 +112,11 @@ class Engine:
             kv_connector_worker_meta=w.build_connector_worker_meta(),
         )
         w.clear_connector_metadata()
+        for rid in recving or ():
+            self.finished_recving.setdefault(rid, self.steps)
+        meta = kv_out.kv_connector_worker_meta
+        for oc in getattr(meta, "outcomes", None) or ():
+            self.outcome_steps.setdefault(oc.req_id, self.steps)
         # The "forward": prefill tokens write KV, the last one samples a token.
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
@@ -238,6 +248,46 @@ def test_one_prefill_one_decode_over_nixl(engines: tuple[Engine, Engine], metase
     dc, pc = d.counters(), p.counters()
     assert (dc["tokens_loaded"], dc["blocks_pulled"], dc["recv_failed"]) == (70, 3, 0)
     assert (pc["sends_held"], pc["ready_recorded"]) == (1, 1)
+
+
+def _first_forward(d: Engine, rid: str, timeout: float = 20.0) -> int:
+    """Step the decode engine until `rid` is scheduled to compute; that step's number."""
+    deadline = time.monotonic() + timeout
+    while True:
+        so = d.step()
+        if rid in so.num_scheduled_tokens:
+            return d.steps
+        assert time.monotonic() < deadline, f"{rid} was never scheduled"
+        time.sleep(0.001)
+
+
+def test_under_the_routers_claim_the_first_forward_follows_the_pull_by_one_step(
+    engines: tuple[Engine, Engine], metaserver: UvicornThread
+) -> None:
+    """What the router does (claims for the decode it picked, passes the claim in kv_transfer_params),
+    then vLLM's own scheduler: the decode sends no claim, the worker reports the pull finished in the
+    step its outcome surfaces, and the request's first forward is the very next step (no step through
+    the scheduler half). DONE is recorded afterwards, and the prefill frees."""
+    p, d = engines
+    url = metaserver.url
+    run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="prefill registration")
+    tid, kv_key = new_handoff(url, p.instance_id)
+    params = _prefill(p, url, tid, kv_key, prompt_len=70)
+    run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
+    h = meta(url, lambda c: c.claim(tid, d.instance_id))
+    assert h.deadline is not None
+    claimed = with_claim(params, RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at))
+
+    d.sched.add_request(make_request("d1", 70, claimed, max_tokens=4))
+    first = _first_forward(d, "d1")
+    assert d.finished_recving["d1"] == d.outcome_steps["d1"]  # reported in the step its pull ended
+    assert first == d.finished_recving["d1"] + 1  # and computed in the next one
+    run_until(lambda: "d1" in d.outputs, [p, d], what="decode")
+    run_until(lambda: state(url, tid) is HandoffState.DONE, [p, d], what="DONE, off the path")
+    run_until(lambda: "p1" not in p.sched.requests, [p, d], what="prefill blocks freed")
+    run_until(lambda: d.counters().get("recv_ok") == 1, [p, d], what="stats")
+    dc = d.counters()
+    assert (dc["claims_by_router"], dc["claims_failed"], dc["done_refused"], dc["tokens_loaded"]) == (1, 0, 0, 70)
 
 
 def test_one_prefill_one_decode_over_llmdatadist_without_a_rank_table(

@@ -177,6 +177,83 @@ def test_early_pull_claimed_before_it_finished_reports_when_it_does() -> None:
     assert h.take_commands() == [Done("t-1")]
 
 
+# ---- decode: the router's claim (no claim round trip, the workers report the pull themselves) ------
+
+
+def _router_claimed(tid: str = "t-1", claimed_by: str = "node-a", deadline: float = 1000.0) -> dict[str, Any]:
+    return _early_params(tid, claimed_by=claimed_by, claim_deadline=deadline, claim_lease_s=10.0)
+
+
+def test_a_claim_the_router_made_for_this_instance_skips_the_claim_round_trip() -> None:
+    h = half()
+    h.update_state_after_alloc(make_request("d1", 40, _router_claimed()), make_blocks([1, 2]), 40, now=0.0)
+    assert h.take_commands() == []  # no Claim: the pull starts at allocation
+    (plan,) = h.build([], now=0.0).pulls
+    assert plan.trusted_until == 995.0 and plan.local_block_ids == (1, 2)
+    # The worker reported the request itself in the step the pull ended: DONE goes out, off the path,
+    # and the scheduler half sends no RecvDone of its own (it would be a second report).
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2, reported=True)], now=0.01)
+    assert h.take_commands() == [Done("t-1")]
+    assert h.build([], now=0.01).recv_done == ()
+    c = h.counters
+    assert (c["recv_ok"], c["claims_by_router"], c["tokens_loaded"]) == (1, 1, 40)
+    assert h.snapshot()["claim_ms"] == {"n": 1, "p50": 0.0, "p99": 0.0, "max": 0.0}
+
+
+def test_a_router_claimed_pull_past_its_bound_is_confirmed_by_done_first() -> None:
+    h = half(world_size=2, tp_size=2)
+    params = _early_params(
+        location=handoff("t-1", [7, 8], num_tokens=40, tp_size=2).location,
+        claimed_by="node-a",
+        claim_deadline=1000.0,
+        claim_lease_s=10.0,
+    )
+    h.update_state_after_alloc(make_request("d1", 40, params), make_blocks([1, 2]), 40, now=0.0)
+    assert h.take_commands() == []
+    h.build([], now=0.0)
+    # Rank 0 finished in time and reported itself; rank 1 finished past the bound.
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2, reported=True)], now=0.1)
+    h.on_worker_output([PullOutcome("d1", "t-1", 1, True, nblocks=2)], now=6.0)
+    assert h.take_commands() == [Done("t-1")]
+    assert h.build([], now=6.0).recv_done == ()
+    h.on_result(DoneResult("t-1", True), now=6.1)
+    assert h.build([], now=6.1).recv_done == (RecvDone("d1", True, ranks=frozenset({1})),)
+
+
+def test_a_failed_pull_under_the_routers_claim_aborts_without_a_second_report() -> None:
+    h = half()
+    h.update_state_after_alloc(make_request("d1", 40, _router_claimed()), make_blocks([1, 2]), 40, now=0.0)
+    h.build([], now=0.0)
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, False, Code.TRANSPORT_ERROR, "boom", reported=True)], now=0.1)
+    assert h.build([], now=0.1).recv_done == ()  # the worker reported it, with its blocks as load errors
+    (abort,) = h.take_commands()
+    assert isinstance(abort, Abort) and abort.transfer_id == "t-1"
+    assert h.counters["recv_failed"] == 1
+
+
+def test_a_claim_made_for_another_instance_is_not_trusted() -> None:
+    h = half()
+    h.update_state_after_alloc(
+        make_request("d1", 40, _router_claimed(claimed_by="node-b")), make_blocks([1, 2]), 40, now=0.0
+    )
+    assert h.take_commands() == [Claim("t-1")]
+    (plan,) = h.build([], now=0.0).pulls
+    assert plan.trusted_until is None
+
+
+def test_a_router_claim_without_a_usable_location_claims_through_the_ledger() -> None:
+    h = half()
+    params = d_params("t-1", num_tokens=40, kv_key=9, claimed_by="node-a", claim_deadline=1000.0, claim_lease_s=10.0)
+    h.update_state_after_alloc(make_request("d1", 40, params), make_blocks([1, 2]), 40, now=0.0)
+    assert h.take_commands() == [Claim("t-1")]  # renews the router's claim for us, and says where the KV is
+
+
+def test_a_refused_done_is_counted() -> None:
+    h = half()
+    h.on_result(DoneResult("t-9", True, Code.ILLEGAL_TRANSITION, "cannot move a READY handoff to DONE"), now=0.0)
+    assert h.counters["done_refused"] == 1
+
+
 def test_early_pull_from_a_location_the_ledger_contradicts_fails() -> None:
     h = half()
     h.update_state_after_alloc(make_request("d1", 40, _early_params()), make_blocks([1, 2]), 40, now=0.0)

@@ -138,6 +138,73 @@ def test_failed_pull_reports_the_blocks_as_load_errors(pair: Pair) -> None:
     assert pair.d.take_load_errors() == set()
 
 
+def _wait_finished(worker: WorkerHalf, timeout: float = 10.0) -> set[str]:
+    """`get_finished` called step after step until it reports a finished receive (what vLLM does)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, recving = worker.get_finished()
+        if recving:
+            return recving
+        if time.monotonic() > deadline:
+            raise TimeoutError("no finished receive")
+        time.sleep(0.001)
+
+
+def test_a_pull_under_the_routers_claim_is_reported_in_the_step_it_ends(pair: Pair) -> None:
+    """No round trip through the scheduler half: the get_finished that sees the pull end reports it,
+    and the outcome tells the scheduler half it need not send a RecvDone."""
+    pair.d.on_step(
+        StepMetadata(pulls=(RecvPlan("d1", "t1", 9, (3, 4), (10, 11), (pair.p_addr,), trusted_until=time.time() + 60),))
+    )
+    assert _wait_finished(pair.d) == {"d1"}
+    assert pair.d.take_load_errors() == set()
+    (oc,) = pair.d.take_outcomes()
+    assert oc.ok and oc.reported
+    for name in LAYERS:
+        assert same(pair.d_kv[name][10:12], pair.p_kv[name][3:5])
+    assert pair.d.get_finished() == (None, None)  # reported once
+
+
+def test_a_failed_pull_under_the_routers_claim_reports_its_blocks_at_once(pair: Pair) -> None:
+    pair.d.on_step(
+        StepMetadata(
+            pulls=(
+                RecvPlan("d1", "t1", 9, (3, NUM_BLOCKS + 1), (10, 11), (pair.p_addr,), trusted_until=time.time() + 60),
+            )
+        )
+    )
+    assert _wait_finished(pair.d) == {"d1"}
+    assert pair.d.take_load_errors() == {10, 11}
+    (oc,) = pair.d.take_outcomes()
+    assert not oc.ok and oc.reported
+
+
+def test_a_pull_that_ends_past_the_routers_claim_waits_for_the_scheduler_half() -> None:
+    now = [1000.0]
+    pair = Pair()
+    pair.d.close()
+    pair.d = WorkerHalf(cfg(), tp_rank=0, transport_factory=MemoryTransport, wall=lambda: now[0])
+    pair.d.register_kv_caches(pair.d_kv)
+    try:
+        now[0] = 2000.0  # the pull ends after the bound: the claim may have lapsed
+        pair.d.on_step(
+            StepMetadata(pulls=(RecvPlan("d1", "t1", 9, (3,), (10,), (pair.p_addr,), trusted_until=1500.0),))
+        )
+        (oc,) = wait_outcomes(pair.d)
+        assert oc.ok and not oc.reported
+        assert pair.d.get_finished() == (None, None)
+        # DONE confirmed it: the scheduler half's RecvDone names this rank.
+        pair.d.on_step(StepMetadata(recv_done=(RecvDone("d1", True, ranks=frozenset({0})),)))
+        assert pair.d.get_finished() == (None, {"d1"})
+    finally:
+        pair.close()
+
+
+def test_a_recv_done_for_other_ranks_only_is_not_reported_here(pair: Pair) -> None:
+    pair.d.on_step(StepMetadata(recv_done=(RecvDone("d1", True, ranks=frozenset({1})),)))
+    assert pair.d.get_finished() == (None, None)
+
+
 def test_bad_block_ids_fail_the_pull_not_the_worker(pair: Pair) -> None:
     pair.pull((3, NUM_BLOCKS + 1), (10, 11))
     (oc,) = wait_outcomes(pair.d)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams, decode_request, prefill_request
+from pdgate.metaserver.contract import (
+    InvalidTransferParams,
+    KVTransferParams,
+    RouterClaim,
+    decode_request,
+    prefill_request,
+    with_claim,
+)
 from pdgate.metaserver.models import KVLocation
 
 from pdgate.errors import Code, PDGateError
@@ -73,6 +80,22 @@ def test_the_decode_request_keeps_what_the_prefill_said() -> None:
     assert KVTransferParams.parse(out).block_ids() == (1, 2)  # and the decode reads it
 
 
+def test_only_the_router_grants_a_claim() -> None:
+    """A claim in the prefill's answer (or anything upstream of it) never reaches the decode; the router's
+    claim for one decode attempt does, and the next attempt's replaces or removes it."""
+    forged = {"do_remote_prefill": True, "claimed_by": "d1", "claim_deadline": 9e9, "claim_lease_s": 9e3}
+    base = decode_request(forged, "pd-1", kv_key=3)
+    assert not {"claimed_by", "claim_deadline", "claim_lease_s"} & set(base)
+    assert KVTransferParams.parse(base).trusted_until("d1") is None
+    claimed = with_claim(base, RouterClaim("d1", 1000.0, 10.0))
+    kv = KVTransferParams.parse(claimed)
+    assert (kv.claimed_by, kv.claim_deadline, kv.claim_lease_s) == ("d1", 1000.0, 10.0)
+    assert kv.to_dict() == claimed
+    assert kv.trusted_until("d1") == 995.0  # half the lease after the ledger granted it
+    assert kv.trusted_until("d2") is None  # a claim made for another decode is not this one's
+    assert with_claim(claimed, None) == base and "claimed_by" not in base
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [
@@ -89,6 +112,11 @@ def test_the_decode_request_keeps_what_the_prefill_said() -> None:
         ({"prefill_instance_id": "a b"}, "prefill_instance_id"),
         ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
         ({"remote_engine_id": 3}, "remote_engine_id"),
+        ({"claimed_by": "d 1"}, "claimed_by"),
+        ({"claim_deadline": "soon"}, "claim_deadline"),
+        ({"claim_deadline": float("nan")}, "claim_deadline"),
+        ({"claim_lease_s": True}, "claim_lease_s"),
+        ({"claim_lease_s": -1.0}, "claim_lease_s"),
     ],
 )
 def test_the_parser_names_the_field_it_refuses(params: dict[str, Any], field: str) -> None:
