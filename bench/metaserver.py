@@ -1,6 +1,12 @@
 """Benchmark of the metaserver's hot path: full handoffs per second through HTTP.
 
-One handoff = create -> ready -> claim -> done (four HTTP calls). The metaserver runs as a real
+One handoff = create -> ready -> claim -> done (four ledger calls). Two modes:
+  * `single`: each call is its own HTTP request (what every caller did before batching);
+  * `batched` (the full handoff as pdgate runs it now): each client process sends its calls through an
+    auto-batcher like `pdgate.metaserver.batcher.Batcher` (the router's create/claim and the connectors'
+    ready/done): every call waiting when a request goes out rides in one `POST /v1/handoffs/batch`, at
+    most two requests out per process. Latency is still per call, from the caller's side (queued ->
+    answered), so the batching wait is in it. The metaserver runs as a real
 `python -m pdgate.metaserver` process (uvicorn with uvloop + httptools), pinned to one core with taskset when
 the machine has more than one; load comes from separate client processes pinned to the other cores,
 each a tiny keep-alive HTTP/1.1 client on uvloop (no framework, so the client is not the bottleneck).
@@ -33,6 +39,8 @@ from tests.support.redis import RedisServer  # noqa: E402
 from tests.support.servers import wait_http  # noqa: E402
 
 CALLS = ("create", "ready", "claim", "done")
+MODES = ("single", "batched")
+BATCH_IN_FLIGHT = 2
 READY_BODY = json.dumps(
     {
         "block_ids": [list(range(64))],
@@ -113,8 +121,94 @@ async def _worker(
     return done, errors
 
 
+class Batcher:
+    """The bench's twin of `pdgate.metaserver.batcher.Batcher` on the raw client (no models: the load
+    generator must not be the bottleneck): calls queued in one loop turn, or while `BATCH_IN_FLIGHT`
+    requests are out, ride in one batch request; each caller gets its item's status."""
+
+    def __init__(self, conns: list[Conn]) -> None:
+        self.idle = conns
+        self.queue: list[tuple[bytes, asyncio.Future[int]]] = []
+        self.scheduled = False
+        self.sizes: list[int] = []
+        self.tasks: set[asyncio.Future[None]] = set()
+
+    def call(self, item: bytes) -> asyncio.Future[int]:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.queue.append((item, fut))
+        self._schedule()
+        return fut
+
+    def _schedule(self) -> None:
+        if not self.scheduled and self.queue and self.idle:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.scheduled = False
+        while self.queue and self.idle:
+            batch, self.queue = self.queue[:512], self.queue[512:]
+            task = asyncio.ensure_future(self._send(self.idle.pop(), batch))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _send(self, conn: Conn, batch: list[tuple[bytes, asyncio.Future[int]]]) -> None:
+        self.sizes.append(len(batch))
+        body = b'{"items":[' + b",".join(item for item, _ in batch) + b"]}"
+        status, raw = await conn.call("POST", "/v1/handoffs/batch", body)
+        self.idle.append(conn)
+        self._schedule()
+        results = json.loads(raw)["results"] if status == 200 else [{"status": status}] * len(batch)
+        for (_, fut), result in zip(batch, results, strict=True):
+            fut.set_result(result["status"])
+
+
+async def _batched_worker(
+    batcher: Batcher, tag: str, stop_at: float, warm_until: float, lat: dict[str, list[float]]
+) -> tuple[int, int]:
+    done = errors = n = 0
+    clock = time.perf_counter
+    ready_item = b'"location":' + READY_BODY
+    while True:
+        now = clock()
+        if now >= stop_at:
+            break
+        n += 1
+        tid = f"{tag}-{n}".encode()
+        steps = (
+            ("create", b'{"op":"create","prefill_instance_id":"p0","transfer_id":"%s"}' % tid, 201),
+            ("ready", b'{"op":"ready","transfer_id":"%s",%s}' % (tid, ready_item), 200),
+            ("claim", b'{"op":"claim","transfer_id":"%s","decode_instance_id":"d0"}' % tid, 200),
+            ("done", b'{"op":"done","transfer_id":"%s","decode_instance_id":"d0"}' % tid, 200),
+        )
+        ok = True
+        measured = now >= warm_until
+        for name, item, want in steps:
+            t = clock()
+            status = await batcher.call(item)
+            if measured:
+                lat[name].append(clock() - t)
+            if status != want:
+                ok = False
+                break
+        if measured:
+            if ok:
+                done += 1
+            else:
+                errors += 1
+    return done, errors
+
+
 def _client_process(
-    host: str, port: int, workers: int, proc_id: int, start_at: float, warmup: float, duration: float, out: Any
+    host: str,
+    port: int,
+    workers: int,
+    proc_id: int,
+    start_at: float,
+    warmup: float,
+    duration: float,
+    out: Any,
+    mode: str = "single",
 ) -> None:
     try:
         import uvloop
@@ -128,13 +222,25 @@ def _client_process(
         await asyncio.sleep(max(0.0, start_at - time.time()))
         base = time.perf_counter()
         warm_until, stop_at = base + warmup, base + warmup + duration
-        results = await asyncio.gather(
-            *(
-                _worker(host, port, f"b{proc_id}x{w}x{os.getpid()}x{int(start_at * 1000)}", stop_at, warm_until, lat)
-                for w in range(workers)
-            )
-        )
-        return {"done": sum(r[0] for r in results), "errors": sum(r[1] for r in results), "lat": lat}
+        tags = [f"b{proc_id}x{w}x{os.getpid()}x{int(start_at * 1000)}" for w in range(workers)]
+        sizes: list[int] = []
+        if mode == "batched":
+            conns = []
+            for _ in range(BATCH_IN_FLIGHT):
+                reader, writer = await asyncio.open_connection(host, port)
+                conns.append(Conn(reader, writer, f"{host}:{port}"))
+            batcher = Batcher(conns)
+            results = await asyncio.gather(*(_batched_worker(batcher, t, stop_at, warm_until, lat) for t in tags))
+            sizes = batcher.sizes
+        else:
+            results = await asyncio.gather(*(_worker(host, port, t, stop_at, warm_until, lat) for t in tags))
+        return {
+            "done": sum(r[0] for r in results),
+            "errors": sum(r[1] for r in results),
+            "lat": lat,
+            "requests": len(sizes),
+            "items": sum(sizes),
+        }
 
     out.put(asyncio.run(run()))
 
@@ -162,6 +268,7 @@ def load(
     warmup: float,
     client_cpus: list[int] | None,
     watch: dict[str, int] | None = None,
+    mode: str = "single",
 ) -> dict[str, Any]:
     procs_n = max(1, min(concurrency, 2 if client_cpus is None else max(2, len(client_cpus))))
     per = [concurrency // procs_n + (1 if i < concurrency % procs_n else 0) for i in range(procs_n)]
@@ -170,7 +277,8 @@ def load(
     start_at = time.time() + 1.5  # lets every process start before the clock runs
     procs = []
     for i, workers in enumerate(per):
-        p = ctx.Process(target=_client_process, args=("127.0.0.1", port, workers, i, start_at, warmup, duration, queue))
+        args = ("127.0.0.1", port, workers, i, start_at, warmup, duration, queue, mode)
+        p = ctx.Process(target=_client_process, args=args)
         p.start()
         if client_cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(p.pid, client_cpus)
@@ -185,8 +293,11 @@ def load(
         p.join()
     lat = {c: [x for part in parts for x in part["lat"][c]] for c in CALLS}
     done = sum(p["done"] for p in parts)
+    requests = sum(p["requests"] for p in parts)
     return {
+        "mode": mode,
         "concurrency": concurrency,
+        "items_per_batch": sum(p["items"] for p in parts) / requests if requests else None,
         "client_processes": procs_n,
         "handoffs": done,
         "errors": sum(p["errors"] for p in parts),
@@ -195,6 +306,7 @@ def load(
             name: 1000.0 * used / max(1, done * (duration + warmup) / duration) for name, used in cpu.items()
         },
         "calls": {c: {"p50_ms": _pct(lat[c], 0.50), "p99_ms": _pct(lat[c], 0.99), "n": len(lat[c])} for c in CALLS},
+        "p99_ms_worst_call": max(_pct(lat[c], 0.99) for c in CALLS),
     }
 
 
@@ -244,17 +356,18 @@ def redis_ceiling(port: int, cpus: list[int] | None) -> dict[str, float]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'store':<7} {'conc':>5} {'handoffs/s':>11} {'errors':>6} {'srv cpu ms/h':>12} {'1-core cap/s':>12} "
-        + " ".join(f"{c + ' p50/p99 ms':>20}" for c in CALLS)
+        f"{'store':<7} {'mode':<7} {'conc':>5} {'items/req':>9} {'handoffs/s':>11} {'errors':>6} "
+        f"{'srv cpu ms/h':>12} {'1-core cap/s':>12} " + " ".join(f"{c + ' p50/p99 ms':>20}" for c in CALLS)
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = " ".join(f"{r['calls'][c]['p50_ms']:>9.2f} /{r['calls'][c]['p99_ms']:>8.2f}" for c in CALLS)
         cpu = r["cpu_ms_per_handoff"].get("metaserver", float("nan"))
         cap = 1000.0 / cpu if cpu and cpu == cpu else float("nan")
+        per = r.get("items_per_batch")
         lines.append(
-            f"{r['store']:<7} {r['concurrency']:>5} {r['handoffs_per_s']:>11.0f} {r['errors']:>6} "
-            f"{cpu:>12.3f} {cap:>12.0f} {cells}"
+            f"{r['store']:<7} {r.get('mode', 'single'):<7} {r['concurrency']:>5} {per or 1:>9.1f} "
+            f"{r['handoffs_per_s']:>11.0f} {r['errors']:>6} {cpu:>12.3f} {cap:>12.0f} {cells}"
         )
     return "\n".join(lines)
 
@@ -265,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each run")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--stores", nargs="+", default=["memory", "redis"], choices=["memory", "redis"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "metaserver.json")
     args = ap.parse_args(argv)
 
@@ -280,14 +394,15 @@ def main(argv: list[str] | None = None) -> None:
             url = "memory://" if store == "memory" else f"{redis.url}?prefix=bench"
             proc, port = start_metaserver(url, server_cpu)
             try:
-                for c in args.concurrency:
-                    watch = {"metaserver": proc.pid}
-                    if store == "redis" and redis.pid is not None:
-                        watch["redis"] = redis.pid
-                    row = load(port, c, args.duration, args.warmup, client_cpus, watch)
-                    row["store"] = store
-                    rows.append(row)
-                    print(table([row]).splitlines()[-1], flush=True)
+                for mode in args.modes:
+                    for c in args.concurrency:
+                        watch = {"metaserver": proc.pid}
+                        if store == "redis" and redis.pid is not None:
+                            watch["redis"] = redis.pid
+                        row = load(port, c, args.duration, args.warmup, client_cpus, watch, mode)
+                        row["store"] = store
+                        rows.append(row)
+                        print(table([row]).splitlines()[-1], flush=True)
             finally:
                 stop(proc)
         ceiling = redis_ceiling(redis.port, client_cpus)
@@ -300,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
             + ", ".join(f"{k} {v:,.0f}" for k, v in ceiling.items())
         )
     report = {
-        "benchmark": "metaserver full handoff (create -> ready -> claim -> done) over HTTP",
+        "benchmark": "metaserver full handoff (create -> ready -> claim -> done) over HTTP, single calls and batched",
         "machine": {"cpus": ncpu, "python": platform.python_version(), "platform": platform.platform()},
         "pinning": {"metaserver_cpu": server_cpu, "clients_and_redis_cpus": client_cpus},
         "duration_s": args.duration,
