@@ -158,15 +158,18 @@ def test_models_health_metrics(dep: Deployment) -> None:
 def test_client_errors(dep: Deployment) -> None:
     c = dep.openai()
     with pytest.raises(openai.BadRequestError) as bad:
-        c.completions.create(model="sim-model", prompt=["one", "two"], max_tokens=2)
-    assert bad.value.code == "multiple_prompts_unsupported"
+        c.completions.create(model="sim-model", prompt="one", max_tokens=2, n=2)
+    assert bad.value.code == "pd_unsupported_parameter" and bad.value.param == "n"
     with pytest.raises(openai.NotFoundError) as missing:
         c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     assert missing.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError) as too_long:  # the decode's own 400, relayed as is
+    with pytest.raises(openai.BadRequestError) as too_long:  # past the engines' max_model_len: no engine work
         c.completions.create(model="sim-model", prompt="x", max_tokens=10**6)
-    assert "maximum context length" in str(too_long.value)
-    assert sum(s.count("decode") for s in sims(dep, "decode")) == 1  # not retried
+    assert too_long.value.code == "context_length_exceeded" and too_long.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as refused:  # the decode's own 400, relayed as is, not retried
+        c.completions.create(model="sim-model", prompt="x", max_tokens=32768)
+    assert "maximum context length" in str(refused.value)
+    assert sum(s.count("decode") for s in sims(dep, "decode")) == 1
 
 
 def test_prefix_affinity_keeps_a_prefix_on_one_prefill() -> None:
