@@ -7,6 +7,8 @@ Two things only the prefill's answer knows:
   then as 0 for a transferred prompt), so cost accounting would bill every transferred prompt token as
   computed. The client's answer gets `usage.prompt_tokens_details.cached_tokens` = the larger of the
   two: prompt tokens the decode did not compute (OpenAI's field, which billing tools already read).
+  Not when the decode recomputes the prompt anyway: vLLM turns `echo` with `logprobs` into prompt
+  logprobs, for which it ignores any KV it did not compute (`decode_recomputes`).
 - `prompt_logprobs`, which the decode is not asked for (`bodies.decode_body`): the prefill's are put
   where vLLM puts them (completions: each choice's `prompt_logprobs`; chat: the answer's).
 
@@ -36,6 +38,7 @@ __all__ = [
     "PrefillFacts",
     "RecordingUpstream",
     "capture",
+    "decode_recomputes",
     "patch_answer",
     "patch_usage",
     "prefill_facts",
@@ -103,6 +106,12 @@ class PrefillFacts:
 
     transferred: int | None  # prompt tokens whose KV the prefill computed and handed over
     prompt_logprobs: Any = None  # vLLM's prompt_logprobs list, when asked for
+
+
+def decode_recomputes(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the decode computes the whole prompt itself: a completion with `echo` and `logprobs`,
+    which vLLM serves with prompt logprobs (and so skips every cached or transferred block)."""
+    return not chat and bool(body.get("echo")) and body.get("logprobs") is not None
 
 
 def prefill_facts(box: list[tuple[int, bytes]], chat: bool) -> PrefillFacts:

@@ -38,7 +38,7 @@ from typing import Any
 
 from pdgate.metaserver.client import MetaAPI
 from pdgate.router.access import ClientKeys
-from pdgate.router.answers import PatchingSend, capture, prefill_facts
+from pdgate.router.answers import PatchingSend, PrefillFacts, capture, decode_recomputes, prefill_facts
 from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.attempts import Dispatcher
 from pdgate.router.bodies import CHAT, COMPLETIONS, parse_json, request_facts, split_prompts
@@ -254,9 +254,12 @@ class Proxy:
         try:
             with capture() as box, self._phase(req, "prefill"):
                 await self._dispatch.prefill(req, model)
-            facts = prefill_facts(box, req.endpoint == CHAT)
+            chat = req.endpoint == CHAT
+            facts = prefill_facts(box, chat)
+            if decode_recomputes(req.body, chat):
+                facts = PrefillFacts(None, facts.prompt_logprobs)
             with self._phase(req, "decode"):
-                return await self._dispatch.decode(req, PatchingSend(send, facts, req.endpoint == CHAT))
+                return await self._dispatch.decode(req, PatchingSend(send, facts, chat))
         except RouterError as exc:
             await self._reply_error(send, req, exc)
             return exc.code.value
