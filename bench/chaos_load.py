@@ -11,6 +11,13 @@ A request ends in exactly one class:
            pdgate's codes (pdgate.errors.Code)
   untyped  everything else: a 5xx without such a code, an empty or truncated 200, a connection reset with no
            error event, a client timeout. The chaos suite requires zero of these.
+  client   a connection error while this process itself was stalled (its event loop did not run) for
+           longer than `--client-stall-s` during the request: the load generator's artefact (a starved
+           client on a busy machine, which servers rightly time out), reported apart and never counted
+           as untyped. Only connection errors qualify; a bad answer is untyped whatever the stall.
+
+The process measures its own event-loop stalls (a 0.1 s ticker) and writes the worst of them to the last
+line of `--out` as `{"lag": ...}` (not a request record).
 
 With `--failover` (several `--url`s, client-side round robin), a request whose connection fails is sent
 again to the next router, as a client of two routers would; only its final outcome is recorded, with the
@@ -87,6 +94,23 @@ class Load:
         self.stop_file = Path(args.stop_file) if args.stop_file else None
         self.out: TextIO = open(args.out, "w", buffering=1)
         self.rr = 0
+        self.stalls: list[tuple[float, float]] = []  # (end, length) of each event-loop stall over 0.5 s
+        self.worst_stall = 0.0
+
+    async def watch_stalls(self) -> None:
+        """Record when this process's own event loop did not run (CPU starvation, SIGSTOP)."""
+        tick = 0.1
+        while not self.stopping():
+            t = time.monotonic()
+            await asyncio.sleep(tick)
+            late = time.monotonic() - t - tick
+            self.worst_stall = max(self.worst_stall, late)
+            if late > 0.5:
+                self.stalls.append((time.time(), late))
+
+    def stalled_during(self, t0: float, t1: float) -> float:
+        """The longest stall of this process that overlapped [t0, t1] (wall clock)."""
+        return max((n for end, n in self.stalls if end >= t0 and end - n <= t1), default=0.0)
 
     def stopping(self) -> bool:
         return time.time() >= self.end or (self.stop_file is not None and self.stop_file.exists())
@@ -139,6 +163,9 @@ class Load:
                         continue
             break
         kind, code, status, detail = outcome
+        stalled = self.stalled_during(t0, time.time())
+        if kind == "untyped" and detail.startswith("connection:") and stalled > self.a.client_stall_s:
+            kind, detail = "client", f"{detail} (this client stalled {stalled:.1f} s)"
         rec = {"t0": round(t0, 4), "t1": round(time.time(), 4), "s": int(stream), "o": kind, "c": code}
         if status is not None and status != 200:
             rec["st"] = status
@@ -173,9 +200,12 @@ class Load:
             await asyncio.gather(*tasks)
 
     async def run(self) -> None:
+        watcher = asyncio.create_task(self.watch_stalls())
         try:
             await asyncio.gather(*(self.streamer(i) for i in range(self.a.streams)), self.trickle())
         finally:
+            watcher.cancel()
+            self.out.write(json.dumps({"lag": round(self.worst_stall, 3), "stalls": len(self.stalls)}) + "\n")
             self.out.close()
             await self.http.aclose()
 
@@ -195,6 +225,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--failover", action="store_true")
     p.add_argument("--ramp-s", type=float, default=1.0, help="start the streaming clients over this long")
     p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument(
+        "--client-stall-s",
+        type=float,
+        default=30.0,
+        help="a connection error during a stall of this process longer than this is the client's (the "
+        "servers' header timeout)",
+    )
     args = p.parse_args(argv)
     try:
         import uvloop

@@ -52,7 +52,9 @@ def render_table(rows: list[dict[str, Any]], scale: dict[str, Any] | None = None
             f"typed {scale.get('typed')}, peak open {scale.get('peak_open_streams')}, "
             f"router RSS {scale.get('router_rss_mb_per_1k_streams')} MB per 1,000 streams "
             f"(idle {scale.get('router_rss_idle_mb')} MB, peak {scale.get('router_rss_peak_mb')} MB), "
-            f"fds {scale.get('router_fds_at_peak')} (idle {scale.get('router_fds_idle')})"
+            f"fds {scale.get('router_fds_at_peak')} (idle {scale.get('router_fds_idle')}); load generator: "
+            f"408 to its late requests {scale.get('client_408')}, failed while it stalled "
+            f"{scale.get('client_stalled')}, its worst stall {scale.get('client_worst_stall_s')} s"
             + (f", error {scale['error']}" if scale.get("error") else "")
         )
     return "\n".join(lines)
@@ -128,13 +130,22 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"`{s.get('uptime_start', '?')}`, at its end: `{s.get('uptime_end', '?')}`. Each client sends one "
             "streaming request; decodes send a token every few seconds so every stream stays open at once.",
             "",
-            "| streams sent | answered fully | untyped | typed | peak open streams | router RSS MB per 1,000 "
-            "open streams | router RSS idle / peak MB | router fds idle / at peak |",
-            "|---|---|---|---|---|---|---|---|",
-            f"| {s.get('sent')} | {s.get('ok')} | {s.get('untyped')} | {s.get('typed') or 0} | "
+            "Failures caused by the load generator are counted apart: **load generator: 408** the router's "
+            "typed answer to a client that sent its request later than the header timeout after connecting; "
+            "**load generator: stalled** a connection error while the client process itself was stalled "
+            "longer than that timeout (it measures its own event loop); **its worst stall** the longest time "
+            "the client's event loop did not run.",
+            "",
+            "| streams sent | answered fully | untyped | typed | load generator: 408 / stalled | its worst stall s "
+            "| peak open streams | router RSS MB per 1,000 open streams | router RSS idle / peak MB "
+            "| router fds idle / at peak | pass |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            f"| {s.get('sent')} | {s.get('ok')} | {s.get('untyped')} | {_cell(s, 'typed')} | "
+            f"{s.get('client_408', 'n/a')} / {s.get('client_stalled', 'n/a')} | "
+            f"{s.get('client_worst_stall_s', 'n/a')} | "
             f"{s.get('peak_open_streams')} | {s.get('router_rss_mb_per_1k_streams')} | "
             f"{s.get('router_rss_idle_mb')} / {s.get('router_rss_peak_mb')} | "
-            f"{s.get('router_fds_idle')} / {s.get('router_fds_at_peak')} |",
+            f"{s.get('router_fds_idle')} / {s.get('router_fds_at_peak')} | {_cell(s, 'pass')} |",
         ]
         if s.get("error"):
             out.append(f"\nScale error: {s['error']}")

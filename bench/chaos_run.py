@@ -28,7 +28,7 @@ from typing import Any
 
 from chaos_stack import Procs, Stack, Timing, handoff_gauge, held_blocks
 
-__all__ = ["Ctx", "Knobs", "read_records", "run_scenario", "summarize"]
+__all__ = ["Ctx", "Knobs", "read_client_lag", "read_records", "run_scenario", "summarize"]
 
 HERE = Path(__file__).resolve().parent
 
@@ -70,10 +70,26 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     recs = []
     for line in path.read_text().splitlines():
         try:
-            recs.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:  # the line being written
-            pass
+            continue
+        if "o" in rec:  # the load generator's own last line ({"lag": ...}) is not a request
+            recs.append(rec)
     return recs
+
+
+def read_client_lag(path: Path) -> dict[str, Any]:
+    """The load generator's own worst event-loop stall (s) and count of stalls over 0.5 s, once it ended."""
+    if not path.exists():
+        return {}
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if "lag" in rec:
+            return {"client_worst_stall_s": rec["lag"], "client_stalls": rec.get("stalls")}
+    return {}
 
 
 def start_load(
@@ -152,6 +168,8 @@ def summarize(recs: list[dict[str, Any]], t_fault: float) -> dict[str, Any]:
         "typed": dict(typed.most_common()),
         "untyped": len(untyped),
         "untyped_examples": [{k: r.get(k) for k in ("s", "st", "c", "d")} for r in untyped[:5]],
+        "client_stalled": sum(1 for r in recs if r["o"] == "client"),  # the load generator's, not the stack's
+        "client_stalled_examples": [r.get("d") for r in recs if r["o"] == "client"][:3],
         "client_retries": sum(r.get("r", 0) for r in recs),
         "recovery_s": round(max(0.0, last_err - t_fault), 2) if last_err is not None else 0.0,
         "errors_before_fault": sum(1 for r in errors if r["t1"] < t_fault),

@@ -1,9 +1,15 @@
 """Scale: thousands of concurrent streams through one router, its memory per open stream and its fds.
 
-The decodes stream slowly (one token a second) so that every stream stays open at once; each client
+The decodes stream slowly (a token every few seconds) so that every stream stays open at once; each client
 sends exactly one request. The router's RSS and open file descriptors are sampled from /proc while the
 load runs, with its own in-flight gauge, so the per-stream figure divides by the streams really open in
 the router at the sample with the most.
+
+What the load generator causes is reported apart from what the stack causes: with thousands of clients in
+one Python process on a small, busy machine, the client itself can stall for longer than the router's
+header timeout between connecting and sending its request. The router then answers a typed 408
+`request_timeout` (`client_408`), and a connection error during such a stall of the client is the
+client's (`client_stalled`, see chaos_load.py); the client's own worst stall is in `client_worst_stall_s`.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from chaos_run import Knobs, read_records, start_load, summarize
+from chaos_run import Knobs, read_client_lag, read_records, start_load, summarize
 from chaos_stack import Procs, Stack, Timing
 
 __all__ = ["run_scale"]
@@ -87,6 +93,10 @@ def run_scale(
             row["load_killed"] = True
         recs = read_records(out)
         row.update(summarize(recs, t_start))
+        row.update(read_client_lag(out))
+        # Answered 408 because this client sent its request later than the router's header timeout: the
+        # router's typed answer to a starved client, counted apart from the stack's own errors.
+        row["client_408"] = sum(1 for r in recs if r["o"] == "typed" and r.get("c") == "request_timeout")
         # The sample with the most streams open in the router (the larger RSS among equals).
         peak_open, rss, fds = max(samples, default=(0, idle_rss, idle_fds), key=lambda s: (s[0], s[1]))
         row["peak_open_streams"] = peak_open

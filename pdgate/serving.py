@@ -10,14 +10,23 @@ silent connections pass it. The checks belong where the bytes arrive, in the HTT
   request) and is cancelled when the headers are complete; when it fires the client gets 408 and the
   connection is closed;
 - body: while a declared body is being received, each chunk re-arms a timer; a body that stalls that
-  long has its connection closed (the application sees a disconnect). A pause caused by the server
-  (flow control: the application has not read what arrived) does not count as the client's stall;
+  long gets 408 (the application sees a disconnect, and anything it sends later is dropped) and the
+  connection is closed. A pause caused by the server (flow control: the application has not read what
+  arrived) does not count as the client's stall;
 - size: a `Content-Length` over `max_body_bytes` gets 413 at once, before any of the body is read,
   and the connection is closed; a chunked body is bounded by the application while it reads;
 - connections: past `max_connections` open connections a new one gets 503 with `Retry-After: 1` and is
   closed before any byte is read. Why not uvicorn's `limit_concurrency`: it counts only after reading
   the headers (a slow client still holds a slot) and cannot say Retry-After. Why 503 and not a reset:
   clients and load balancers retry a 503 elsewhere; a reset looks like a crash.
+
+Every refusal is an answer the client can read, never a bare close or a reset: the server writes it,
+half-closes, and keeps reading (and dropping) whatever the client still sends until the client closes or
+one more header timeout has passed. Why so long: the client that times out is often not malicious but
+starved (a load generator on a busy machine connected, then did not run for 30 s); when it wakes it
+sends its request, and a socket we had already closed would answer that with a reset, which the client
+reports as an untyped connection error instead of the 408 it is owed (bench/chaos_scale.py found this
+at 4,096 streams on 2 busy cores). A silent attacker holds a slot at most twice the header timeout.
 
 Each service renders the refusals in its own error shape (`Render`): RFC 7807 on the metaserver,
 OpenAI error JSON on the router.
@@ -107,10 +116,16 @@ class _Guarded(HttpToolsProtocol):
             if self.flow is not None and self.flow.read_paused:  # the application is behind, not the client
                 self._arm(self.policy.limits.body_timeout_s, body=True)
                 return
-            self.logger.info(
-                "closing a connection whose request body stalled for %g s", self.policy.limits.body_timeout_s
-            )
-            self.transport.close()
+            detail = f"request body stalled for {self.policy.limits.body_timeout_s:g} s"
+            cycle = self.cycle
+            if cycle is not None and cycle.response_started:  # too late for an answer of our own
+                self.logger.info("closing a connection whose %s", detail)
+                self.transport.close()
+                return
+            if cycle is not None:  # the application sees a disconnect; whatever it sends is dropped
+                cycle.disconnected = True
+                cycle.message_event.set()
+            self._refuse(Code.REQUEST_TIMEOUT, detail)
             return
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined request waits for the answer in progress (uvicorn stopped reading): not its fault.
@@ -125,10 +140,11 @@ class _Guarded(HttpToolsProtocol):
         self._disarm()
         self.transport.write(_raw_response(code, self.policy.render, detail, extra))
         if self.transport.can_write_eof():
-            # Half-close, then close a moment later: closing with unread request bytes in the kernel
-            # would reset the connection, and the client could lose the answer it is owed.
+            # Half-close, and keep reading until the client closes (or a header timeout passes): closing
+            # with request bytes still to come would reset the connection, and the client would lose the
+            # answer it is owed (see the module docstring).
             self.transport.write_eof()
-            self.loop.call_later(_LINGER_S, self.transport.close)
+            self.loop.call_later(max(_LINGER_S, self.policy.limits.header_timeout_s), self.transport.close)
         else:
             self.transport.close()
 
