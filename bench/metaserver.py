@@ -226,7 +226,7 @@ def _client_process(
         sizes: list[int] = []
         if mode == "batched":
             conns = []
-            for _ in range(BATCH_IN_FLIGHT):
+            for _ in range(int(os.environ.get("PDGATE_BENCH_BATCH_IN_FLIGHT", BATCH_IN_FLIGHT))):
                 reader, writer = await asyncio.open_connection(host, port)
                 conns.append(Conn(reader, writer, f"{host}:{port}"))
             batcher = Batcher(conns)
@@ -379,8 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--stores", nargs="+", default=["memory", "redis"], choices=["memory", "redis"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--batch-in-flight", type=int, default=BATCH_IN_FLIGHT, help="batched: requests out per process")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "metaserver.json")
     args = ap.parse_args(argv)
+    os.environ["PDGATE_BENCH_BATCH_IN_FLIGHT"] = str(args.batch_in_flight)  # read by the spawned clients
 
     ncpu = os.cpu_count() or 1
     server_cpu = 0 if ncpu > 1 else None

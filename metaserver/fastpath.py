@@ -5,7 +5,8 @@ second FastAPI's per-request machinery (middleware stack, route scan, dependency
 CPU than the ledger itself. These routes are matched by splitting the path, and run the very same
 steps as the FastAPI routes in `api.py` (admin token, bounded body, `api.parse_body`, `MetaService`,
 RFC 7807 errors via `errors.py`, latency metric under the same route template), so answers are
-identical; the integration suite runs against the app with and without it. Everything else (and
+identical; the integration suite runs against the app with and without it. `POST /v1/handoffs/batch`
+is served here too, by the same `batch.py` functions as its FastAPI route. Everything else (and
 `GET /v1/handoffs/{id}` with a query, i.e. long-polls) falls through to FastAPI. The FastAPI routes
 remain the documented and mountable surface (`api.build_router`).
 """

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from pdgate.metaserver.app import create_app
 from pdgate.metaserver.client import MetaClient, MetaConflict, MetaGone, MetaNotFound, MetaUnauthorized
 from pdgate.metaserver.models import (
     MAX_BATCH_ITEMS,
@@ -22,8 +23,10 @@ from pdgate.metaserver.models import (
     KVLocation,
     Problem,
 )
+from pdgate.metaserver.settings import MetaSettings
 
 from tests.support.meta import uid
+from tests.support.servers import UvicornThread
 
 ServeMeta = Any  # the `serve_meta` fixture's factory (see conftest.py)
 S = HandoffState
@@ -218,3 +221,24 @@ async def test_batches_are_counted_on_metrics(http: httpx.AsyncClient) -> None:
     assert "pdgate_metaserver_batch_items_count 1.0" in text
     assert "pdgate_metaserver_batch_items_sum 5.0" in text
     assert 'pdgate_metaserver_batch_item_outcomes_total{op="abort",status="404"} 5.0' in text
+
+
+async def test_against_a_metaserver_without_the_batch_route_the_client_sends_single_calls() -> None:
+    """An older metaserver (no batch route: 404/405) still gets every call, one request each."""
+    app = create_app(MetaSettings(store="memory://", fast_path=False))
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != BATCH]
+    with UvicornThread(app) as server:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            assert (await http.post(BATCH, json={"items": []})).status_code in (404, 405)
+        async with MetaClient(server.url) as client:
+            tid = uid("t")
+            out = await client.batch(
+                [
+                    BatchCreate(prefill_instance_id="p0", transfer_id=tid),
+                    BatchAbort(transfer_id=uid("missing")),
+                ]
+            )
+            assert isinstance(out[0], Handoff) and out[0].transfer_id == tid
+            assert isinstance(out[1], MetaNotFound)
+            ready = await client.batch([BatchReady(transfer_id=tid, location=LOCATION)])
+            assert isinstance(ready[0], Handoff) and ready[0].state is S.READY
