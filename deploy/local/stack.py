@@ -70,6 +70,9 @@ def ensure_model(model_dir: Path, env: VllmEnv, log: Log = print) -> Path:
     if is_built(model_dir):
         log(f"model: reusing {model_dir}")
         return model_dir
+    if (model_dir / "config.json").is_file():  # a checkpoint the user brought: served as it is, never overwritten
+        log(f"model: serving the checkpoint in {model_dir} as it is (not built by pdgate; delete it to rebuild)")
+        return model_dir
     log(f"model: building {MODEL_NAME} into {model_dir} (offline, a few seconds)")
     out = subprocess.run(
         [str(env.python), "-m", "pdgate.deploy.local.tiny_model", str(model_dir)],

