@@ -48,7 +48,7 @@ from pdgate.metaserver.models import (
 )
 from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
 from pdgate.metaserver.store.keys import INSTANCE_TTL_GRACE_S, LOCATOR_LIVE_S, Keys, ShardKeys, ttl_ms
-from pdgate.metaserver.store.pipeline import Pipeliner
+from pdgate.metaserver.store.pipeline import NotReplicated, Pipeliner
 from pdgate.metaserver.store.redis_urls import connect, parse_store_url
 from pdgate.metaserver.store.scripts import SCRIPTS, config, source
 from redis.asyncio.cluster import RedisCluster
@@ -64,14 +64,20 @@ T = TypeVar("T")
 S = HandoffState
 
 # redis-py's failures -> the store error a caller sees (first match wins): the store boundary's one table.
-# A cluster that is down, a slot not served or a multi-key call caught mid-migration (TRYAGAIN) is as
-# unavailable as a server that does not answer: the caller may retry.
+# A cluster that is down, a slot not served, a multi-key call caught mid-migration (TRYAGAIN) or a write
+# too few replicas confirmed (`wait_replicas`) is as unavailable as a server that does not answer: the
+# caller may retry.
+_UNAVAILABLE: tuple[type[Exception], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+    RedisClusterException,
+    NotReplicated,
+)
 _REDIS_ERRORS: tuple[tuple[tuple[type[Exception], ...], type[MetaError], str], ...] = (
-    (
-        (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError, RedisClusterException),
-        StoreUnavailable,
-        "redis store unavailable",
-    ),
+    (_UNAVAILABLE, StoreUnavailable, "redis store unavailable"),
     ((RedisError,), StoreFailure, "redis store error"),
 )
 _BLOCKING_MARGIN_S = 2.0
@@ -158,7 +164,8 @@ class RedisStore(Store):
         self._cluster_ready = not isinstance(self._redis, RedisCluster)
         self._cluster_lock = asyncio.Lock()
         ready = None if self._cluster_ready else self._init_cluster
-        self._pipeliner = Pipeliner(cast(aioredis.Redis, self._redis), ready=ready)
+        wait = (target.wait_replicas, target.wait_timeout_ms) if target.wait_replicas else None
+        self._pipeliner = Pipeliner(cast(aioredis.Redis, self._redis), ready=ready, wait=wait)
         self._buckets: OrderedDict[str, int] = OrderedDict()  # cluster: the locators this store knows
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._listener: asyncio.Task[None] | None = None

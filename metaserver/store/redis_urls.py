@@ -8,6 +8,12 @@
 password in the URL are the data servers'; Sentinels take their own (`sentinel_username`,
 `sentinel_password`; none by default, as Sentinel's own `requirepass` is usually separate).
 
+`wait_replicas=N` (one Redis or Sentinel; with `wait_timeout_ms`, default 1000) makes every ledger write
+wait, in the same round trip, until N replicas hold it (`pipeline.Pipeliner`), and answer 503 when they
+do not in time: a failover then cannot take back a transition already answered, but ledger writes stop
+while fewer than N replicas are up. Without it replication is asynchronous, and a master that dies may
+take its last acknowledged writes with it (deploy/README.md, "Durability").
+
 Why our own parser for the Sentinel and Cluster forms: redis-py reads only single-server URLs. Plain
 `redis://` URLs still go to redis-py as they are (less our `prefix`), so every option it reads there keeps
 working. For the other two, the options below are the ones accepted; an unknown one is an error at
@@ -45,6 +51,7 @@ _TLS_OPTIONS = {
     "ssl_check_hostname": lambda v: v.lower() in ("1", "true", "yes"),
 }
 _COMMON_OPTIONS: dict[str, Any] = {**_TLS_OPTIONS, "max_connections": int, "client_name": str}
+_OURS = ("prefix", "wait_replicas", "wait_timeout_ms")  # read here, never handed to redis-py
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,8 @@ class RedisTarget:
     service: str = ""  # sentinel: the monitored master's name
     db: int = 0
     buckets: int = 1  # ledger shards (cluster only)
+    wait_replicas: int = 0  # WAIT after each ledger write batch (single / sentinel)
+    wait_timeout_ms: int = 1000
     options: dict[str, Any] = field(default_factory=dict)  # data-server connection keywords
     sentinel_options: dict[str, Any] = field(default_factory=dict)
 
@@ -82,10 +91,16 @@ def parse_store_url(url: str) -> RedisTarget:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     query = parse_qsl(parts.query, keep_blank_values=True)
-    prefix = next((v for k, v in query if k == "prefix"), DEFAULT_PREFIX)
-    rest = [(k, v) for k, v in query if k != "prefix"]
+    ours = dict((k, v) for k, v in query if k in _OURS)
+    prefix = ours.get("prefix", DEFAULT_PREFIX)
+    wait_replicas = int(ours.get("wait_replicas", 0))
+    wait_timeout_ms = int(ours.get("wait_timeout_ms", 1000))
+    rest = [(k, v) for k, v in query if k not in _OURS]
+    if wait_replicas and "+cluster" in scheme:
+        raise ValueError("wait_replicas is for one Redis or Sentinel: a cluster cannot route WAIT")
     if "+" not in scheme:
-        return RedisTarget("single", prefix, url=urlunsplit(parts._replace(query=urlencode(rest))))
+        url = urlunsplit(parts._replace(query=urlencode(rest)))
+        return RedisTarget("single", prefix, url=url, wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms)
     base, _, kind = scheme.partition("+")
     if base not in ("redis", "rediss") or kind not in ("sentinel", "cluster"):
         raise ValueError(f"unknown store URL scheme {scheme!r}")
@@ -126,6 +141,8 @@ def parse_store_url(url: str) -> RedisTarget:
     return RedisTarget(
         mode,
         prefix,
+        wait_replicas=wait_replicas,
+        wait_timeout_ms=wait_timeout_ms,
         nodes=_nodes(parts.netloc, mode),
         service=service,
         db=db,

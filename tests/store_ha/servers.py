@@ -8,8 +8,10 @@ joined by `redis-cli --cluster create`.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -18,7 +20,7 @@ from pathlib import Path
 from tests.support.ports import free_port
 from tests.support.redis import RedisServer
 
-__all__ = ["RedisClusterServers", "SentinelGroup", "redis_cli"]
+__all__ = ["RedisClusterServers", "SentinelGroup", "crash", "redis_cli"]
 
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 SERVICE = "pdgate-master"
@@ -34,6 +36,15 @@ def redis_cli(port: int, *args: str, timeout: float = 10.0) -> str:
         timeout=timeout,
     )
     return out.stdout.strip()
+
+
+def crash(server: RedisServer) -> None:
+    """SIGKILL, as a machine that dies: no shutdown, no last write to anyone."""
+    proc = server._proc
+    assert proc is not None, "server not running"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    server._proc = None
 
 
 def cluster_port() -> int:
@@ -68,9 +79,10 @@ def _wait(what: str, ok: object, timeout: float) -> None:
 class SentinelGroup:
     """A master, one replica and three Sentinels (quorum 2) watching it as `SERVICE`.
 
-    Detection is fast (`down-after-milliseconds` 400) so a failover takes about two seconds."""
+    Detection is fast (`down-after-milliseconds` 1000; lower makes Sentinels on a loaded two-core test
+    machine mistake a slow answer for a dead master) so a failover takes two to three seconds."""
 
-    def __init__(self, down_after_ms: int = 400) -> None:
+    def __init__(self, down_after_ms: int = 1000) -> None:
         self.master = RedisServer()
         self.replica = RedisServer(extra_args=["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"])
         self.down_after_ms = down_after_ms
