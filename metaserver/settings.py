@@ -1,7 +1,9 @@
 """MetaSettings: the one settings object of the metaserver, read once at start-up.
 
-Every field is settable as an environment variable `PDGATE_<FIELD>` (e.g. `PDGATE_STORE`) and as a
-CLI flag `--<field-with-dashes>` (e.g. `--store`); a flag wins over the environment. `parse_cli` builds
+Every field is settable as an environment variable `PDGATE_METASERVER_<FIELD>` (e.g.
+`PDGATE_METASERVER_STORE`), the rule of every pdgate command (`PDGATE_<COMMAND>_<FLAG>`), or by its older
+name `PDGATE_<FIELD>` (still read; the new name wins), and as a CLI flag `--<field-with-dashes>` (e.g.
+`--store`); a flag wins over the environment. `parse_cli` builds
 the flags from the fields, so `pdgate-metaserver --help` documents each one with its env var and
 default, and a new field cannot be forgotten in the CLI.
 """
@@ -14,17 +16,36 @@ from typing import Any, Literal
 
 from pdgate.metaserver.urls import IPNetwork, parse_networks
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from pdgate.auth import resolve_secret
 
 __all__ = ["ENV_PREFIX", "MetaSettings", "build_parser", "parse_cli"]
 
-ENV_PREFIX = "PDGATE_"
+ENV_PREFIX = "PDGATE_"  # the older names, still read
+COMMAND_ENV_PREFIX = "PDGATE_METASERVER_"  # PDGATE_<COMMAND>_<FLAG>, as pdgate-router and pdgate-local
 
 
 class MetaSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """PDGATE_METASERVER_<FIELD> first, then the older PDGATE_<FIELD>."""
+        command_env = EnvSettingsSource(settings_cls, env_prefix=COMMAND_ENV_PREFIX)
+        return (init_settings, command_env, env_settings, dotenv_settings, file_secret_settings)
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8300, ge=0, le=65535, description="port to listen on (0: any free port)")
@@ -116,11 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdgate-metaserver",
         description="pdgate metaserver: instance registry and KV handoff ledger. "
-        f"Every flag can also be set as an environment variable {ENV_PREFIX}<NAME>; a flag wins.",
+        f"Every flag can also be set as an environment variable {COMMAND_ENV_PREFIX}<NAME> (or by its older "
+        f"name {ENV_PREFIX}<NAME>); a flag wins.",
     )
     for name, field in MetaSettings.model_fields.items():
-        env = ENV_PREFIX + name.upper()
-        help_text = f"{field.description} [env {env}]"
+        env = COMMAND_ENV_PREFIX + name.upper()
+        help_text = f"{field.description} [env {env}, or {ENV_PREFIX}{name.upper()}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if field.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
