@@ -15,7 +15,9 @@ Per configuration it reports the claim latency (submit -> result seen by the eng
 the control thread's context switches per claim (each one is a GIL hand-over it waited for, or a block
 on I/O), and a burst of 32 claims submitted at once (how many batch requests carried them).
 Configurations: the HTTP client (`httpx`: MetaClient as shipped; `pool`: the router's httptools
-keep-alive client, `router.meta.PooledMetaClient`) x the interpreter's switch interval.
+keep-alive client, `router.meta.PooledMetaClient`; `process`: the control thread with the `pool` client
+in a child process, `connector.control_process.ControlProcess`) x the interpreter's switch interval.
+The first claim of each configuration is a warm-up (connections, the child process) and not counted.
 
     .venv-vllm/bin/python bench/control.py [--claims 60] [--out bench/results/control.json]
 """
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdgate.connector.config import ConnectorConfig  # noqa: E402
 from pdgate.connector.control import ControlThread  # noqa: E402
+from pdgate.connector.control_process import ControlProcess  # noqa: E402
 from pdgate.connector.messages import Claim, Claimed, ClaimFailed  # noqa: E402
 from pdgate.metaserver.client import MetaClient  # noqa: E402
 from pdgate.metaserver.models import BatchCreate, BatchReady, KVLocation  # noqa: E402
@@ -98,7 +101,10 @@ def step(busy: bool) -> None:
         time.sleep(0.0002)
 
 
-def wait(control: ControlThread, want: set[str], busy: bool, timeout: float = 30.0) -> dict[str, float]:
+Control = ControlThread | ControlProcess
+
+
+def wait(control: Control, want: set[str], busy: bool, timeout: float = 30.0) -> dict[str, float]:
     """Step until every transfer in `want` has its claim result; when each was seen."""
     seen: dict[str, float] = {}
     until = time.perf_counter() + timeout
@@ -116,30 +122,37 @@ def wait(control: ControlThread, want: set[str], busy: bool, timeout: float = 30
 
 def measure(url: str, client: str, switch_s: float, busy: bool, claims: int) -> dict[str, Any]:
     tag = f"{client}-{switch_s}-{busy}-{time.time_ns()}"
-    ids = prepare(url, claims + BURST, tag)
+    ids = prepare(url, 1 + claims + BURST, tag)
     cfg = ConnectorConfig(
         metaserver_url=url, instance_id="d0", url="http://127.0.0.1:8200", model="tiny", role="decode"
     )
     previous = sys.getswitchinterval()
     sys.setswitchinterval(switch_s)
-    control = ControlThread(cfg, client_factory=clients(url)[client])
+    control: Control
+    if client == "process":
+        control = ControlProcess(cfg)
+        native = None
+    else:
+        control = ControlThread(cfg, client_factory=clients(url)[client])
+        native = control._thread.native_id
     try:
         lat: list[float] = []
         switches = 0
-        native = control._thread.native_id
-        for tid in ids[:claims]:
+        control.submit([Claim(ids[0])])  # warm: the child process starts, connections open
+        wait(control, {ids[0]}, False)
+        for tid in ids[1 : claims + 1]:
             before = ctx_switches(native)
             t0 = time.perf_counter()
             control.submit([Claim(tid)])
             lat.append(wait(control, {tid}, busy)[tid] - t0)
             switches += ctx_switches(native) - before
-        requests0 = control.batcher.requests
-        burst_ids = ids[claims:]
+        requests0 = control.batcher.requests if isinstance(control, ControlThread) else 0
+        burst_ids = ids[claims + 1 :]
         t0 = time.perf_counter()
         control.submit([Claim(t) for t in burst_ids])
         seen = wait(control, set(burst_ids), busy)
         burst_ms = (max(seen.values()) - t0) * 1000.0
-        burst_requests = control.batcher.requests - requests0
+        burst_requests = control.batcher.requests - requests0 if isinstance(control, ControlThread) else -1
     finally:
         control.close(timeout=2.0)
         sys.setswitchinterval(previous)
@@ -157,7 +170,7 @@ def measure(url: str, client: str, switch_s: float, busy: bool, claims: int) -> 
         "p90_ms": pct(0.9),
         "p99_ms": pct(0.99),
         "max_ms": lat[-1] * 1000.0,
-        "ctx_switches_per_claim": switches / len(lat),
+        "ctx_switches_per_claim": switches / len(lat) if native is not None else None,
         "burst": {"claims": BURST, "all_answered_ms": burst_ms, "requests": burst_requests},
     }
 
@@ -171,7 +184,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"{r['client']:<6} {r['switch_interval_ms']:>9.1f} {r['engine']:<6} {r['p50_ms']:>8.2f} "
-            f"{r['p90_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['max_ms']:>8.2f} {r['ctx_switches_per_claim']:>11.1f} "
+            f"{r['p90_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['max_ms']:>8.2f} "
+            f"{r['ctx_switches_per_claim'] or float('nan'):>11.1f} "
             f"{r['burst']['all_answered_ms']:>10.1f} {r['burst']['requests']:>10}"
         )
     return "\n".join(lines)
@@ -180,7 +194,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--claims", type=int, default=60, help="single claims measured per configuration")
-    ap.add_argument("--clients", nargs="+", default=["httpx", "pool"], choices=["httpx", "pool"])
+    ap.add_argument("--clients", nargs="+", default=["httpx", "pool", "process"], choices=["httpx", "pool", "process"])
     ap.add_argument("--switch-ms", type=float, nargs="+", default=[5.0, 0.5])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "control.json")
     args = ap.parse_args(argv)

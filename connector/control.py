@@ -51,6 +51,7 @@ from pdgate.connector.messages import (
     Command,
     Done,
     DoneResult,
+    FeedStatus,
     MarkReady,
     ReadyFailed,
     ReadyRecorded,
@@ -118,11 +119,16 @@ class ControlThread:
         client_factory: Callable[[], MetaClient] | None = None,
         clock: Callable[[], float] = time.monotonic,
         name: str = "pdgate-control",
+        emit: Callable[[Result], None] | None = None,
     ) -> None:
+        """`emit`: where results go (default: the queue `drain()` reads); `control_process` sends them
+        to its parent instead, from this thread."""
         self._cfg = cfg
         self._clock = clock
         self._client_factory = client_factory or (lambda: _lean_client(cfg))
         self._results: queue.SimpleQueue[Result] = queue.SimpleQueue()
+        self._emit: Callable[[Result], None] = emit or self._results.put
+        self._forwarding = emit is not None  # feed liveness then travels as FeedStatus results too
         self._loop = asyncio.new_event_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._load: InstanceLoad | None = None
@@ -256,7 +262,7 @@ class ControlThread:
             self._spawn(self._feed(self._registrar))
 
     def _registered(self, resp: RegisterResponse) -> None:
-        self._results.put(Registered(resp.instance.id, resp.lease_s))
+        self._emit(Registered(resp.instance.id, resp.lease_s))
 
     async def _feed(self, registrar: Registrar) -> None:
         """Terminal transitions of our handoffs, long-polled; the prefill frees blocks on them."""
@@ -276,8 +282,10 @@ class ControlThread:
             cursor = batch.cursor
             for ev in batch.events:
                 if ev.state in TERMINAL_STATES:
-                    self._results.put(Terminal(ev.transfer_id, ev.state.value, ev.reason))
+                    self._emit(Terminal(ev.transfer_id, ev.state.value, ev.reason))
             self.feed_ok_at = self._clock()
+            if self._forwarding:
+                self._emit(FeedStatus(True, self.feed_ok_at))
 
     # handoff commands
 
@@ -290,21 +298,21 @@ class ControlThread:
             except MetaConflict as exc:
                 if exc.current_state in (HandoffState.READY, HandoffState.CLAIMED):
                     # An earlier try landed although its answer was lost: recorded.
-                    self._results.put(ReadyRecorded(cmd.transfer_id, None, self._cfg.kv_lease_s))
+                    self._emit(ReadyRecorded(cmd.transfer_id, None, self._cfg.kv_lease_s))
                 else:
-                    self._results.put(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=True))
+                    self._emit(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=True))
                 return
             except MetaUnavailable as exc:
                 if self._clock() >= deadline:
-                    self._results.put(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=False))
+                    self._emit(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=False))
                     return
                 await asyncio.sleep(backoff(attempt, base=0.05, cap=1.0))
                 attempt += 1
                 continue
             except MetaError as exc:  # gone, unknown, refused, unauthorized: this READY will never land
-                self._results.put(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=True))
+                self._emit(ReadyFailed(cmd.transfer_id, exc.code, exc.detail, terminal=True))
                 return
-            self._results.put(ReadyRecorded(cmd.transfer_id, h.kv_key, h.lease_s))
+            self._emit(ReadyRecorded(cmd.transfer_id, h.kv_key, h.lease_s))
             return
 
     async def _claim(self, cmd: Claim) -> None:
@@ -315,19 +323,17 @@ class ControlThread:
         while True:
             remaining = deadline - self._clock()
             if remaining <= 0:
-                self._results.put(
-                    ClaimFailed(transfer_id, Code.KV_NOT_READY, f"not READY within {self._cfg.ready_wait_s}s")
-                )
+                self._emit(ClaimFailed(transfer_id, Code.KV_NOT_READY, f"not READY within {self._cfg.ready_wait_s}s"))
                 return
             try:
                 h = await self.batcher.call(
                     BatchClaim(transfer_id=transfer_id, decode_instance_id=me, lease_s=self._cfg.claim_lease_s)
                 )
-                self._results.put(Claimed(transfer_id, h))
+                self._emit(Claimed(transfer_id, h))
                 return
             except MetaConflict as exc:
                 if exc.current_state not in (None, HandoffState.PENDING, HandoffState.READY):
-                    self._results.put(ClaimFailed(transfer_id, exc.code, f"claimed elsewhere: {exc.detail}"))
+                    self._emit(ClaimFailed(transfer_id, exc.code, f"claimed elsewhere: {exc.detail}"))
                     return
                 # Still PENDING (the prefill's READY is on its way): wait for the record to move.
                 try:
@@ -337,22 +343,22 @@ class ControlThread:
                     attempt += 1
                     continue
                 if h.state in TERMINAL_STATES:
-                    self._results.put(
+                    self._emit(
                         ClaimFailed(transfer_id, Code.HANDOFF_TERMINAL, f"handoff became {h.state.value}: {h.reason}")
                     )
                     return
             except MetaGone as exc:
                 state = exc.current_state.value if exc.current_state else "terminal"
-                self._results.put(ClaimFailed(transfer_id, exc.code, f"handoff is {state}: {exc.detail}"))
+                self._emit(ClaimFailed(transfer_id, exc.code, f"handoff is {state}: {exc.detail}"))
                 return
             except MetaNotFound as exc:
-                self._results.put(ClaimFailed(transfer_id, exc.code, exc.detail))
+                self._emit(ClaimFailed(transfer_id, exc.code, exc.detail))
                 return
             except MetaUnavailable:
                 await asyncio.sleep(backoff(attempt, base=0.05, cap=1.0))
                 attempt += 1
             except MetaError as exc:
-                self._results.put(ClaimFailed(transfer_id, exc.code, exc.detail))
+                self._emit(ClaimFailed(transfer_id, exc.code, exc.detail))
                 return
 
     async def _done(self, cmd: Done) -> None:
@@ -362,11 +368,11 @@ class ControlThread:
         while True:
             try:
                 await self.batcher.call(BatchDone(transfer_id=transfer_id, decode_instance_id=self._instance_id()))
-                self._results.put(DoneResult(transfer_id, True))
+                self._emit(DoneResult(transfer_id, True))
                 return
             except MetaGone as exc:
                 # ABORTED/EXPIRED while we read: the prefill may already have reused the blocks.
-                self._results.put(DoneResult(transfer_id, False, exc.code, exc.detail))
+                self._emit(DoneResult(transfer_id, False, exc.code, exc.detail))
                 return
             except MetaConflict as exc:
                 # Our claim lapsed back to READY (or another decode claimed it): the record is live, so
@@ -377,16 +383,16 @@ class ControlThread:
                     exc.detail,
                     extra=about(transfer_id),
                 )
-                self._results.put(DoneResult(transfer_id, True, exc.code, exc.detail))
+                self._emit(DoneResult(transfer_id, True, exc.code, exc.detail))
                 return
             except MetaUnavailable as exc:
                 if self._clock() >= deadline:
-                    self._results.put(DoneResult(transfer_id, False, exc.code, exc.detail))
+                    self._emit(DoneResult(transfer_id, False, exc.code, exc.detail))
                     return
                 await asyncio.sleep(backoff(attempt, base=0.02, cap=0.5))
                 attempt += 1
             except MetaError as exc:
-                self._results.put(DoneResult(transfer_id, False, exc.code, exc.detail))
+                self._emit(DoneResult(transfer_id, False, exc.code, exc.detail))
                 return
 
     async def _abort(self, cmd: Abort) -> None:
@@ -409,11 +415,11 @@ class ControlThread:
         try:
             h = await self._meta.get_handoff(cmd.transfer_id)
         except MetaNotFound:
-            self._results.put(CheckResult(cmd.transfer_id, None, found=False))
+            self._emit(CheckResult(cmd.transfer_id, None, found=False))
         except MetaError:
-            self._results.put(CheckResult(cmd.transfer_id, None))
+            self._emit(CheckResult(cmd.transfer_id, None))
         else:
-            self._results.put(CheckResult(cmd.transfer_id, h.state))
+            self._emit(CheckResult(cmd.transfer_id, h.state))
 
     def _instance_id(self) -> str:
         return self._cfg.instance_id
