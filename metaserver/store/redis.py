@@ -53,7 +53,7 @@ from pdgate.metaserver.store.redis_urls import connect, parse_store_url
 from pdgate.metaserver.store.scripts import SCRIPTS, config, source
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, TryAgainError
+from redis.exceptions import ClusterError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -71,7 +71,7 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     OSError,
-    ClusterDownError,
+    ClusterError,  # a cluster down, or redirections/TRYAGAIN that did not settle ("TTL exhausted")
     TryAgainError,
     RedisClusterException,
     NotReplicated,
