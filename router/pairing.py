@@ -90,6 +90,7 @@ def explain(
     decodes: Sequence[InstanceView],
     unavailable: Iterable[tuple[InstanceView, str]] = (),
     limit: int = 4,
+    budget: int = 20_000,
 ) -> str:
     """A sentence saying why no prefill/decode pair can serve `model` (for the error and /health)."""
     down = {v.id: why for v, why in unavailable}
@@ -101,9 +102,13 @@ def explain(
         return f"no prefill instance serves model {model} (decode: {_ids(d_model, limit)})"
     if not d_model:
         return f"no decode instance serves model {model} (prefill: {_ids(p_model, limit)})"
+    # Bounded: this runs on an error answer and on /health, and a pool of 1,000 x 1,000 has a million
+    # pairs. It stops at the first reason past `limit` (then there are "more") or after `budget` pairs.
     reasons: list[str] = []
+    seen = 0
     for p in p_model:
         for d in d_model:
+            seen += 1
             why = incompatibility(p, d)
             if why is None:
                 why = next((f"{v} {down[v]}" for v in (p.id, d.id) if v in down), None)
@@ -111,9 +116,13 @@ def explain(
                     continue
             if why not in reasons:
                 reasons.append(why)
+            if len(reasons) > limit or seen >= budget:
+                break
+        if len(reasons) > limit or seen >= budget:
+            break
     if not reasons:
         return f"no available prefill/decode pair for model {model}"
-    more = f"; and {len(reasons) - limit} more" if len(reasons) > limit else ""
+    more = "; and more" if len(reasons) > limit else ""
     return f"no compatible prefill/decode pair for model {model}: " + "; ".join(reasons[:limit]) + more
 
 
