@@ -4,6 +4,12 @@ A prefill attempt owns a fresh handoff (created when its instance is picked, abo
 fails); decode attempts reuse the prefill's handoff. Both sides run through `retry.retry_elsewhere`,
 so what is retried is decided in one place, by the error's `retryable`.
 
+Before a decode attempt is sent, the router claims the handoff in the ledger for that decode and passes
+the claim in its `kv_transfer_params` (`contract.with_claim`), so the decode pulls at once with no
+metaserver round trip of its own (`_claim_for`: waits while the prefill's READY is on its way; takes back
+the claim of a decode an earlier attempt gave up on; without a claim, e.g. the metaserver unreachable,
+the decode claims by itself as a decode reached directly does).
+
 A decode attempt ends only once its answer has been judged, so that a bad answer is still retried on
 another decode while nothing has been sent to the client:
 - a JSON answer is read whole and must be a JSON object before the status line goes out: an empty
@@ -24,7 +30,8 @@ from time import perf_counter
 
 import orjson
 from pdgate.metaserver.client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
-from pdgate.metaserver.models import HandoffCreate
+from pdgate.metaserver.contract import RouterClaim, with_claim
+from pdgate.metaserver.models import HandoffCreate, HandoffState
 from pdgate.router.asgi import Send
 from pdgate.router.bodies import decode_body, decode_params, kv_params_from_prefill, prefill_body, prefill_params
 from pdgate.router.errors import (
@@ -55,6 +62,9 @@ __all__ = ["Dispatcher"]
 log = logging.getLogger("pdgate.router.proxy")
 
 _CREATE_TRIES = 3  # creates of one handoff before a taken transfer id is reported as a failure
+_CLAIM_WAIT_S = 5.0  # how long a decode attempt waits to claim (READY on its way) before it goes unclaimed
+_RELEASE_LEASE_S = 0.001  # the lease a claim taken back is shortened to: the sweeper requeues it at once
+_RELEASE_POLL_S = 0.02
 _JSON = b"application/json"
 
 
@@ -120,7 +130,8 @@ class Dispatcher:
     # -- prefill --------------------------------------------------------------------------------
 
     async def prefill(self, req: ProxiedRequest, model: str) -> None:
-        """Prefill on some instance; on return `req.prefill`, `req.live` and `req.decode_payload` are set."""
+        """Prefill on some instance; on return `req.prefill`, `req.live`, `req.decode_kv` and (unclaimed)
+        `req.decode_payload` are set."""
 
         async def pick(tried: Sequence[str]) -> LiveInstance | None:
             cands = self._pool.prefill_candidates(model, self._clock(), tried)
@@ -189,8 +200,11 @@ class Dispatcher:
                 if v == Verdict.OK:
                     try:
                         kv = kv_params_from_prefill(data)
-                        params = decode_params(kv, req.tid, req.kv_key, self._engine_meta)
-                        req.decode_payload = decode_body(req.body, params)
+                        req.decode_kv = decode_params(kv, req.tid, req.kv_key, self._engine_meta)
+                        req.decode_payload = decode_body(req.body, req.decode_kv)  # unclaimed; fails here
+                        # Only a prefill that names the handoff records READY in the ledger (pdgate's
+                        # connector, the simulator); vLLM's stock NixlConnector does not: no claim then.
+                        req.ledger_prefill = kv.get("transfer_id") == req.tid
                     except Exception as exc:  # the prefill's answer cannot be decoded from: its failure
                         lease.failed()
                         detail = exc.message if isinstance(exc, PDGateError) else f"{type(exc).__name__}: {exc}"
@@ -249,9 +263,63 @@ class Dispatcher:
             # client is told what went wrong, not what the retry found.
             raise DecodeFailed(f"{failures[0].message}; a retry found the KV gone") from exc
 
+    async def _claim_for(self, req: ProxiedRequest, d: LiveInstance) -> RouterClaim | None:
+        """Claim the handoff for decode `d`; None when it cannot be done now (the decode claims itself) or
+        the prefill does not record READY in the ledger (vLLM's stock connectors: nothing to claim).
+
+        While PENDING (the prefill's READY is on its way) it long-polls the record. When the decode of an
+        earlier attempt holds the claim, the router gave up on that decode's answer, so it takes the claim
+        back: it renews it in that decode's name with a lease of a millisecond, the sweeper returns the
+        record to READY (keeping the claims count, so `max_claims` still bounds a record), and `d` claims
+        it. Gone (410) is the request's end: the KV expired or was aborted.
+        """
+        if not req.ledger_prefill:
+            return None
+        meta = self._meta()
+        deadline = perf_counter() + _CLAIM_WAIT_S
+        released = False
+        while True:
+            try:
+                h = await meta.claim(req.tid, d.id)
+                break
+            except MetaGone as exc:
+                req.abort_reason = "kv_expired"
+                raise KVExpired(f"the KV of transfer {req.tid} is gone before decode {d.id} could claim it") from exc
+            except MetaConflict as exc:
+                left = deadline - perf_counter()
+                if left <= 0:
+                    log.warning("handoff %s: not claimable for %s in time (%s); the decode claims", req.tid, d.id, exc)
+                    return None
+                prev = req.last_decode
+                if exc.current_state is HandoffState.PENDING:
+                    try:
+                        await meta.get_handoff(req.tid, wait=min(left, 5.0))
+                    except MetaError:
+                        return None
+                elif exc.current_state is HandoffState.CLAIMED and prev is not None and prev != d.id:
+                    if not released:
+                        released = True
+                        try:
+                            await meta.claim(req.tid, prev, _RELEASE_LEASE_S)
+                        except MetaError:
+                            pass  # not prev's any more (lapsed, taken): the next claim says what it is now
+                    await asyncio.sleep(_RELEASE_POLL_S)
+                else:  # held by a decode this request was not sent to: leave it to the decode
+                    return None
+            except MetaError as exc:
+                log.warning("handoff %s: claim for %s failed (%s); the decode claims", req.tid, d.id, exc)
+                return None
+        if h.deadline is None:
+            return None
+        return RouterClaim(d.id, h.deadline, max(h.deadline - h.updated_at, 0.0))
+
     async def _decode_once(self, req: ProxiedRequest, d: LiveInstance, send: Send) -> str:
         where = f"decode {d.id}"
         facts = req.facts
+        claim = await self._claim_for(req, d)
+        if claim is not None or req.last_decode is not None:  # the prefill's payload encoded, so this does
+            req.decode_payload = decode_body(req.body, with_claim(req.decode_kv, claim))
+        req.last_decode = d.id
         with self._pool.lease(d, facts.prompt_tokens + facts.max_tokens, self._clock) as lease:
             resp: UpstreamResponse | None = None
             try:

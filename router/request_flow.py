@@ -27,14 +27,18 @@ class ProxiedRequest:
     """One client request on its way through prefill and decode.
 
     `live` is the transfer id of a handoff this request created and still owns: whoever ends the request
-    aborts it (with `abort_reason`) unless a decode finished it. `started` says the response's status
-    line went out, after which nothing is retried and errors are reported in the stream.
+    aborts it (with `abort_reason`) unless a decode finished it. `decode_kv` is the decode's
+    `kv_transfer_params` before the router's claim (added per decode attempt); `last_decode` is the decode
+    of the attempt before, which the router gave up on, so its claim may be taken back for the next one.
+    `started` says the response's status line went out, after which nothing is retried and errors are
+    reported in the stream.
     """
 
     __slots__ = (
         "abort_reason",
         "body",
         "client_auth",
+        "decode_kv",
         "decode_payload",
         "disconnected",
         "endpoint",
@@ -42,6 +46,8 @@ class ProxiedRequest:
         "facts",
         "finished",
         "kv_key",
+        "last_decode",
+        "ledger_prefill",
         "live",
         "overhead_s",
         "prefill",
@@ -63,7 +69,10 @@ class ProxiedRequest:
         self.kv_key = 0
         self.live: str | None = None
         self.prefill: LiveInstance | None = None
+        self.decode_kv: dict[str, Any] = {}
         self.decode_payload = b""
+        self.last_decode: str | None = None
+        self.ledger_prefill = False  # the prefill's answer named the handoff: it records READY, claim it
         self.abort_reason = "failed"
         self.overhead_s = 0.0  # the router's own time before the decode was asked, for the overhead histogram
         self.disconnected = False

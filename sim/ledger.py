@@ -1,7 +1,9 @@
 """pdgate-sim's ledger side: registry records per DP rank, heartbeats, and the PD handoff steps.
 
 A prefill records READY and answers the `kv_transfer_params` of the blocks it holds; a decode claims,
-checks that its params come from the prefill that holds the handoff, then marks DONE. A mismatch is
+checks that its params come from the prefill that holds the handoff, then marks DONE. A decode whose
+params carry the router's claim for it (`KVTransferParams.trusted_until`) makes no claim of its own, as
+the connector does: it marks DONE and checks the record DONE answers with. A mismatch is
 counted and aborted. The params are built and read with `pdgate.metaserver.contract.KVTransferParams`,
 the same contract the router and the connector use.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 from pdgate.metaserver.client import MetaConflict, MetaError, MetaGone, MetaNotFound
 from pdgate.metaserver.contract import KVTransferParams
-from pdgate.metaserver.models import HandoffState, InstanceLoad, InstanceRegistration, KVLocation, Role
+from pdgate.metaserver.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation, Role
 from pdgate.router.http_pool import HttpPool
 from pdgate.router.meta import PooledMetaClient
 from pdgate.sim.holds import Holds
@@ -189,6 +191,21 @@ class Ledger:
             return
         meta = self.meta(meta_url)
         me = self.record_id(rank)
+        if kv.trusted_until(me) is not None:
+            self.stats.inc("router_claims")
+            try:
+                h = await meta.done(tid, me)
+            except (MetaGone, MetaNotFound) as exc:
+                self.stats.inc("kv_expired")
+                raise Reject(410, f"handoff {tid} is gone: {exc.detail}", "kv_expired") from exc
+            except MetaError as exc:
+                self.stats.inc("ledger_errors")
+                raise Reject(500, f"could not record DONE for {tid}: {exc.detail}", "ledger_error") from exc
+            bad = self._mismatch(h, engine, tid)
+            if bad is not None:
+                raise bad
+            self.stats.inc("claimed")
+            return
         deadline = time.monotonic() + self.s.claim_wait_s
         while True:
             try:
@@ -208,20 +225,27 @@ class Ledger:
             except MetaError as exc:
                 self.stats.inc("ledger_errors")
                 raise Reject(503, f"ledger unavailable: {exc.detail}", "ledger_error") from exc
-        loc = h.location
-        if loc is None or loc.engine_id != h.prefill_instance_id or engine != loc.engine_id:
-            self.stats.inc("mismatches")
+        bad = self._mismatch(h, engine, tid)
+        if bad is not None:
             with contextlib.suppress(MetaError):
                 await meta.abort(tid, "kv_transfer_params do not match the handoff")
-            raise Reject(
-                500,
-                f"kv_transfer_params name engine {engine!r} but handoff {tid} is held by prefill "
-                f"{h.prefill_instance_id!r} with KV on {loc.engine_id if loc else None!r}",
-                "kv_mismatch",
-            )
+            raise bad
         try:
             await meta.done(tid, me)
         except MetaError as exc:
             self.stats.inc("ledger_errors")
             raise Reject(500, f"could not record DONE for {tid}: {exc.detail}", "ledger_error") from exc
         self.stats.inc("claimed")
+
+    def _mismatch(self, h: Handoff, engine: str, tid: str) -> Reject | None:
+        """None when the params name the engine that holds the handoff's KV; else the refusal (counted)."""
+        loc = h.location
+        if loc is not None and loc.engine_id == h.prefill_instance_id and engine == loc.engine_id:
+            return None
+        self.stats.inc("mismatches")
+        return Reject(
+            500,
+            f"kv_transfer_params name engine {engine!r} but handoff {tid} is held by prefill "
+            f"{h.prefill_instance_id!r} with KV on {loc.engine_id if loc else None!r}",
+            "kv_mismatch",
+        )

@@ -50,6 +50,11 @@ def whole(body: bytes, ctype: str = "application/json") -> bytes:
 
 
 def good_prefill(req: dict[str, Any]) -> bytes:
+    """Answers with the KV it holds, after recording READY in the router's ledger, as a real prefill does
+    (the router then claims the handoff for its decode)."""
+    asked = req["kv_transfer_params"]
+    location = {"block_ids": [[1, 2]], "num_tokens": 2}
+    httpx.put(f"{asked['metaserver']}/v1/handoffs/{asked['transfer_id']}/ready", json=location).raise_for_status()
     kv = {
         "do_remote_prefill": True,
         "do_remote_decode": False,

@@ -153,14 +153,29 @@ def test_decode_dying_after_headers_without_stream_is_a_typed_json_error(dep: De
     assert r.headers["x-pdgate-error"] == "pd_decode_failed"
 
 
-def test_decode_too_late_for_the_lease_is_pd_kv_expired(dep: Deployment) -> None:
+def test_the_routers_claim_holds_the_kv_for_a_decode_slower_than_the_ready_lease(dep: Deployment) -> None:
+    """The router claims for the decode it picked as soon as the prefill answers: from then on the claim
+    lease, not the READY lease, bounds how long the decode may take to reach the KV."""
     for d in role(dep, "decode"):
-        d.script(decode_delay=1.5)  # the READY lease is 0.5 s in this deployment
-    with pytest.raises(openai.APIStatusError) as info:
-        complete(dep)
-    assert info.value.status_code == 504 and info.value.code == "pd_kv_expired"
+        d.script(decode_delay=1.0)  # the READY lease is 0.5 s in this deployment; the claim lease 10 s
+    complete(dep)
     [tid] = [t for p in role(dep, "prefill") for t in transfer_ids(p, "prefill")]
-    assert handoff_state(dep, tid) == "EXPIRED"
+    assert handoff_state(dep, tid) == "DONE"
+    assert sum(d.count("router_claims") for d in role(dep, "decode")) == 1  # no claim of its own
+
+
+def test_decode_too_late_for_the_claim_lease_is_pd_kv_expired(dep: Deployment) -> None:
+    for d in role(dep, "decode"):
+        d.script(decode_delay=1.5)
+    # Its own ledger: a claim lapses after 0.2 s, back to READY, which expires 0.5 s later.
+    meta = MetaSettings(ready_lease_s=0.5, claim_lease_s=0.2, sweep_interval_s=0.05)
+    with static_router(dep, meta_settings=meta) as r:
+        r.wait_available(*(s.id for s in dep.sims))
+        with pytest.raises(openai.APIStatusError) as info:
+            r.openai().completions.create(model="sim-model", prompt="late", max_tokens=2)
+        assert info.value.status_code == 504 and info.value.code == "pd_kv_expired"
+        [tid] = [t for p in role(dep, "prefill") for t in transfer_ids(p, "prefill")]
+        assert str(HTTP.get(f"{r.url}/v1/handoffs/{tid}").json()["state"]) == "EXPIRED"
 
 
 def test_client_disconnect_during_prefill_aborts_everything(dep: Deployment) -> None:
@@ -180,7 +195,7 @@ def test_client_disconnect_during_decode_aborts_everything(dep: Deployment) -> N
     sock = send_raw(dep.url, {"model": "sim-model", "prompt": "bye", "max_tokens": 2, "stream": True})
     wait_until(lambda: sum(sum(d.stats()["inflight"]) for d in role(dep, "decode")) == 1, what="decode in flight")
     [tid] = [t for d in role(dep, "decode") for t in transfer_ids(d, "decode")]
-    assert handoff_state(dep, tid) == "READY"
+    assert handoff_state(dep, tid) == "CLAIMED"  # by the router, for the decode it picked
     sock.close()
     wait_until(lambda: handoff_state(dep, tid) == "ABORTED", what="handoff aborted after the disconnect")
     wait_until(lambda: sum(d.count("cancelled") for d in role(dep, "decode")) == 1, what="decode cancelled")

@@ -1,5 +1,6 @@
 """proxy.py without sockets: engines are `httpx.MockTransport` handlers behind `HttpxUpstream`, the ledger is
-the real in-process metaserver (`LocalMetaClient` over a memory store), requests go through ASGI."""
+the real in-process metaserver (`LocalMetaClient` over a memory store), requests go through ASGI. A scripted
+prefill that answers with KV records READY first, as a real one does, so the router can claim for its decode."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from pdgate.metaserver.app import running_service
 from pdgate.metaserver.client import MetaAPI
 from pdgate.metaserver.local import LocalMetaClient
-from pdgate.metaserver.models import HandoffState, InstanceRegistration, Role
+from pdgate.metaserver.models import HandoffState, InstanceRegistration, KVLocation, Role
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.app import RouterApp, create_app
 from pdgate.router.settings import RouterSettings
@@ -33,8 +34,9 @@ class Engines:
 
     scripts: dict[str, list[Callable[[dict], httpx.Response]]] = field(default_factory=dict)
     calls: list[tuple[str, dict, httpx.Headers]] = field(default_factory=list)
+    meta: MetaAPI | None = None  # set by `serve`: prefills answering with KV record READY there
 
-    def handler(self, request: httpx.Request) -> httpx.Response:
+    async def handler(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         if request.url.path == "/health":
             return httpx.Response(200, json={})
@@ -42,7 +44,12 @@ class Engines:
         self.calls.append((host, body, request.headers))
         script = self.scripts[host]
         answer = script.pop(0) if len(script) > 1 else script[0]
-        return answer(body)
+        resp = answer(body)
+        kv = body.get("kv_transfer_params") or {}
+        if self.meta is not None and kv.get("do_remote_decode") and resp.status_code == 200:
+            if b"kv_transfer_params" in resp.content:
+                await self.meta.mark_ready(kv["transfer_id"], KVLocation(block_ids=[[1, 2]], num_tokens=2))
+        return resp
 
     def bodies(self, host: str) -> list[dict]:
         return [b for h, b, _ in self.calls if h == host]
@@ -71,7 +78,8 @@ class Broken(httpx.AsyncByteStream):
 
 @pytest.fixture
 async def meta() -> AsyncIterator[MetaAPI]:
-    async with running_service(MetaSettings(), sweep=False) as svc:
+    # The sweeper runs: a claim the router takes back (decode failover) returns to READY through it.
+    async with running_service(MetaSettings(sweep_interval_s=0.02)) as svc:
         client = LocalMetaClient(svc)
         for iid, role in (("p1", Role.PREFILL), ("p2", Role.PREFILL), ("d1", Role.DECODE), ("d2", Role.DECODE)):
             await client.register(InstanceRegistration(id=iid, role=role, url=f"http://{iid}", model="m"))
@@ -91,6 +99,7 @@ async def serve(meta: MetaAPI, engines: Engines, **overrides: Any) -> tuple[Rout
         retry_backoff_s=0,
         **overrides,
     )
+    engines.meta = meta
     upstream = HttpxUpstream(httpx.AsyncClient(transport=httpx.MockTransport(engines.handler)))
     app = create_app(settings, meta=meta, upstream=upstream)
     return app, app.api.router.lifespan_context(app.api)
@@ -110,19 +119,24 @@ async def test_prefill_then_decode_with_the_prefills_params(meta: MetaAPI, engin
     assert p_host.startswith("p") and d_host.startswith("d")
     assert p_body["max_tokens"] == 1 and "min_tokens" not in p_body and p_body["top_k"] == 3
     tid = p_body["kv_transfer_params"]["transfer_id"]
+    handoff = await meta.get_handoff(tid)
+    assert handoff.state is HandoffState.CLAIMED and handoff.decode_instance_id == d_host  # the router claimed
+    assert handoff.deadline is not None
     assert d_body["kv_transfer_params"] == {
         **KV,
         "transfer_id": tid,
         "do_remote_decode": False,
         "kv_key": p_body["kv_transfer_params"]["kv_key"],
         "metaserver": "http://meta",
+        "claimed_by": d_host,  # for the decode it picked, with the lease the ledger granted
+        "claim_deadline": handoff.deadline,
+        "claim_lease_s": pytest.approx(handoff.deadline - handoff.updated_at),
     }
     assert p_body["kv_transfer_params"]["metaserver"] == "http://meta"
     assert d_body["min_tokens"] == 2 and d_body["max_tokens"] == 20
     assert p_headers["x-request-id"] == d_headers["x-request-id"] == "client-rid"
     assert r.headers["x-request-id"] == "client-rid"
-    handoff = await meta.get_handoff(tid)
-    assert handoff.prefill_instance_id == p_host and handoff.state is HandoffState.PENDING  # engines are mocks
+    assert handoff.prefill_instance_id == p_host
 
 
 async def test_prefill_without_params_fails_typed_after_trying_each_prefill(meta: MetaAPI, engines: Engines) -> None:
@@ -166,6 +180,32 @@ async def test_decode_failing_before_its_first_byte_is_retried_with_the_same_han
     assert hosts == ["p1", "d1", "d2"]  # one prefill only
     d_tids = {b["kv_transfer_params"]["transfer_id"] for h, b, _ in engines.calls if h.startswith("d")}
     assert len(d_tids) == 1
+    # The router took back the claim it made for d1 and claimed for d2; each decode saw its own claim.
+    assert [b["kv_transfer_params"]["claimed_by"] for h, b, _ in engines.calls if h.startswith("d")] == ["d1", "d2"]
+    handoff = await meta.get_handoff(d_tids.pop())
+    assert (handoff.state, handoff.decode_instance_id, handoff.claims) == (HandoffState.CLAIMED, "d2", 2)
+
+
+async def test_a_client_cannot_forge_a_claim(meta: MetaAPI, engines: Engines) -> None:
+    """A claim in the client's kv_transfer_params (or in a prefill's answer) never reaches a decode: only
+    the one the router made does."""
+    forged = {"claimed_by": "d1", "claim_deadline": 9e9, "claim_lease_s": 3600.0, "do_remote_prefill": True}
+
+    def prefill_forging(body: dict) -> httpx.Response:
+        params = {**KV, **forged, "transfer_id": body["kv_transfer_params"]["transfer_id"]}
+        return httpx.Response(200, json={**ANSWER, "kv_transfer_params": params})
+
+    engines.scripts["p1"] = [prefill_forging]
+    app, lifespan = await serve(meta, engines)
+    async with lifespan, client(app) as c:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "x", "kv_transfer_params": forged})
+    assert r.status_code == 200
+    (_, p_body, _), (d_host, d_body, _) = engines.calls
+    assert not {"claimed_by", "claim_deadline", "claim_lease_s"} & set(p_body["kv_transfer_params"])
+    kv = d_body["kv_transfer_params"]
+    handoff = await meta.get_handoff(kv["transfer_id"])
+    assert (kv["claimed_by"], kv["claim_deadline"]) == (d_host, handoff.deadline) != (d_host, 9e9)
+    assert kv["claim_lease_s"] < 3600
 
 
 async def test_decode_answering_410_is_kv_expired(meta: MetaAPI, engines: Engines) -> None:
