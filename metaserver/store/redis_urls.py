@@ -179,13 +179,3 @@ def connect(target: RedisTarget, *, socket_timeout: float | None, max_connection
         return master
     startup = [ClusterNode(host, port) for host, port in target.nodes]
     return RedisCluster(startup_nodes=startup, **common, **opts)
-
-
-def redact(url: str) -> str:
-    """The URL without its password (for logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[-1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
