@@ -51,8 +51,11 @@ class MetaSettings(BaseSettings):
     port: int = Field(8300, ge=0, le=65535, description="port to listen on (0: any free port)")
     store: str = Field(
         "memory://",
-        description="store URL: memory:// (embedded, one process) or redis://host:port/db[?prefix=NAME] "
-        "(production; several metaserver replicas share it)",
+        description="store URL: memory:// (embedded, one process); redis://host:port/db[?prefix=NAME] "
+        "(one Redis; several metaserver replicas share it); "
+        "redis+sentinel://h1:26379,h2:26379/MASTER/db[?prefix=NAME&wait_replicas=1] (follows a failover); "
+        "redis+cluster://h1:7000,h2:7001/0[?prefix=NAME&buckets=64] (ledger sharded by prefill); "
+        "rediss:// and rediss+... for TLS (docs/SCALE.md)",
     )
     admin_token: str | None = Field(
         None,
