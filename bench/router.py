@@ -9,6 +9,9 @@ Processes (all real, over loopback): a metaserver (`python -m pdgate.metaserver`
              covers serving the engines' ledger calls (READY, claim, DONE: 3 HTTP calls per request)
   toy        a proxy written like vLLM's toy_proxy_server.py (FastAPI + httpx, P then D), for scale
 and `direct`: no proxy, the client itself creates the handoff, calls P, then D (same engine work).
+A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router started with `--workers N`
+(one port, N processes, `pdgate.router.workers`); its CPU is the sum over the parent and its workers, and
+its req/s against the plain mode is the scaling of `--workers` (issue 12 asks for >= 1.8x with 2 on 2 cores).
 With `--pin`, proxies are pinned to CPU 0 with taskset and everything else to the other CPUs (off by
 default: on a shared 2-vCPU VM that added milliseconds of latency at concurrency 1).
 The load generator is a keep-alive HTTP/1.1 client on uvloop (pdgate.router.http_pool.HttpPool).
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import orjson
 
 from bench.router_libs import measure_libs
-from bench.router_procs import LOGS, PY, ROOT, Procs, cpu_seconds, cpus
+from bench.router_procs import LOGS, PY, ROOT, Procs, cpus, tree_cpu_seconds
 from tests.support.ports import free_port
 from tests.support.servers import wait_http
 
@@ -236,9 +239,10 @@ def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
     static = [a for u in sims["prefill"] for a in ("--prefill", u)] + [
         a for u in sims["decode"] for a in ("--decode", u)
     ]
-    for mode in modes:
-        if mode == "direct":
+    for mode_name in modes:
+        if mode_name == "direct":
             continue
+        mode, _, n_workers = mode_name.partition("_w")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         base = [PY, "-m", "pdgate.router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -257,9 +261,11 @@ def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
             cmd = [PY, "-c", TOY_PROXY, str(port), ",".join(sims["prefill"]), ",".join(sims["decode"])]
         else:
             raise SystemExit(f"unknown mode {mode}")
-        proc = procs.start(f"proxy-{mode}", cmd, "0")
+        if n_workers:
+            cmd += ["--workers", n_workers]
+        proc = procs.start(f"proxy-{mode_name}", cmd, "0" if not n_workers else f"0-{min(cpus(), int(n_workers)) - 1}")
         wait_http(url + ("/health" if mode != "toy" else "/docs"), timeout=60)
-        out["proxies"][mode] = (url, proc)
+        out["proxies"][mode_name] = (url, proc)
     from pdgate.router.pool import static_instance_id
 
     out["prefill_ids"] = {u: static_instance_id(u) for u in sims["prefill"]}
@@ -298,9 +304,9 @@ def run_scenarios(
 
     def measure(mode: str, conc: int, total: int, stream: bool, tokens: int) -> dict[str, Any]:
         url, pid = ("", None) if mode == "direct" else (stack["proxies"][mode][0], stack["proxies"][mode][1].pid)
-        c0 = cpu_seconds(pid) if pid else 0.0
+        c0 = tree_cpu_seconds(pid) if pid else 0.0
         res = load(url, conc, total, stream, tokens, direct if mode == "direct" else None)
-        res["cpu"] = cpu_seconds(pid) - c0 if pid else None
+        res["cpu"] = tree_cpu_seconds(pid) - c0 if pid else None
         return res
 
     for name, conc, total, stream, tokens in scenarios:

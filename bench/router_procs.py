@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["CLK", "LOGS", "PY", "ROOT", "Procs", "cpu_seconds", "cpus"]
+__all__ = ["CLK", "LOGS", "PY", "ROOT", "Procs", "cpu_seconds", "cpus", "tree_cpu_seconds"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -31,6 +31,17 @@ def pinned(cmd: list[str], cpu: str, pin: bool) -> list[str]:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and its live children (the workers of `pdgate-router --workers N`)."""
+    total = cpu_seconds(pid)
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            total += cpu_seconds(int(child))
+        except FileNotFoundError:
+            pass
+    return total
 
 
 class Procs:

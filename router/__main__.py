@@ -4,11 +4,13 @@ uvicorn picks uvloop when installed; HTTP is uvicorn's httptools protocol wrappe
 (header and body timeouts, 413 on an over-long Content-Length before the body is read, a connection
 cap). Both matter for the router's CPU per request (see bench/router.py). Settings that do not
 validate (a bad instance URL, a secret file others can read) end the process with the reason, status 2.
+`--workers N` runs N such processes on one port (`pdgate.router.workers`).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +18,7 @@ import uvicorn
 from pdgate.router.app import create_app, serving_protocol
 from pdgate.router.logs import configure_logging
 from pdgate.router.settings import RouterSettings, parse_cli
+from pdgate.router.workers import run_workers, workers_problem
 from pydantic import ValidationError
 
 __all__ = ["main"]
@@ -59,7 +62,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings.prefill_policy,
         settings.decode_policy,
     )
-    uvicorn.run(
+    problem = workers_problem(settings)
+    if problem is not None:
+        print(f"pdgate-router: invalid settings: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    if settings.workers > 1:
+        raise SystemExit(run_workers(settings, _serve, _BACKLOG))
+    _serve(settings, None)
+
+
+_BACKLOG = 4096
+
+
+def _serve(settings: RouterSettings, sock: socket.socket | None) -> None:
+    """One router process: on its own socket when a worker (`pdgate.router.workers`), else on host:port."""
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
@@ -68,10 +85,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_config=None,
         loop="auto",
         http=serving_protocol(settings),
-        backlog=4096,
+        backlog=_BACKLOG,
         timeout_keep_alive=30,
         proxy_headers=False,  # no X-Forwarded-* rewriting: saves a middleware on every request
     )
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class RouterSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    workers: int = Field(1, ge=1, le=256, description="processes serving the port; > 1 needs a shared ledger")
 
     # -- where instances come from ----------------------------------------------------------
     metaserver: str | None = Field(
