@@ -384,16 +384,16 @@ class DecodeSide:
         pull_s = max((o.elapsed_s for o in rec.outcomes.values()), default=0.0)
         self._claim_ms.append((claimed - rec.started_at) * 1e3)
         logger.info(
-            "transfer %s: %s loaded %d tokens in %.1f ms (claim %.1f%s, pull %.1f [transport %.1f], confirm %.1f)",
+            "transfer %s: %s loaded %d tokens in %.1f ms (claim %.1f, pull %.1f [transport %.1f], confirm %.1f)%s",
             rec.transfer_id,
             rec.req_id,
             rec.num_tokens,
             (now - rec.started_at) * 1e3,
             (claimed - rec.started_at) * 1e3,
-            " by router" if rec.by_router else "",
             max(pulled - pull_from, 0.0) * 1e3,
             pull_s * 1e3,
             max(now - max(claimed, pulled), 0.0) * 1e3,
+            " under the router's claim" if rec.by_router else "",
             extra=about(rec.transfer_id),
         )
         self._drop(rec)
