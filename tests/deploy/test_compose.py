@@ -25,7 +25,8 @@ from tests.deploy.support import (
 HEAD_SERVICES = {"redis", "metaserver", "router"}
 OBSERVABILITY = {"prometheus", "grafana"}
 ENGINES = {f"{role}-{flavour}" for role in ("prefill", "decode") for flavour in ("cpu", "ascend", "sim")}
-ALL_SERVICES = HEAD_SERVICES | OBSERVABILITY | ENGINES
+HA = {"redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"}  # tests/store_ha/test_compose_ha.py
+ALL_SERVICES = HEAD_SERVICES | OBSERVABILITY | ENGINES | HA
 
 
 @pytest.fixture(scope="module")
