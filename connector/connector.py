@@ -1,8 +1,9 @@
 """`PDGateConnector`: the vLLM v1 KV connector facade. It builds one half by role and delegates.
 
-* SCHEDULER role (engine-core process): `SchedulerHalf` (pure bookkeeping) + `ControlThread`
-  (metaserver I/O). This facade moves commands from the first to the second and results back, at the
-  hooks vLLM calls every step (`build_connector_meta`, `update_connector_output`, ...).
+* SCHEDULER role (engine-core process): `SchedulerHalf` (pure bookkeeping) + `ControlProcess`
+  (metaserver I/O: the `ControlThread` in a child process, so ledger calls never wait on the engine's
+  GIL). This facade moves commands from the first to the second and results back, at the hooks vLLM
+  calls every step (`build_connector_meta`, `update_connector_output`, ...).
 * WORKER role (one per worker process / TP rank): `WorkerHalf`, which owns the transport thread.
 
 The halves share no objects: the scheduler half reaches the workers only through the per-step
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdgate.connector.config import ConnectorConfig, ServerFacts, discover_server, parse_config
-from pdgate.connector.control import ControlThread
+from pdgate.connector.control_process import ControlProcess
 from pdgate.connector.errors import ConfigError
 from pdgate.connector.location import EngineFacts
 from pdgate.connector.logs import setup_logging
@@ -149,7 +150,7 @@ class PDGateConnector(KVConnectorBase_V1):
         self._cfg: ConnectorConfig = parse_config(kv.kv_connector_extra_config, server_facts(vllm_config), os.environ)
         setup_logging(self._cfg.log_level)
         self._sched: SchedulerHalf | None = None
-        self._control: ControlThread | None = None
+        self._control: ControlProcess | None = None
         self._worker: WorkerHalf | None = None
         self._published_version = -1
         self._published_load: tuple[int, int, float] | None = None
@@ -184,7 +185,7 @@ class PDGateConnector(KVConnectorBase_V1):
                 transport=self._cfg.transport,
             )
             self._sched = SchedulerHalf(self._cfg, facts)
-            self._control = ControlThread(self._cfg)
+            self._control = ControlProcess(self._cfg)  # the control thread, off the engine's GIL
             logger.info(
                 "PDGateConnector scheduler half: instance %s (%s), metaserver %s",
                 self._cfg.instance_id,

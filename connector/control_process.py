@@ -152,10 +152,10 @@ class ControlProcess:
 def main(argv: Sequence[str] | None = None) -> int:
     """The child: read commands from the parent, run a ControlThread, send its results back."""
     from pdgate.connector.control import ControlThread  # the child's own import (the parent may not need it)
+    from pdgate.connector.logs import setup_logging
 
     args = list(sys.argv[1:] if argv is None else argv)
     cmd_fd, res_fd = int(args[0]), int(args[1])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     lock = threading.Lock()
 
     def emit(result: Result) -> None:
@@ -172,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             break
         for kind, *rest in frames.feed(data):
             if kind == "config":
+                setup_logging(rest[0].log_level)  # the engine's connector log settings, same format
                 control = ControlThread(rest[0], emit=emit)
             elif kind == "commands" and control is not None:
                 control.submit(rest[0])
