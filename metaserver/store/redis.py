@@ -26,7 +26,8 @@ import asyncio
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import orjson
@@ -453,17 +454,25 @@ class RedisStore(Store):
                 if not waiting:
                     del self._waiters[transfer_id]
 
+    async def _xread(self, client: Any, key: str, after: str, limit: int, block: int | None) -> Any:
+        """XREAD of one stream. On a cluster it goes straight to the stream's node: redis-py cannot find
+        XREAD's key by itself (the command's keys move with its arguments) and would ask the server with
+        an extra COMMAND GETKEYS round trip on every read."""
+        if not isinstance(client, RedisCluster):
+            return await client.xread({key: after}, count=limit, block=block)
+        args: list[Any] = ["XREAD", "COUNT", limit]
+        if block is not None:
+            args += ["BLOCK", block]
+        node = client.get_node_from_key(key)
+        return await client.execute_command(*args, "STREAMS", key, after, target_nodes=node)
+
     async def read_events(
         self, instance_id: str, cursor: str | None, *, wait: float, limit: int = 1000
     ) -> HandoffEvents:
         after = check_cursor(cursor) or "0"  # one grammar for both stores
         key = self.keys.events(instance_id)
-        if wait > 0:
-            call: Callable[[], Awaitable[Any]] = lambda: self._blocking.xread(  # noqa: E731
-                {key: after}, count=limit, block=max(1, int(wait * 1000))
-            )
-        else:
-            call = lambda: self._redis.xread({key: after}, count=limit)  # noqa: E731
+        block = max(1, int(wait * 1000)) if wait > 0 else None
+        call = partial(self._xread, self._blocking if wait > 0 else self._redis, key, after, limit, block)
         try:
             # The blocking pool has no socket timeout (the BLOCK time bounds a healthy read); a frozen
             # Redis must not hold the poll (and its connection) longer than the wait plus a margin.
