@@ -11,10 +11,12 @@ A request ends in exactly one class:
            pdgate's codes (pdgate.errors.Code)
   untyped  everything else: a 5xx without such a code, an empty or truncated 200, a connection reset with no
            error event, a client timeout. The chaos suite requires zero of these.
-  client   a connection error while this process itself was stalled (its event loop did not run) for
-           longer than `--client-stall-s` during the request: the load generator's artefact (a starved
-           client on a busy machine, which servers rightly time out), reported apart and never counted
-           as untyped. Only connection errors qualify; a bad answer is untyped whatever the stall.
+  client   the load generator's own artefact, reported apart and never counted as untyped: a connection
+           error while this process itself was stalled (its event loop did not run) for longer than
+           `--client-stall-s` (the servers' header timeout, which rightly closes a client that silent),
+           or a client timeout while it was stalled for half its connect timeout or more (its own timers
+           fire before it reads what arrived). Only those two qualify; a bad answer (5xx without a code,
+           truncated 200) is untyped whatever the stall.
 
 The process measures its own event-loop stalls (a 0.1 s ticker) and writes the worst of them to the last
 line of `--out` as `{"lag": ...}` (not a request record).
@@ -45,6 +47,7 @@ from pdgate.errors import Code
 __all__ = ["TYPED_CODES", "classify_exception", "main"]
 
 TYPED_CODES = frozenset(c.value for c in Code)
+_CLIENT_SIDE = ("connection:", "client timeout")  # failures a stalled client can cause by itself
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 
 
@@ -164,7 +167,10 @@ class Load:
             break
         kind, code, status, detail = outcome
         stalled = self.stalled_during(t0, time.time())
-        if kind == "untyped" and detail.startswith("connection:") and stalled > self.a.client_stall_s:
+        # A stall past the servers' header timeout explains a connection they closed; a stall of half the
+        # client's own (shortest, connect) timeout explains a timeout of its own: it had no fair chance.
+        bound = self.a.client_stall_s if detail.startswith("connection:") else self.a.connect_timeout / 2
+        if kind == "untyped" and detail.startswith(_CLIENT_SIDE) and stalled >= bound:
             kind, detail = "client", f"{detail} (this client stalled {stalled:.1f} s)"
         rec = {"t0": round(t0, 4), "t1": round(time.time(), 4), "s": int(stream), "o": kind, "c": code}
         if status is not None and status != 200:

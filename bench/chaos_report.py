@@ -12,6 +12,8 @@ _COLS = [
     ("ok", "answered fully"),
     ("typed", "typed errors by code"),
     ("untyped", "untyped"),
+    ("client_stalled", "load generator's own"),
+    ("client_worst_stall_s", "its worst stall s"),
     ("stranded_handoffs", "stranded handoffs"),
     ("held_blocks", "held blocks"),
     ("recovery_s", "recovery s"),
@@ -96,7 +98,11 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         "Columns: **sent** requests finished; **answered fully** all tokens and a finish_reason; **typed** "
         "errors carrying a pdgate code (HTTP error or SSE error event); **untyped** a 5xx without a code, an "
-        "empty or truncated 200, a reset without an error event, a client timeout (must be 0); **stranded "
+        "empty or truncated 200, a reset without an error event, a client timeout (must be 0); **load "
+        "generator's own** a reset or a client timeout while the load generator itself did not run (it "
+        "measures its own event loop) for longer than the router's header timeout (a reset) or half its "
+        "connect timeout (a timeout): a starved client, not the stack (bench/chaos_load.py); **its worst "
+        "stall s** the longest the load generator's event loop did not run; **stranded "
         "handoffs** READY or CLAIMED records still live after the longest lease chain (must be 0); **held "
         "blocks** prefill KV blocks still held after recovery (must be 0); **recovery s** from the fault to "
         "the end of the last failed request; **load 1m** the machine's 1-minute load average as the scenario "

@@ -217,6 +217,7 @@ def run_scenario(
             load.kill()
             row["load_killed"] = True
         row.update(summarize(ctx.records(), ctx.t_fault))
+        row.update(read_client_lag(out))
         gauge, held = _wait_settled(stack, timing)
         row["handoffs_live"] = gauge
         row["stranded_handoffs"] = None if gauge is None else int(gauge.get("READY", 0) + gauge.get("CLAIMED", 0))
