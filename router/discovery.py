@@ -24,7 +24,8 @@ re-registers them. An instance missing from the first reads after an outage ther
 for its own lease (plus one refresh) from the moment the registry came back: the health checks keep
 judging it, the ledger works again, and requests keep flowing instead of failing with
 `pd_no_compatible_pair`. Absent longer than that, or absent while the registry was readable all along, it
-is gone.
+is gone. A failed read that says the metaserver or its store is unreachable also tells the pool that the
+ledger is down (`Pool.ledger_outage`), so that the failures it causes open no instance's breaker.
 """
 
 from __future__ import annotations
