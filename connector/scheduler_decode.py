@@ -35,6 +35,12 @@ first forward in the next step; DONE goes out afterwards, off the path. A pull t
 is confirmed by DONE first, like any late pull; a claim made for another instance, or a location hint
 that cannot be used, takes the ordinary path (our Claim of a record the router claimed for us renews it).
 
+Siblings (vLLM's n > 1): the decode fans one request into n child requests carrying the same params.
+They share the handoff (`_Share`): one claim (the first sibling's, or the router's), each sibling pulls
+the prefill's blocks into its own, and DONE (or the abort) goes out once the last one settled (pulled
+or failed), so the prefill holds its blocks until every sibling read them. `siblings` in the params
+says how many to wait for; without it, a sibling that arrives while the others still load joins them.
+
 Pure bookkeeping like the rest of the scheduler half: `now` is an argument, I/O leaves as commands.
 """
 
@@ -56,6 +62,7 @@ from pdgate.connector.messages import Abort, Claim, Claimed, ClaimFailed, Done, 
 from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan
 from pdgate.connector.outbox import Outbox
 from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
+from pdgate.metaserver.models import Handoff
 
 from pdgate.errors import Code
 
@@ -90,12 +97,26 @@ class _Recv:
     claimed: bool = False
     claim_lease_s: float = 0.0
     by_router: bool = False  # claimed by the router for us: the workers report the pull themselves
+    settled: bool = False  # counted in its `_Share` (pulled, or failed)
     # Monotonic stamps of each phase, for the one log line per transfer. `started_at` is also when the
     # claim was sent (the ledger's claim time is later), the base of the claim-lease bound.
     started_at: float = 0.0
     claimed_at: float | None = None
     pull_started_at: float | None = None
     pulled_at: float | None = None
+
+
+@dataclass
+class _Share:
+    """What the sibling requests of one handoff share (module docstring): the claim and the end."""
+
+    expected: int  # siblings announced (`siblings` in the params, else 1)
+    joined: int = 0
+    settled: int = 0
+    ok: int = 0
+    abort: str | None = None  # why to abort at the end, when no sibling pulled
+    handoff: Handoff | None = None  # the claimed record, for a sibling joining after the claim answered
+    claim_failed: ClaimFailed | None = None
 
 
 def read_decode_params(params: Mapping[str, Any]) -> KVTransferParams:
@@ -114,7 +135,8 @@ class DecodeSide:
         self._facts = facts
         self._out = out
         self._recv: dict[str, _Recv] = {}  # req_id -> pull in progress
-        self._recv_by_transfer: dict[str, str] = {}  # transfer_id -> req_id
+        self._recv_by_transfer: dict[str, list[str]] = {}  # transfer_id -> req ids loading it
+        self._shares: dict[str, _Share] = {}  # transfer_id -> its siblings' share, until DONE/abort is sent
         self._consumed: set[str] = set()  # req ids whose handoff was set up or released
         self._new_pulls: list[RecvPlan] = []
         self._new_done: list[RecvDone] = []
@@ -166,19 +188,24 @@ class DecodeSide:
             self._fail_unstarted(req_id, local)
             return
         transfer_id = kv.require_transfer_id()
-        if transfer_id in self._recv_by_transfer:
-            logger.error(
-                "transfer %s: a second decode request (%s) carries it; failing it",
-                transfer_id,
-                req_id,
-                extra=about(transfer_id),
-            )
-            self._fail_unstarted(req_id, local)
-            return
+        share = self._shares.get(transfer_id)
+        first = share is None
+        if share is None:
+            if transfer_id in self._recv_by_transfer:  # its DONE already went out: too late to join
+                logger.error(
+                    "transfer %s: a decode request (%s) carries it after its siblings finished; failing it",
+                    transfer_id,
+                    req_id,
+                    extra=about(transfer_id),
+                )
+                self._fail_unstarted(req_id, local)
+                return
+            share = self._shares[transfer_id] = _Share(expected=kv.siblings or 1)
+        share.joined += 1
         deadline = now + self._cfg.ready_wait_s + self._cfg.pull_timeout_s + self._cfg.free_margin_s
         rec = _Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, started_at=now)
         self._recv[req_id] = rec
-        self._recv_by_transfer[transfer_id] = req_id
+        self._recv_by_transfer.setdefault(transfer_id, []).append(req_id)
         trusted_until = kv.trusted_until(self._facts.instance_id)
         location = kv.location()
         if location is not None and kv.kv_key is not None:
@@ -214,8 +241,15 @@ class DecodeSide:
             assert kv.claim_lease_s is not None
             rec.claim_lease_s = kv.claim_lease_s
             self._out.bump("claims_by_router")
-        else:
+        elif first:
             self._out.send(Claim(transfer_id))
+        elif share.claim_failed is not None:  # a sibling's claim already failed
+            failed = share.claim_failed
+            self._fail(rec, failed.code, failed.message, abort=failed.code not in _NOTHING_TO_ABORT)
+            return
+        elif share.handoff is not None:  # a sibling's claim answered: pull where it says
+            self._apply_claim(rec, share.handoff, now)
+            return
         logger.debug(
             "transfer %s: decode %s %s, %d local blocks (%d cached)",
             transfer_id,
@@ -240,6 +274,12 @@ class DecodeSide:
             self._out.bump("bad_params")
             return
         self._out.bump("recv_released")
+        share = self._shares.get(transfer_id)
+        if share is not None:  # its siblings still load: it settles as one that read nothing
+            share.joined += 1
+            share.settled += 1
+            self._end_if_last(transfer_id, share)
+            return
         self._out.send(Abort(transfer_id, "decode request ended before its KV was pulled"))
 
     def on_worker_output(self, outcomes: Sequence[PullOutcome], *, now: float) -> None:
@@ -273,56 +313,33 @@ class DecodeSide:
     # ---- control-thread results ---------------------------------------------------------------------
 
     def on_claimed(self, result: Claimed, now: float) -> None:
-        rec = self._recv_for(result.transfer_id)
-        if rec is None or rec.claimed:
-            return
-        rec.claimed_at = now
-        try:
-            plan = plan_from_location(
-                result.handoff,
-                self._facts,
-                req_id=rec.req_id,
-                local_block_ids=rec.local_block_ids,
-                hit_blocks=rec.hit_blocks,
-            )
-        except LocationError as exc:
-            self._fail(rec, exc.code, exc.message, abort=True)
-            return
-        rec.claimed = True
-        rec.claim_lease_s = result.handoff.lease_s
-        if rec.early is None:
-            rec.state = _State.PULLING
-            rec.pull_started_at = now
-            self._new_pulls.append(plan)
-            return
-        if plan != rec.early:
-            self._fail(
-                rec,
-                Code.LOCATION_MISMATCH,
-                "the ledger's KV location differs from the one in kv_transfer_params (pulled from the latter)",
-                abort=True,
-            )
-            return
-        if rec.state is _State.PULLED:
-            self._pulled_and_claimed(rec, now)
+        share = self._shares.get(result.transfer_id)
+        if share is not None:
+            share.handoff = result.handoff
+        for rec in self._members(result.transfer_id):
+            if not rec.claimed:
+                self._apply_claim(rec, result.handoff, now)
 
     def on_claim_failed(self, result: ClaimFailed) -> None:
         self._out.bump("claims_failed")
-        rec = self._recv_for(result.transfer_id)
-        if rec is not None and not rec.claimed:
-            self._fail(rec, result.code, result.message, abort=result.code not in _NOTHING_TO_ABORT)
+        share = self._shares.get(result.transfer_id)
+        if share is not None:
+            share.claim_failed = result
+        for rec in self._members(result.transfer_id):
+            if not rec.claimed:
+                self._fail(rec, result.code, result.message, abort=result.code not in _NOTHING_TO_ABORT)
 
     def on_done(self, result: DoneResult, now: float) -> None:
         if result.code is not None:  # refused (even when the KV was still held): should never happen
             self._out.bump("done_refused")
-        rec = self._recv_for(result.transfer_id)
-        if rec is None or rec.state is not _State.CONFIRMING:
-            return
-        if result.valid:
-            self._complete_ok(rec, now)
-        else:
-            code = result.code or Code.INTERNAL
-            self._fail(rec, code, result.message or "", abort=code is not Code.HANDOFF_TERMINAL)
+        for rec in self._members(result.transfer_id):
+            if rec.state is not _State.CONFIRMING:
+                continue
+            if result.valid:
+                self._complete_ok(rec, now)
+            else:
+                code = result.code or Code.INTERNAL
+                self._fail(rec, code, result.message or "", abort=code is not Code.HANDOFF_TERMINAL)
 
     # ---- per step -----------------------------------------------------------------------------------
 
@@ -342,9 +359,65 @@ class DecodeSide:
 
     # ---- internals ----------------------------------------------------------------------------------
 
-    def _recv_for(self, transfer_id: str) -> _Recv | None:
-        req_id = self._recv_by_transfer.get(transfer_id)
-        return self._recv.get(req_id) if req_id is not None else None
+    def _members(self, transfer_id: str) -> list[_Recv]:
+        """The requests loading `transfer_id` (siblings, or the one request)."""
+        return [self._recv[r] for r in self._recv_by_transfer.get(transfer_id, ()) if r in self._recv]
+
+    def _apply_claim(self, rec: _Recv, handoff: Handoff, now: float) -> None:
+        """The ledger's claimed record for `rec`: pull where it says, or check the early pull against it."""
+        rec.claimed_at = now
+        try:
+            plan = plan_from_location(
+                handoff,
+                self._facts,
+                req_id=rec.req_id,
+                local_block_ids=rec.local_block_ids,
+                hit_blocks=rec.hit_blocks,
+            )
+        except LocationError as exc:
+            self._fail(rec, exc.code, exc.message, abort=True)
+            return
+        rec.claimed = True
+        rec.claim_lease_s = handoff.lease_s
+        if rec.early is None:
+            rec.state = _State.PULLING
+            rec.pull_started_at = now
+            self._new_pulls.append(plan)
+            return
+        if plan != rec.early:
+            self._fail(
+                rec,
+                Code.LOCATION_MISMATCH,
+                "the ledger's KV location differs from the one in kv_transfer_params (pulled from the latter)",
+                abort=True,
+            )
+            return
+        if rec.state is _State.PULLED:
+            self._pulled_and_claimed(rec, now)
+
+    def _settle(self, rec: _Recv, *, ok: bool, abort: str | None = None) -> None:
+        """`rec` pulled (`ok`) or failed; once every sibling did, DONE (any pulled) or the abort goes out."""
+        share = self._shares.get(rec.transfer_id)
+        if rec.settled or share is None:
+            if abort is not None and not ok:  # its DONE went out and failed: give the handoff up
+                self._out.send(Abort(rec.transfer_id, abort))
+            return
+        rec.settled = True
+        share.settled += 1
+        if ok:
+            share.ok += 1
+        elif abort is not None and share.abort is None:
+            share.abort = abort
+        self._end_if_last(rec.transfer_id, share)
+
+    def _end_if_last(self, transfer_id: str, share: _Share) -> None:
+        if share.settled < max(share.expected, share.joined):
+            return
+        del self._shares[transfer_id]
+        if share.ok:
+            self._out.send(Done(transfer_id))
+        elif share.abort is not None:
+            self._out.send(Abort(transfer_id, share.abort))
 
     def claim_latency_ms(self) -> list[float]:
         """The claim latency of the latest loads (ms, oldest first), for the stats snapshot."""
@@ -359,8 +432,9 @@ class DecodeSide:
 
     def _pulled_under_router_claim(self, rec: _Recv, now: float) -> None:
         """Every rank pulled. Those that finished within the router's claim already reported the request
-        (same step); DONE goes out now, off the path. A rank past the bound waits for DONE (see top)."""
-        self._out.send(Done(rec.transfer_id))
+        (same step); DONE goes out now (after the last sibling), off the path. A rank past the bound waits
+        for DONE (see top)."""
+        self._settle(rec, ok=True)
         if self._unreported(rec):
             rec.state = _State.CONFIRMING
         else:
@@ -368,7 +442,7 @@ class DecodeSide:
 
     def _pulled_and_claimed(self, rec: _Recv, now: float) -> None:
         """Report the load now if the pull ended within the claim lease; else wait for DONE (see top)."""
-        self._out.send(Done(rec.transfer_id))
+        self._settle(rec, ok=True)
         # Half the lease: room for the metaserver's clock running at another rate than ours.
         if now - rec.started_at < rec.claim_lease_s / 2:
             self._complete_ok(rec, now)
@@ -417,8 +491,7 @@ class DecodeSide:
         if ranks is None or ranks:
             self._new_done.append(RecvDone(rec.req_id, False, rec.local_block_ids, ranks=ranks))
         self._count_failure(len(rec.local_block_ids))
-        if abort:
-            self._out.send(Abort(rec.transfer_id, f"decode KV load failed: {code.value}: {message}"[:1000]))
+        self._settle(rec, ok=False, abort=f"decode KV load failed: {code.value}: {message}"[:1000] if abort else None)
 
     def _fail_unstarted(self, req_id: str, local: tuple[int, ...]) -> None:
         self._new_done.append(RecvDone(req_id, False, local))
@@ -426,7 +499,12 @@ class DecodeSide:
 
     def _drop(self, rec: _Recv) -> None:
         self._recv.pop(rec.req_id, None)
-        self._recv_by_transfer.pop(rec.transfer_id, None)
+        members = self._recv_by_transfer.get(rec.transfer_id)
+        if members is not None:
+            if rec.req_id in members:
+                members.remove(rec.req_id)
+            if not members:
+                del self._recv_by_transfer[rec.transfer_id]
 
     def _count_failure(self, nblocks: int) -> None:
         self._out.bump("recv_failed")

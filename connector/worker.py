@@ -225,18 +225,21 @@ class _TransferThread:
             transport.close()
 
     def _submit(self, transport: Transport, job: _Pull, inflight: dict[str, _Pull]) -> None:
+        # The transport keys a pull by its id: siblings of one handoff (vLLM's n > 1) each pull the same
+        # transfer into their own blocks, so a second one in flight gets an id of its own.
+        key = job.transfer_id if job.transfer_id not in inflight else f"{job.transfer_id}#{job.req_id}"
         req = PullRequest(
-            transfer_id=job.transfer_id,
+            transfer_id=key,
             kv_key=job.kv_key,
             remote=job.remote,
             remote_block_ids=job.remote_block_ids,
             local_block_ids=job.local_block_ids,
         )
-        inflight[job.transfer_id] = job
+        inflight[key] = job
         try:
             transport.start_pull(req)
         except TransportError as exc:
-            self._finish(PullResult.failure(job.transfer_id, exc), inflight)
+            self._finish(PullResult.failure(key, exc), inflight)
 
     def _finish(self, result: PullResult, inflight: dict[str, _Pull]) -> None:
         job = inflight.pop(result.transfer_id, None)

@@ -207,11 +207,13 @@ _TYPED = frozenset(
         "claimed_by",
         "claim_deadline",
         "claim_lease_s",
+        "siblings",
     }
 )
-_CLAIM_KEYS = ("claimed_by", "claim_deadline", "claim_lease_s")
+_ROUTER_KEYS = ("claimed_by", "claim_deadline", "claim_lease_s", "siblings")  # only the router writes these
 _MAX_TOKENS = 2**40
 _MAX_EPOCH = 2.0**40
+_MAX_SIBLINGS = 1024
 
 BlockIds = tuple[int, ...] | tuple[tuple[int, ...], ...]
 
@@ -242,6 +244,7 @@ class KVTransferParams:
     claimed_by: str | None = None
     claim_deadline: float | None = None
     claim_lease_s: float | None = None
+    siblings: int | None = None  # vLLM's n: the decode requests that share this handoff (one DONE after all)
     extra: Mapping[str, Any] = field(default_factory=dict)  # untyped keys, passed on verbatim
 
     # -- wire form -----------------------------------------------------------------------------------
@@ -274,6 +277,8 @@ class KVTransferParams:
             out["claim_deadline"] = self.claim_deadline
         if self.claim_lease_s is not None:
             out["claim_lease_s"] = self.claim_lease_s
+        if self.siblings is not None:
+            out["siblings"] = self.siblings
         for key, value in self.extra.items():
             out.setdefault(key, value)
         return out
@@ -304,6 +309,7 @@ class KVTransferParams:
             claimed_by=_id(params, "claimed_by"),
             claim_deadline=_float(params, "claim_deadline", 0.0, _MAX_EPOCH),
             claim_lease_s=_float(params, "claim_lease_s", 0.0, 3600.0),
+            siblings=_int(params, "siblings", 1, _MAX_SIBLINGS),
             extra={k: v for k, v in params.items() if k not in _TYPED},
         )
 
@@ -377,7 +383,7 @@ def decode_request(
     the router reads none of these fields, and the decode parses them anyway, naming any field it refuses.
     """
     out = dict(answer)
-    for key in _CLAIM_KEYS:
+    for key in _ROUTER_KEYS:
         out.pop(key, None)
     out["do_remote_prefill"] = True
     out["do_remote_decode"] = False
@@ -389,17 +395,19 @@ def decode_request(
     return out
 
 
-def with_claim(params: Mapping[str, Any], claim: RouterClaim | None) -> dict[str, Any]:
+def with_claim(params: Mapping[str, Any], claim: RouterClaim | None, *, siblings: int = 1) -> dict[str, Any]:
     """`decode_request`'s params for one decode attempt: with the router's claim for that decode, or
-    without any claim (the decode then claims through the metaserver itself)."""
+    without any claim (the decode then claims through the metaserver itself). `siblings`: the request's
+    `n`, when above 1: vLLM's decode fans it into that many requests sharing this one handoff."""
     out = dict(params)
-    if claim is None:
-        for key in _CLAIM_KEYS:
-            out.pop(key, None)
-    else:
+    for key in _ROUTER_KEYS:
+        out.pop(key, None)
+    if claim is not None:
         out["claimed_by"] = claim.decode_instance_id
         out["claim_deadline"] = claim.deadline
         out["claim_lease_s"] = claim.lease_s
+    if siblings > 1:
+        out["siblings"] = siblings
     return out
 
 

@@ -317,8 +317,10 @@ class Dispatcher:
         where = f"decode {d.id}"
         facts = req.facts
         claim = await self._claim_for(req, d)
-        if claim is not None or req.last_decode is not None:  # the prefill's payload encoded, so this does
-            req.decode_payload = decode_body(req.body, with_claim(req.decode_kv, claim))
+        n = req.body.get("n")
+        siblings = n if type(n) is int and n > 1 else 1  # vLLM's decode fans it into n requests on one handoff
+        if claim is not None or siblings > 1 or req.last_decode is not None:  # encodes: the prefill's payload did
+            req.decode_payload = decode_body(req.body, with_claim(req.decode_kv, claim, siblings=siblings))
         req.last_decode = d.id
         with self._pool.lease(d, facts.prompt_tokens + facts.max_tokens, self._clock) as lease:
             resp: UpstreamResponse | None = None

@@ -200,6 +200,28 @@ def test_a_pull_that_ends_past_the_routers_claim_waits_for_the_scheduler_half() 
         pair.close()
 
 
+def test_siblings_pull_one_transfer_into_their_own_blocks_at_once(pair: Pair) -> None:
+    """vLLM's n > 1: two requests load the same handoff; the transport gets a distinct id for each."""
+    until = time.time() + 60
+    pair.d.on_step(
+        StepMetadata(
+            pulls=(
+                RecvPlan("0_d", "t1", 9, (3, 4), (10, 11), (pair.p_addr,), trusted_until=until),
+                RecvPlan("1_d", "t1", 9, (3, 4), (20, 21), (pair.p_addr,), trusted_until=until),
+            )
+        )
+    )
+    done: set[str] = set()
+    while len(done) < 2:
+        done |= _wait_finished(pair.d)
+    assert done == {"0_d", "1_d"}
+    outcomes = pair.d.take_outcomes()
+    assert sorted((o.req_id, o.transfer_id, o.ok) for o in outcomes) == [("0_d", "t1", True), ("1_d", "t1", True)]
+    for name in LAYERS:
+        assert same(pair.d_kv[name][10:12], pair.p_kv[name][3:5])
+        assert same(pair.d_kv[name][20:22], pair.p_kv[name][3:5])
+
+
 def test_a_recv_done_for_other_ranks_only_is_not_reported_here(pair: Pair) -> None:
     pair.d.on_step(StepMetadata(recv_done=(RecvDone("d1", True, ranks=frozenset({1})),)))
     assert pair.d.get_finished() == (None, None)

@@ -83,9 +83,9 @@ def test_the_decode_request_keeps_what_the_prefill_said() -> None:
 def test_only_the_router_grants_a_claim() -> None:
     """A claim in the prefill's answer (or anything upstream of it) never reaches the decode; the router's
     claim for one decode attempt does, and the next attempt's replaces or removes it."""
-    forged = {"do_remote_prefill": True, "claimed_by": "d1", "claim_deadline": 9e9, "claim_lease_s": 9e3}
+    forged = {"do_remote_prefill": True, "claimed_by": "d1", "claim_deadline": 9e9, "claim_lease_s": 9e3, "siblings": 4}
     base = decode_request(forged, "pd-1", kv_key=3)
-    assert not {"claimed_by", "claim_deadline", "claim_lease_s"} & set(base)
+    assert not {"claimed_by", "claim_deadline", "claim_lease_s", "siblings"} & set(base)
     assert KVTransferParams.parse(base).trusted_until("d1") is None
     claimed = with_claim(base, RouterClaim("d1", 1000.0, 10.0))
     kv = KVTransferParams.parse(claimed)
@@ -94,6 +94,8 @@ def test_only_the_router_grants_a_claim() -> None:
     assert kv.trusted_until("d1") == 995.0  # half the lease after the ledger granted it
     assert kv.trusted_until("d2") is None  # a claim made for another decode is not this one's
     assert with_claim(claimed, None) == base and "claimed_by" not in base
+    fanned = with_claim(base, None, siblings=3)
+    assert KVTransferParams.parse(fanned).siblings == 3 and "siblings" not in with_claim(fanned, None)
 
 
 @pytest.mark.parametrize(
@@ -117,6 +119,7 @@ def test_only_the_router_grants_a_claim() -> None:
         ({"claim_deadline": float("nan")}, "claim_deadline"),
         ({"claim_lease_s": True}, "claim_lease_s"),
         ({"claim_lease_s": -1.0}, "claim_lease_s"),
+        ({"siblings": 0}, "siblings"),
     ],
 )
 def test_the_parser_names_the_field_it_refuses(params: dict[str, Any], field: str) -> None:
