@@ -55,7 +55,7 @@ def static_instance_id(url: str) -> str:
 class LiveInstance:
     """The router's live record of one instance (one DP rank): load, breaker, health."""
 
-    __slots__ = ("breaker", "health_reason", "healthy", "id", "requests", "tokens", "view")
+    __slots__ = ("breaker", "compat", "health_reason", "healthy", "id", "requests", "tokens", "view")
 
     def __init__(self, view: InstanceView, breaker: CircuitBreaker) -> None:
         self.id = view.id
@@ -65,6 +65,7 @@ class LiveInstance:
         self.breaker = breaker
         self.healthy = True
         self.health_reason = ""
+        self.compat = view.compat_key  # its compatibility class (kept current by Pool._rebuild)
 
     @property
     def reported(self) -> int:
@@ -149,19 +150,20 @@ class Pool:
         d_classes: dict[str, dict[tuple[object, ...], InstanceView]] = {}  # model -> key -> representative
         for inst in self.instances.values():  # sorted by id (replace sorts), so every list below is too
             v = inst.view
+            inst.compat = v.compat_key
             if v.model is None:
                 continue
             if v.role.can_prefill():
                 prefills.setdefault(v.model, []).append(inst)
-                p_classes.setdefault(v.compat_key, v)
+                p_classes.setdefault(inst.compat, v)
             if v.role.can_decode():
                 decodes.setdefault(v.model, []).append(inst)
-                d_classes.setdefault(v.model, {}).setdefault(v.compat_key, v)
+                d_classes.setdefault(v.model, {}).setdefault(inst.compat, v)
         compatible: dict[tuple[object, ...], list[LiveInstance]] = {}
         for key, p in p_classes.items():
             assert p.model is not None
             ok = {dk for dk, d in d_classes.get(p.model, {}).items() if compatible_views(p, d)}
-            compatible[key] = [d for d in decodes.get(p.model, ()) if d.view.compat_key in ok] if ok else []
+            compatible[key] = [d for d in decodes.get(p.model, ()) if d.compat in ok] if ok else []
         self.prefills = prefills
         self.decodes = decodes
         self._compatible = compatible
@@ -174,7 +176,7 @@ class Pool:
         for p in self.prefills.get(model, ()):
             if p.id in exclude or p.unavailable(now) is not None:
                 continue
-            key = p.view.compat_key
+            key = p.compat
             ok = served.get(key)
             if ok is None:
                 ok = served[key] = any(d.unavailable(now) is None for d in self._compatible.get(key, ()))
@@ -185,7 +187,7 @@ class Pool:
     def decode_candidates(self, prefill: LiveInstance, now: float, exclude: Sequence[str] = ()) -> list[LiveInstance]:
         """Decodes that can take `prefill`'s KV now. A prefill that left the snapshot while its request
         was in flight (its lease lapsed under load, or it was drained) still has its KV: pair it afresh."""
-        compatible = self._compatible.get(prefill.view.compat_key)
+        compatible = self._compatible.get(prefill.compat)
         if compatible is None or self.instances.get(prefill.id) is not prefill:
             model = prefill.view.model
             pool = self.decodes.get(model, ()) if model is not None else ()
