@@ -44,6 +44,8 @@ class ModelCards:
         self._cards: dict[str, dict[str, Card]] = {}  # instance URL -> model id -> card
         self._failed: dict[str, float] = {}  # instance URL -> when its fetch failed
         self._fetching: dict[str, asyncio.Future[dict[str, Card]]] = {}
+        self._by_model: dict[str, Card] = {}
+        self._views: object = None  # the pool snapshot the caches were built against
 
     def _instances(self, model: str) -> list[LiveInstance]:
         """Live instances of `model`, available ones first (a card is the same on every instance)."""
@@ -52,10 +54,20 @@ class ModelCards:
         return sorted(found, key=lambda i: i.unavailable(now) is not None)
 
     async def card(self, model: str) -> Card | None:
-        """The card of `model` from one of its instances; None when none could tell."""
-        urls = {i.view.url for i in self._pool.instances.values()}
-        for gone in self._cards.keys() - urls:
-            del self._cards[gone]
+        """The card of `model` from one of its instances; None when none could tell.
+
+        Per request this is one dict lookup: the cards by model are dropped only when the pool's
+        snapshot is replaced (its `views` tuple changes), and then only cards of URLs that left it."""
+        views = self._pool.views
+        if views is not self._views:
+            self._views = views
+            urls = {v.url for v in views}
+            for gone in self._cards.keys() - urls:
+                del self._cards[gone]
+            self._by_model.clear()
+        found = self._by_model.get(model)
+        if found is not None:
+            return found
         now = self._clock()
         tried = 0
         for inst in self._instances(model):
@@ -67,6 +79,7 @@ class ModelCards:
                 tried += 1
                 cards = await self._fetch(url)
             if model in cards:
+                self._by_model[model] = cards[model]
                 return cards[model]
         return None
 

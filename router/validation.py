@@ -42,6 +42,7 @@ __all__ = [
 
 MAX_SAFE_INT = 2**53 - 1  # exact in a double, so in every JSON parser the body reaches
 MAX_N = 128
+_GREEDY = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INT)]
 TokenId = Annotated[int, Field(ge=0, le=2**64 - 1)]
@@ -162,11 +163,13 @@ def validate_request(body: dict[str, Any], endpoint: str) -> None:
         ) from None
 
 
-N_THROUGH_PD = False
+N_THROUGH_PD = True
 """Whether `n > 1` goes through PD. vLLM runs the n samples of one request as n sibling requests that all
-carry the request's `kv_transfer_params`, and the decode lets one request claim a handoff: the other
-siblings fail. Set True once the decode lets the siblings share one claim (the prefill copy already asks
-for one sample, `bodies.prefill_body`, so the switch is this line)."""
+carry the request's `kv_transfer_params`; the router tells the decode how many (`siblings`, next to its
+claim: `attempts`), so every sibling loads the one prefill's KV and the handoff is done after the last.
+The answer equals a single vLLM's sample for sample (tests/e2e/test_drop_in.py, seeded sampling); the
+prefill copy asks for one sample (`bodies.prefill_body`). Set False to refuse n > 1 with a 400 naming
+`n` (for decodes whose connector cannot share one handoff between siblings)."""
 
 
 def check_pd_support(body: dict[str, Any]) -> None:
@@ -188,6 +191,10 @@ def check_pd_support(body: dict[str, Any]) -> None:
             "best_of",
         )
     n = body.get("n")
+    temperature = body.get("temperature")
+    if n is not None and n > 1 and isinstance(temperature, (int, float)) and temperature < _GREEDY:
+        # vLLM's own rule, in its words; checked here so that no prefill runs before the decode refuses
+        raise InvalidField(f"n must be 1 when using greedy sampling, got {n}.", "n")
     if not N_THROUGH_PD and n is not None and n > 1:
         raise UnsupportedByPD(
             f"n={n} is not supported through prefill/decode disaggregation yet: the decode lets one request "

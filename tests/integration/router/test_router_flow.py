@@ -158,8 +158,8 @@ def test_models_health_metrics(dep: Deployment) -> None:
 def test_client_errors(dep: Deployment) -> None:
     c = dep.openai()
     with pytest.raises(openai.BadRequestError) as bad:
-        c.completions.create(model="sim-model", prompt="one", max_tokens=2, n=2)
-    assert bad.value.code == "pd_unsupported_parameter" and bad.value.param == "n"
+        c.completions.create(model="sim-model", prompt="one", max_tokens=2, extra_body={"use_beam_search": True})
+    assert bad.value.code == "pd_unsupported_parameter" and bad.value.param == "use_beam_search"
     with pytest.raises(openai.NotFoundError) as missing:
         c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     assert missing.value.code == "model_not_found"

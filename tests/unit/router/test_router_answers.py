@@ -7,9 +7,10 @@ from typing import Any
 
 import orjson
 import pytest
+from pdgate.router import validation
 from pdgate.router.answers import PatchingSend, PrefillFacts, patch_answer, prefill_facts, split_events
 from pdgate.router.asgi import Message
-from pdgate.router.errors import ContextTooLong, UnsupportedByPD
+from pdgate.router.errors import BadRequest, ContextTooLong, UnsupportedByPD
 from pdgate.router.fanout import merge_answers, merge_usage
 from pdgate.router.validation import check_context, check_pd_support
 
@@ -134,11 +135,22 @@ def test_merged_answers_are_in_prompt_order_with_summed_usage() -> None:
 
 
 def test_pd_rules_name_the_field() -> None:
-    for body, param in (({"n": 2}, "n"), ({"best_of": 2}, "best_of"), ({"use_beam_search": True}, "use_beam_search")):
+    for body, param in (({"best_of": 2}, "best_of"), ({"use_beam_search": True}, "use_beam_search")):
         with pytest.raises(UnsupportedByPD) as info:
             check_pd_support(body)
         assert info.value.param == param and info.value.code == Code.UNSUPPORTED_BY_PD and info.value.status == 400
     check_pd_support({"n": 1, "best_of": 1, "use_beam_search": False})
+    check_pd_support({"n": 4, "temperature": 0.7})  # n > 1 goes through PD (siblings share the handoff)
+    with pytest.raises(BadRequest) as greedy:
+        check_pd_support({"n": 2, "temperature": 0})
+    assert greedy.value.param == "n" and "greedy" in greedy.value.message
+
+
+def test_n_through_pd_is_one_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validation, "N_THROUGH_PD", False)
+    with pytest.raises(UnsupportedByPD) as info:
+        check_pd_support({"n": 2, "temperature": 0.5})
+    assert info.value.param == "n"
 
 
 def test_context_rules_are_vllms_no_more() -> None:

@@ -270,9 +270,9 @@ async def test_refusals_before_any_engine_is_called(meta: MetaAPI, engines: Engi
     auth = {"authorization": "Bearer secret"}
     async with lifespan, client(app) as c:
         assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 401
-        r = await c.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 2}, headers=auth)
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "a", "best_of": 2}, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["code"] == "pd_unsupported_parameter"
-        assert r.json()["error"]["param"] == "n" and r.headers["x-pdgate-error"] == "pd_unsupported_parameter"
+        assert r.json()["error"]["param"] == "best_of" and r.headers["x-pdgate-error"] == "pd_unsupported_parameter"
         r = await c.post("/v1/completions", json={"model": "nope", "prompt": "x"}, headers=auth)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = await c.post("/v1/completions", content=b"x" * 4096, headers=auth)
