@@ -290,6 +290,38 @@ def test_under_the_routers_claim_the_first_forward_follows_the_pull_by_one_step(
     assert (dc["claims_by_router"], dc["claims_failed"], dc["done_refused"], dc["tokens_loaded"]) == (1, 0, 0, 70)
 
 
+def test_siblings_of_one_handoff_each_load_the_prefills_blocks_and_done_follows_the_last(
+    engines: tuple[Engine, Engine], metaserver: UvicornThread
+) -> None:
+    """vLLM's n > 1: the decode gets one child request per sample, all with the same kv_transfer_params
+    (what vLLM's parallel sampling does with the router's request). Both read the prefill's bytes over
+    NIXL into their own blocks under one claim; the ledger says DONE once, and the prefill frees then."""
+    p, d = engines
+    url = metaserver.url
+    run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="prefill registration")
+    tid, kv_key = new_handoff(url, p.instance_id)
+    params = _prefill(p, url, tid, kv_key, prompt_len=70)
+    p_blocks = p.block_ids("p1")
+    run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
+    h = meta(url, lambda c: c.claim(tid, d.instance_id))
+    assert h.deadline is not None
+    claim = RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at)
+    shared = with_claim(params, claim, siblings=2)
+    for i in range(2):
+        d.sched.add_request(make_request(f"{i}_d1", 70, shared, max_tokens=3))
+    d.step()
+    blocks = {rid: d.block_ids(rid) for rid in ("0_d1", "1_d1")}
+    assert set(blocks["0_d1"]).isdisjoint(blocks["1_d1"])
+    run_until(lambda: {"0_d1", "1_d1"} <= set(d.outputs), [p, d], what="both siblings decoded")
+    for rid, mine in blocks.items():
+        for name in LAYERS:
+            assert torch.equal(d.kv[name][mine], p.kv[name][p_blocks]), rid
+    run_until(lambda: state(url, tid) is HandoffState.DONE, [p, d], what="DONE after the last sibling")
+    run_until(lambda: "p1" not in p.sched.requests, [p, d], what="prefill blocks freed")
+    run_until(lambda: d.counters().get("recv_ok") == 2, [p, d], what="stats")
+    assert (d.counters()["recv_failed"], d.counters()["done_refused"]) == (0, 0)
+
+
 def test_one_prefill_one_decode_over_llmdatadist_without_a_rank_table(
     model_dir: Path, metaserver: UvicornThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
