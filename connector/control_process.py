@@ -46,6 +46,13 @@ def _frame(obj: Any) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write may write part of a large frame (a signal mid-write): write the rest."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _grow(fd: int) -> None:
     try:
         fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
@@ -103,7 +110,7 @@ class ControlProcess:
         if self._gone:
             return
         try:
-            os.write(self._out, _frame(message))
+            _write_all(self._out, _frame(message))
         except OSError as exc:  # the child died: the scheduler half's local deadlines take over
             self._gone = True
             logger.error("pdgate control process %d is gone (%s); ledger calls stop", self._proc.pid, exc)
@@ -160,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def emit(result: Result) -> None:
         with lock:
-            os.write(res_fd, _frame(result))
+            _write_all(res_fd, _frame(result))
 
     frames = _Frames()
     control: ControlThread | None = None
