@@ -101,16 +101,19 @@ class _LeanMetaClient(PooledMetaClient):
 def _lean_client(cfg: ConnectorConfig) -> MetaClient:
     """The control thread's client: the one with the fewest GIL hand-overs per call.
 
-    Why not httpx: this thread shares the GIL with the engine loop, and every event-loop turn or socket
-    call it makes is a GIL hand-over it may wait a switch interval for. `bench/control.py` measures a
-    claim through httpx at about 4 context switches and a 1.2 ms median (idle engine), through this
-    client at about 2.5 and 0.3-0.4 ms, and a lower p99 with a busy engine (bench/results/control.json).
+    Why not httpx: wherever this thread runs, each event-loop turn or socket call is a GIL hand-over
+    (in the engine's process, one it may wait a whole switch interval for). `bench/control.py` counts a
+    claim through httpx at 5-8 context switches of this thread, through this client at 2.5-3, and
+    measures its median 3-10x lower on a shared 2-core machine (bench/results/control.json).
     """
     return _LeanMetaClient(cfg.metaserver_url, pool=HttpPool(), admin_token=cfg.metaserver_token, timeout=5.0)
 
 
 class ControlThread:
-    """Runs metaserver I/O for one scheduler half. Create, `submit()` commands, `drain()` results, `close()`."""
+    """Runs metaserver I/O for one scheduler half. Create, `submit()` commands, `drain()` results, `close()`.
+
+    Inside vLLM it runs in a child process (`control_process.ControlProcess`, same API), off the engine's GIL.
+    """
 
     def __init__(
         self,
