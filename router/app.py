@@ -91,7 +91,7 @@ def serving_protocol(s: RouterSettings) -> type[Any]:
 
 
 def embedded_meta_settings(s: RouterSettings) -> MetaSettings:
-    """The embedded metaserver's settings: its own `PDGATE_*` environment (PDGATE_ADMIN_TOKEN included),
+    """The embedded metaserver's settings: its own `PDGATE_METASERVER_*` (or older `PDGATE_*`) environment,
     overridden only by what the router's settings actually set."""
     overrides: dict[str, Any] = {"store": s.store}
     if s.admin_token is not None:
@@ -274,8 +274,8 @@ def create_app(
                     log.warning(
                         "protected mode: no admin token is set, so the embedded metaserver's /v1/instances and "
                         "/v1/handoffs routes and the instance URLs in /health answer loopback peers only; set "
-                        "PDGATE_ROUTER_ADMIN_TOKEN (or PDGATE_ADMIN_TOKEN, or --admin-token-file) for engines "
-                        "on other hosts"
+                        "PDGATE_ROUTER_ADMIN_TOKEN (or PDGATE_METASERVER_ADMIN_TOKEN, or --admin-token-file) for "
+                        "engines on other hosts"
                     )
                 from pdgate.metaserver.app import running_service
                 from pdgate.metaserver.local import LocalMetaClient

@@ -6,8 +6,8 @@ each with its env var and default and a new field cannot be left out of the CLI.
 repeatable flags (`--prefill URL --prefill URL`) or comma-separated env values.
 
 The embedded metaserver (no `--metaserver`) takes `--store`, the admin token (when set here) and
-`--allowed-engine-networks` from here and its other knobs, `PDGATE_ADMIN_TOKEN` included, from its own
-`PDGATE_*` variables (see `pdgate-metaserver --help`).
+`--allowed-engine-networks` from here and its other knobs, the admin token included, from its own
+`PDGATE_METASERVER_*` variables or their older `PDGATE_*` names (see `pdgate-metaserver --help`).
 
 Secrets (`admin_token`, `api_key`, `upstream_api_key`, `metaserver_token`) each have a `*_file` twin
 and an environment variable: a value given as a flag is visible to every user of the host (`ps`).
@@ -63,7 +63,8 @@ class RouterSettings(BaseSettings):
     admin_token: str | None = Field(
         None,
         description="admin token of the embedded metaserver's /v1/instances and /v1/handoffs routes and of the "
-        "instance URLs in /health (default: PDGATE_ADMIN_TOKEN; unset: protected mode, loopback peers only); "
+        "instance URLs in /health (default: PDGATE_METASERVER_ADMIN_TOKEN or PDGATE_ADMIN_TOKEN; unset: protected "
+        "mode, loopback peers only); "
         "prefer the environment or --admin-token-file to a flag (command lines are visible to every user)",
     )
     admin_token_file: str | None = Field(None, description="file whose first line is the admin token (mode 600)")
