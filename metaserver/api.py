@@ -183,12 +183,30 @@ def parse_body(raw: bytes, model: type[M], *, optional: bool = False) -> M | Non
         raise from_validation_error(exc, "body") from None
 
 
-def _body_doc(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
+def _body_doc(model: type[BaseModel], *, required: bool = True, inline: str | None = None) -> dict[str, Any]:
     """OpenAPI requestBody for a body parsed by `parse_body`; nested models refer to components that the
-    response models already register (Role, TransportAddress, InstanceLoad, ...)."""
+    response models already register (Role, TransportAddress, InstanceLoad, ...). Nested models whose
+    name starts with `inline` (no response registers them: a batch's items) are written in place."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    schema.pop("$defs", None)
+    defs = schema.pop("$defs", {})
+    if inline:
+        schema = _inlined(schema, {f"#/components/schemas/{k}": v for k, v in defs.items() if k.startswith(inline)})
     return {"requestBody": {"required": required, "content": {_JSON: {"schema": schema}}}}
+
+
+def _inlined(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref in defs:
+            return _inlined(defs[ref], defs)
+        out = {k: _inlined(v, defs) for k, v in node.items()}
+        mapping = out.get("discriminator", {}).get("mapping")
+        if isinstance(mapping, dict) and any(target in defs for target in mapping.values()):
+            out["discriminator"] = {k: v for k, v in out["discriminator"].items() if k != "mapping"}
+        return out
+    if isinstance(node, list):
+        return [_inlined(v, defs) for v in node]
+    return node
 
 
 def build_router(service: MetaService | Callable[[], MetaService], settings: MetaSettings) -> APIRouter:
@@ -406,7 +424,7 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
 
     @router.post(
         "/v1/handoffs/batch",
-        openapi_extra=_body_doc(BatchBody),
+        openapi_extra=_body_doc(BatchBody, inline="Batch"),
         response_model=BatchResults,
         responses=common,
         tags=["handoffs"],

@@ -4,6 +4,7 @@ the fast path: per-item outcomes, order per transfer id, hostile input, auth, an
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
@@ -242,3 +243,12 @@ async def test_against_a_metaserver_without_the_batch_route_the_client_sends_sin
             assert isinstance(out[1], MetaNotFound)
             ready = await client.batch([BatchReady(transfer_id=tid, location=LOCATION)])
             assert isinstance(ready[0], Handoff) and ready[0].state is S.READY
+
+
+async def test_openapi_documents_the_batch_body_with_every_reference_resolvable(http: httpx.AsyncClient) -> None:
+    spec = (await http.get("/openapi.json")).json()
+    body = spec["paths"][BATCH]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    ops = {variant["properties"]["op"]["const"] for variant in body["properties"]["items"]["items"]["oneOf"]}
+    assert ops == {"create", "ready", "claim", "done", "abort"}
+    refs = set(re.findall(r"#/components/schemas/(\w+)", orjson.dumps(spec).decode()))
+    assert refs <= set(spec["components"]["schemas"])
