@@ -47,7 +47,8 @@ class Engines:
         resp = answer(body)
         kv = body.get("kv_transfer_params") or {}
         if self.meta is not None and kv.get("do_remote_decode") and resp.status_code == 200:
-            if b"kv_transfer_params" in resp.content:
+            answered = orjson.loads(resp.content).get("kv_transfer_params") or {}
+            if answered.get("transfer_id") == kv["transfer_id"]:  # a ledger prefill (not stock NIXL)
                 await self.meta.mark_ready(kv["transfer_id"], KVLocation(block_ids=[[1, 2]], num_tokens=2))
         return resp
 
@@ -282,3 +283,21 @@ async def test_refusals_before_any_engine_is_called(meta: MetaAPI, engines: Engi
         r = await c.post("/v1/chat/completions", content=b"{nope", headers=auth)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert engines.calls == []
+
+
+async def test_a_prefill_that_does_not_name_the_handoff_is_not_claimed_for(meta: MetaAPI, engines: Engines) -> None:
+    """vLLM's stock NixlConnector answers without our transfer id and records nothing in the ledger: the
+    router sends its decode on at once, with no claim (nothing waits for a READY that never comes)."""
+
+    def stock_nixl_prefill(body: dict) -> httpx.Response:
+        return httpx.Response(200, json={**ANSWER, "kv_transfer_params": {**KV, "remote_host": "10.0.0.9"}})
+
+    engines.scripts["p1"] = [stock_nixl_prefill]
+    app, lifespan = await serve(meta, engines)
+    async with lifespan, client(app) as c:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 200
+    (_, p_body, _), (_, d_body, _) = engines.calls
+    assert "claimed_by" not in d_body["kv_transfer_params"]
+    assert d_body["kv_transfer_params"]["remote_host"] == "10.0.0.9"
+    assert (await meta.get_handoff(p_body["kv_transfer_params"]["transfer_id"])).state is HandoffState.PENDING
