@@ -15,9 +15,8 @@ separate connection pool without a socket timeout. Connection errors become `Sto
 redis-py reconnects by itself once Redis is back (with Sentinel: to whichever master the Sentinels name).
 
 On a Redis Cluster the ledger is sharded by prefill (`keys.py`); a move names only the transfer id, so
-its shard comes from a locator key written before the record (cached here, so a move on the replica that
-made the record is still one round trip). The sweeper and the per-state counts visit every shard in one
-pipeline, which redis-py splits by node.
+its shard comes from a locator written before the record (`shards.Locator`). The sweeper and the
+per-state counts visit every shard in one pipeline, which redis-py splits by node.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable
 from functools import partial
 from typing import Any, TypeVar, cast
@@ -48,10 +46,11 @@ from pdgate.metaserver.models import (
     KVLocation,
 )
 from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
-from pdgate.metaserver.store.keys import INSTANCE_TTL_GRACE_S, LOCATOR_LIVE_S, Keys, ShardKeys, ttl_ms
+from pdgate.metaserver.store.keys import INSTANCE_TTL_GRACE_S, Keys, ShardKeys
 from pdgate.metaserver.store.pipeline import NotReplicated, Pipeliner
 from pdgate.metaserver.store.redis_urls import connect, parse_store_url
 from pdgate.metaserver.store.scripts import SCRIPTS, config, source
+from pdgate.metaserver.store.shards import Locator, xread
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import ClusterError, RedisClusterException, RedisError, TryAgainError
@@ -82,9 +81,6 @@ _REDIS_ERRORS: tuple[tuple[tuple[type[Exception], ...], type[MetaError], str], .
     ((RedisError,), StoreFailure, "redis store error"),
 )
 _BLOCKING_MARGIN_S = 2.0
-
-
-_LOCATOR_CACHE = 65536  # transfer id -> bucket, newest kept (cluster only)
 
 
 def _split_url(url: str) -> tuple[str, str]:
@@ -152,7 +148,6 @@ class RedisStore(Store):
         self.url = url
         self.policy = policy or LedgerPolicy()
         target = parse_store_url(url)
-        self.mode = target.mode
         self.keys = Keys(target.prefix, buckets=target.buckets)
         # Connections are made on demand and reused (up to one per concurrent request; `max_connections=N` in
         # the URL caps them). Blocking reads (XREAD BLOCK, pub/sub) hold theirs for the whole wait: own
@@ -167,7 +162,7 @@ class RedisStore(Store):
         ready = None if self._cluster_ready else self._init_cluster
         wait = (target.wait_replicas, target.wait_timeout_ms) if target.wait_replicas else None
         self._pipeliner = Pipeliner(cast(aioredis.Redis, self._redis), ready=ready, wait=wait)
-        self._buckets: OrderedDict[str, int] = OrderedDict()  # cluster: the locators this store knows
+        self._locator = Locator(self.keys, self._redis, self.policy.terminal_ttl_s)
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._closing = False
@@ -223,33 +218,7 @@ class RedisStore(Store):
         raise ledger.refused(ledger.MOVES[name], S(res[1]), claimant=claimant, caller=caller)
 
     async def _shard(self, transfer_id: str) -> ShardKeys | None:
-        """The shard holding this handoff; None when a cluster has no locator for it (unknown id)."""
-        if not self.keys.sharded:
-            return self.keys.shards[0]
-        bucket = self._buckets.get(transfer_id)
-        if bucket is None:
-            found = await self._guard(self._redis.get(self.keys.locator(transfer_id)))
-            if found is None:
-                return None
-            bucket = int(found)
-            self._remember(transfer_id, bucket)
-        return self.keys.shards[bucket]
-
-    def _remember(self, transfer_id: str, bucket: int) -> None:
-        self._buckets[transfer_id] = bucket
-        if len(self._buckets) > _LOCATOR_CACHE:
-            self._buckets.popitem(last=False)
-
-    async def _locate_new(self, transfer_id: str, bucket: int) -> None:
-        """Cluster: claim the transfer id's locator for `bucket` before the record is written (so no
-        second record with this id can appear in another shard); HandoffExists when another holds it."""
-        ttl = ttl_ms(self.policy.terminal_ttl_s + LOCATOR_LIVE_S)
-        old = await self._guard(self._redis.set(self.keys.locator(transfer_id), bucket, nx=True, get=True, px=ttl))
-        if old is not None and int(old) != bucket:
-            rec = await self.get_handoff(transfer_id)
-            state = rec.state if rec is not None else S.PENDING
-            raise HandoffExists(f"handoff {transfer_id} already exists", current_state=state)
-        self._remember(transfer_id, bucket)
+        return await self._guard(self._locator.find(transfer_id))
 
     async def _each_shard(self, script: str, args: _Args) -> list[Any]:
         """One script call per shard, sent together (one pipeline, split by node on a cluster)."""
@@ -345,8 +314,10 @@ class RedisStore(Store):
         rec = ledger.create(body, transfer_id=transfer_id, kv_key=1, now=now, **leases)
         assert rec.deadline is not None
         shard = self.keys.shard_of(rec.prefill_instance_id)
-        if self.keys.sharded:
-            await self._locate_new(transfer_id, shard.bucket)
+        if self.keys.sharded and not await self._guard(self._locator.claim(transfer_id, shard.bucket)):
+            found = await self.get_handoff(transfer_id)  # the id is another prefill's handoff
+            state = found.state if found is not None else S.PENDING
+            raise HandoffExists(f"handoff {transfer_id} already exists", current_state=state)
         args = [
             repr(now),
             transfer_id,
@@ -454,25 +425,13 @@ class RedisStore(Store):
                 if not waiting:
                     del self._waiters[transfer_id]
 
-    async def _xread(self, client: Any, key: str, after: str, limit: int, block: int | None) -> Any:
-        """XREAD of one stream. On a cluster it goes straight to the stream's node: redis-py cannot find
-        XREAD's key by itself (the command's keys move with its arguments) and would ask the server with
-        an extra COMMAND GETKEYS round trip on every read."""
-        if not isinstance(client, RedisCluster):
-            return await client.xread({key: after}, count=limit, block=block)
-        args: list[Any] = ["XREAD", "COUNT", limit]
-        if block is not None:
-            args += ["BLOCK", block]
-        node = client.get_node_from_key(key)
-        return await client.execute_command(*args, "STREAMS", key, after, target_nodes=node)
-
     async def read_events(
         self, instance_id: str, cursor: str | None, *, wait: float, limit: int = 1000
     ) -> HandoffEvents:
         after = check_cursor(cursor) or "0"  # one grammar for both stores
         key = self.keys.events(instance_id)
         block = max(1, int(wait * 1000)) if wait > 0 else None
-        call = partial(self._xread, self._blocking if wait > 0 else self._redis, key, after, limit, block)
+        call = partial(xread, self._blocking if wait > 0 else self._redis, key, after, limit, block)
         try:
             # The blocking pool has no socket timeout (the BLOCK time bounds a healthy read); a frozen
             # Redis must not hold the poll (and its connection) longer than the wait plus a margin.

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 import redis
-from pdgate.metaserver.errors import StoreUnavailable
+from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, StoreUnavailable
 from pdgate.metaserver.models import HandoffCreate, HandoffState, KVLocation
 from pdgate.metaserver.store import Store, open_store
 from pdgate.metaserver.store.redis import RedisStore
@@ -179,3 +179,36 @@ async def test_a_transition_fails_atomically_while_its_slot_moves(redis_cluster:
         assert _keys_in_slot(src, slot) == []
     finally:
         await store.close()
+
+
+async def test_another_replica_finds_the_shard_and_an_id_cannot_live_in_two_shards(
+    redis_cluster: RedisClusterServers,
+) -> None:
+    """A second store on the same cluster (another metaserver replica, which did not create the handoff)
+    finds its shard through the locator; a create reusing the id for a prefill of another shard is
+    refused, and no second record appears there."""
+    url = redis_cluster.url(f"t{uuid.uuid4().hex[:8]}")
+    first, second = open_store(url), open_store(url)
+    assert isinstance(first, RedisStore)
+    now = time.time()
+    a = "prefill-a"
+    b = next(f"prefill-b{i}" for i in range(1000) if first.keys.bucket_of(f"prefill-b{i}") != first.keys.bucket_of(a))
+    try:
+        await first.create_handoff(
+            HandoffCreate(prefill_instance_id=a), transfer_id="x1", now=now, pending_lease_s=30, ready_lease_s=30
+        )
+        moved = await second.mark_ready("x1", LOC, now=now)
+        assert (moved.before, moved.handoff.state) == (S.PENDING, S.READY)
+        with pytest.raises(HandoffExists) as err:
+            await second.create_handoff(
+                HandoffCreate(prefill_instance_id=b), transfer_id="x1", now=now, pending_lease_s=30, ready_lease_s=30
+            )
+        assert err.value.current_state is S.READY
+        other = first.keys.shard_of(b).handoff("x1")
+        assert redis_cli(redis_cluster.owner(_slot(other)), "exists", other) == "0"
+        assert await second.get_handoff("unknown-id") is None
+        with pytest.raises(HandoffNotFound):
+            await second.claim("unknown-id", "d0", now=now, lease_s=30)
+    finally:
+        await first.close()
+        await second.close()
