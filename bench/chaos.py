@@ -127,11 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-streams", type=int, default=4096)
     p.add_argument("--scale-only", action="store_true", help="rerun scale into the existing results JSON")
     p.add_argument("--no-docs", action="store_true", help="do not write docs/RELIABILITY.md")
+    p.add_argument("--render-only", action="store_true", help="rewrite docs/RELIABILITY.md from the results JSON")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/chaos[-quick].json)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _raise_fd_limit()
     out = args.out or RESULTS / ("chaos-quick.json" if args.quick else "chaos.json")
+    if args.render_only:
+        DOCS.write_text(render_markdown(json.loads(out.read_text())))
+        print(f"wrote {DOCS} from {out}")
+        return 0
     if args.scale_only:
         from chaos_scale import run_scale
 

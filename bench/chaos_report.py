@@ -134,7 +134,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             "",
             f"Run: {s.get('started', result['started'])}; machine load (`uptime`) at its start: "
             f"`{s.get('uptime_start', '?')}`, at its end: `{s.get('uptime_end', '?')}`. Each client sends one "
-            "streaming request; decodes send a token every few seconds so every stream stays open at once.",
+            "streaming request; decodes send a token every few seconds so every stream stays open at once. "
+            f"The clients run in {s.get('load_procs', 1)} load generator process(es) (official `openai` client).",
             "",
             "Failures caused by the load generator are counted apart: **load generator: 408** the router's "
             "typed answer to a client that sent its request later than the header timeout after connecting; "
