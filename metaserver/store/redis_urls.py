@@ -31,7 +31,7 @@ from pdgate.metaserver.store.keys import DEFAULT_PREFIX
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ConstantBackoff
+from redis.backoff import ConstantBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 __all__ = ["DEFAULT_BUCKETS", "Client", "RedisTarget", "connect", "parse_store_url"]
@@ -171,7 +171,14 @@ def connect(target: RedisTarget, *, socket_timeout: float | None, max_connection
     if target.mode == "sentinel":
         sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves Sentinel unannotated
             list(target.nodes),
-            sentinel_kwargs={"socket_connect_timeout": 1.0, "socket_timeout": 1.0, **target.sentinel_options},
+            # No retries against a Sentinel: the client already goes round all of them, and redis-py's
+            # default retries with backoff held a call for ~25 s when every Sentinel refused it.
+            sentinel_kwargs={
+                "socket_connect_timeout": 1.0,
+                "socket_timeout": 1.0,
+                "retry": Retry(NoBackoff(), 0),
+                **target.sentinel_options,
+            },
         )
         master: aioredis.Redis = sentinel.master_for(
             target.service, **common, retry_on_error=[RedisConnectionError], db=target.db, **opts
