@@ -7,15 +7,19 @@ least-loaded one, the eligible decodes that can take its KV, the least-loaded on
 
 Fleets: P prefills x D decodes of one model, spread over `classes` compatibility classes (block size,
 KV dtype, TP: what `pdgate.metaserver.contract.mismatch` compares), with some instances unavailable.
-Prints a table and writes bench/results/pool.json.
+Prints a table and writes bench/results/pool.json. `--pool-file` measures another version of
+router/pool.py instead (the pair-by-pair one before issue 12, for the before/after figures):
 
     .venv-vllm/bin/python bench/pool.py [--sizes 100 1000] [--classes 1 8] [--seconds 2]
+    git show 59fb109:router/pool.py > /tmp/pool_before.py
+    .venv-vllm/bin/python bench/pool.py --pool-file /tmp/pool_before.py --out /tmp/pool_before.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -24,11 +28,27 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
-from pdgate.metaserver.models import Role
-from pdgate.router.bodies import RequestFacts
-from pdgate.router.pairing import InstanceView
-from pdgate.router.policies import make_policy
-from pdgate.router.pool import Pool
+
+def _pool_module_from_argv() -> None:
+    """With --pool-file, that file is imported as pdgate.router.pool before anything else imports it."""
+    if "--pool-file" in sys.argv:
+        import importlib.util
+
+        path = sys.argv[sys.argv.index("--pool-file") + 1]
+        spec = importlib.util.spec_from_file_location("pdgate.router.pool", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["pdgate.router.pool"] = module
+        spec.loader.exec_module(module)
+
+
+_pool_module_from_argv()
+
+from pdgate.metaserver.models import Role  # noqa: E402
+from pdgate.router.bodies import RequestFacts  # noqa: E402
+from pdgate.router.pairing import InstanceView  # noqa: E402
+from pdgate.router.policies import make_policy  # noqa: E402
+from pdgate.router.pool import Pool  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FACTS = RequestFacts(endpoint="/v1/completions", model="m", stream=False, prompt_tokens=64, max_tokens=16, prefix=b"")
@@ -103,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="per decisions row")
     ap.add_argument("--rounds", type=int, default=5, help="changes per change row (median)")
     ap.add_argument("--out", type=Path, default=RESULTS / "pool.json")
+    ap.add_argument("--pool-file", default=None, help="measure this router/pool.py instead of the installed one")
     args = ap.parse_args(argv)
     rows = []
     for n in args.sizes:
@@ -120,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "pool_file": args.pool_file or "router/pool.py",
+        "load_avg": os.getloadavg(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

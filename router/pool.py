@@ -65,7 +65,7 @@ class LiveInstance:
         self.breaker = breaker
         self.healthy = True
         self.health_reason = ""
-        self.compat = view.compat_key  # its compatibility class (kept current by Pool._rebuild)
+        self.compat = -1  # its compatibility class: a small int per distinct compat key (set by Pool._rebuild)
 
     @property
     def reported(self) -> int:
@@ -98,8 +98,9 @@ class Pool:
         self.instances: dict[str, LiveInstance] = {}
         self.prefills: dict[str, list[LiveInstance]] = {}  # model -> prefill-capable instances
         self.decodes: dict[str, list[LiveInstance]] = {}  # model -> decode-capable instances
-        # compat key of a prefill class -> the decodes (sorted by id) that can take its KV
-        self._compatible: dict[tuple[object, ...], list[LiveInstance]] = {}
+        # prefill class -> the decodes (sorted by id) that can take its KV. Classes are ints, not the
+        # key tuples: a tuple's hash is computed on every lookup, and a decision looks up every prefill.
+        self._compatible: dict[int, list[LiveInstance]] = {}
         self._by_url: dict[str, list[LiveInstance]] = {}
         self._fingerprint: tuple[object, ...] = ()
         self.views: tuple[InstanceView, ...] = ()
@@ -146,11 +147,12 @@ class Pool:
         """Group by model and compat class, then pair classes (see the module docstring)."""
         prefills: dict[str, list[LiveInstance]] = {}
         decodes: dict[str, list[LiveInstance]] = {}
-        p_classes: dict[tuple[object, ...], InstanceView] = {}  # key -> a representative view
-        d_classes: dict[str, dict[tuple[object, ...], InstanceView]] = {}  # model -> key -> representative
+        class_of: dict[tuple[object, ...], int] = {}
+        p_classes: dict[int, InstanceView] = {}  # class -> a representative view
+        d_classes: dict[str, dict[int, InstanceView]] = {}  # model -> class -> representative
         for inst in self.instances.values():  # sorted by id (replace sorts), so every list below is too
             v = inst.view
-            inst.compat = v.compat_key
+            inst.compat = class_of.setdefault(v.compat_key, len(class_of))
             if v.model is None:
                 continue
             if v.role.can_prefill():
@@ -159,7 +161,7 @@ class Pool:
             if v.role.can_decode():
                 decodes.setdefault(v.model, []).append(inst)
                 d_classes.setdefault(v.model, {}).setdefault(inst.compat, v)
-        compatible: dict[tuple[object, ...], list[LiveInstance]] = {}
+        compatible: dict[int, list[LiveInstance]] = {}
         for key, p in p_classes.items():
             assert p.model is not None
             ok = {dk for dk, d in d_classes.get(p.model, {}).items() if compatible_views(p, d)}
@@ -171,7 +173,7 @@ class Pool:
     # -- selection --------------------------------------------------------------------------
 
     def prefill_candidates(self, model: str, now: float, exclude: Sequence[str] = ()) -> list[LiveInstance]:
-        served: dict[tuple[object, ...], bool] = {}  # prefill class -> has an eligible decode now
+        served: dict[int, bool] = {}  # prefill class -> has an eligible decode now
         out = []
         for p in self.prefills.get(model, ()):
             if p.id in exclude or p.unavailable(now) is not None:
