@@ -25,7 +25,10 @@ for its own lease (plus one refresh) from the moment the registry came back: the
 judging it, the ledger works again, and requests keep flowing instead of failing with
 `pd_no_compatible_pair`. Absent longer than that, or absent while the registry was readable all along, it
 is gone. A failed read that says the metaserver or its store is unreachable also tells the pool that the
-ledger is down (`Pool.ledger_outage`), so that the failures it causes open no instance's breaker.
+ledger is down (`Pool.ledger_outage`), so that the failures it causes open no instance's breaker. The
+outage is often first seen as breakers opening (every decode's claim fails at once): so an opening
+breaker triggers one registry read at once, instead of waiting for the next refresh, and breakers the
+outage opened are closed again before the router refuses work for them.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ class Discovery:
         self._last_ok = clock()  # the last good registry read
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._check: asyncio.Task[None] | None = None  # a registry read triggered by an opening breaker
+        pool.on_open = self._breaker_opened
         self._networks = settings.engine_networks
         self._own = (settings.host, settings.port) if settings.port else None  # this router's socket
         self._refused: set[str] = set()  # registry URLs already warned about
@@ -121,6 +126,16 @@ class Discovery:
                 self._leases[inst.id] = inst.lease_s
         await self._learn_static_models()
         self._install()
+
+    def _breaker_opened(self, instance_id: str) -> None:
+        """Is it the ledger? Read the registry now (one read at a time; only while the loops run)."""
+        if self._stopping or not self._tasks or (self._check is not None and not self._check.done()):
+            return
+        try:
+            self._check = asyncio.get_running_loop().create_task(self.refresh_once(), name="pdgate-ledger-check")
+        except RuntimeError:  # no running loop (a unit test driving the pool by hand)
+            return
+        self._check.add_done_callback(_log_failure)
 
     def _kept_through_outage(self, fresh: list[InstanceView], now: float) -> list[InstanceView]:
         """Instances of the last snapshot that the registry no longer lists, still inside the grace after
@@ -241,6 +256,8 @@ class Discovery:
         """Stop both loops. A cancellation that some awaited library call swallowed is sent again
         (the flag ends the loop at its next turn in any case): shutdown never waits on a loop."""
         self._stopping = True
+        if self._check is not None:
+            self._tasks.append(self._check)
         while pending := [t for t in self._tasks if not t.done()]:
             for task in pending:
                 task.cancel()
@@ -249,6 +266,11 @@ class Discovery:
             if not task.cancelled() and task.exception() is not None:
                 log.warning("background loop %s ended with %r", task.get_name(), task.exception())
         self._tasks = []
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s failed: %r", task.get_name(), task.exception())
 
 
 def _reason(exc: BaseException) -> str:

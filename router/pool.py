@@ -105,6 +105,7 @@ class Pool:
         self._fingerprint: tuple[object, ...] = ()
         self.views: tuple[InstanceView, ...] = ()
         self.ledger_down = False  # a shared outage: failures say nothing about the instance
+        self.on_open: Callable[[str], None] | None = None  # a breaker opened (Discovery: is the ledger down?)
 
     # -- refresh ----------------------------------------------------------------------------
 
@@ -140,6 +141,8 @@ class Pool:
         def cb(before: BreakerState, to: BreakerState) -> None:
             if self._on_breaker is not None:
                 self._on_breaker(instance_id, to)
+            if to is BreakerState.OPEN and self.on_open is not None:
+                self.on_open(instance_id)
 
         return cb
 

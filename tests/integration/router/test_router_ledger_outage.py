@@ -48,8 +48,10 @@ def _no_upstream() -> Upstream:
 
 
 @contextlib.asynccontextmanager
-async def _stack(redis: RedisServer) -> AsyncIterator[tuple[LocalMetaClient, Discovery, Pool]]:
-    settings = RouterSettings(refresh_interval_s=REFRESH_S, breaker_failures=2, breaker_open_s=60.0)
+async def _stack(
+    redis: RedisServer, refresh_s: float = REFRESH_S
+) -> AsyncIterator[tuple[LocalMetaClient, Discovery, Pool]]:
+    settings = RouterSettings(refresh_interval_s=refresh_s, breaker_failures=2, breaker_open_s=60.0)
     pool = Pool(BreakerConfig(failures=2, open_s=60.0))
     async with running_service(MetaSettings(store=redis.url), sweep=False) as svc:
         meta = LocalMetaClient(svc)
@@ -109,3 +111,26 @@ async def test_without_an_outage_a_vanished_instance_leaves_at_once() -> None:
             assert sorted(pool.instances) == ["p"] and pool.models(time.monotonic()) == []
             _fail(pool, "p", 2)  # no outage: an instance's failures open its breaker
             assert pool.instances["p"].breaker.state(time.monotonic()) is BreakerState.OPEN
+
+
+async def test_an_opening_breaker_checks_the_ledger_at_once() -> None:
+    """The outage shows first as every decode failing: the breaker that opens triggers a registry read,
+    which finds the store down and closes it again, long before the next scheduled refresh."""
+    with RedisServer() as redis:
+        async with _stack(redis, refresh_s=600.0) as (meta, disc, pool):
+            await meta.register(_reg("p", Role.PREFILL, 9001))
+            await meta.register(_reg("d", Role.DECODE, 9002))
+            await disc.refresh_once()
+            disc.start()  # the scheduled refresh is ten minutes away
+            try:
+                redis.stop()
+                _fail(pool, "d", 2)  # its breaker opens...
+                assert pool.instances["d"].breaker.state(time.monotonic()) is BreakerState.OPEN
+                check = disc._check  # ...and that started one registry read
+                assert check is not None
+                await check
+                assert disc.registry_reason is not None and pool.ledger_down
+                assert pool.instances["d"].breaker.state(time.monotonic()) is BreakerState.CLOSED
+                assert pool.models(time.monotonic()) == ["m"]
+            finally:
+                await disc.stop()
