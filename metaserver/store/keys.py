@@ -20,8 +20,8 @@ lives in the shard of its prefill instance (`Keys.bucket_of`):
                                         terminal TTL
     {PREFIX}:i:<instance_id>     hash   one registry record (expires with its lease, plus a grace)
     {PREFIX}:instances           zset   instance_id -> heartbeat lease deadline (listing without KEYS scans)
-    {PREFIX}:left-pending        pubsub channel: transfer ids that just left PENDING (wakes long-polls;
-                                        Cluster broadcasts it to every node)
+    {PREFIX}:left-pending        pubsub channel: transfer ids that just left PENDING (wakes long-polls);
+    SHARD:left-pending           cluster only, instead: the shard's own channel (SPUBLISH, wakeups.py)
 
 Why a shard per prefill and not per transfer id: each transition script must update, in the same
 atomic step, the record, the deadline index and the prefill's event stream. Redis Cluster runs a script
@@ -61,6 +61,7 @@ HANDOFF = "h:"
 EVENTS = "ev:"
 STATE_COUNTS = "handoff-states"
 KV_COUNTER = "kv_key"
+LEFT_PENDING = "left-pending"
 
 
 def ttl_ms(seconds: float) -> int:
@@ -92,6 +93,7 @@ class ShardKeys:
         self.events_prefix = self.base + EVENTS
         self.state_counts = self.base + STATE_COUNTS
         self.kv_counter = self.base + KV_COUNTER
+        self.left_pending = self.base + LEFT_PENDING  # cluster: the shard's own channel (SPUBLISH)
 
     def handoff(self, transfer_id: str) -> str:
         return self.handoff_prefix + transfer_id

@@ -9,8 +9,8 @@ run at once. The scripts decide nothing of their own: they interpret the rows of
 a read followed by a compare-and-set). Keys come only from `store/keys.py`. Concurrent calls share
 round trips (`pipeline.Pipeliner`: auto-pipelining).
 
-Long-polls: `wait_handoff` listens on one pub/sub channel (one subscriber per store, shared by all
-waiters) and re-reads every 0.5 s in case a message was lost; `read_events` uses XREAD BLOCK on a
+Long-polls: `wait_handoff` is woken by the left-pending announcements (`wakeups.py`: one subscriber per
+store, shared by all waiters) and re-reads every 0.5 s in case a message was lost; `read_events` uses XREAD BLOCK on a
 separate connection pool without a socket timeout. Connection errors become `StoreUnavailable` (503);
 redis-py reconnects by itself once Redis is back (with Sentinel: to whichever master the Sentinels name).
 
@@ -45,6 +45,7 @@ from pdgate.metaserver.models import (
     InstanceState,
     KVLocation,
 )
+from pdgate.metaserver.store import wakeups
 from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
 from pdgate.metaserver.store.keys import INSTANCE_TTL_GRACE_S, Keys, ShardKeys
 from pdgate.metaserver.store.pipeline import NotReplicated, Pipeliner
@@ -163,9 +164,8 @@ class RedisStore(Store):
         wait = (target.wait_replicas, target.wait_timeout_ms) if target.wait_replicas else None
         self._pipeliner = Pipeliner(cast(aioredis.Redis, self._redis), ready=ready, wait=wait)
         self._locator = Locator(self.keys, self._redis, self.policy.terminal_ttl_s)
-        self._waiters: dict[str, set[asyncio.Event]] = {}
-        self._listener: asyncio.Task[None] | None = None
         self._closing = False
+        self._wakeups = wakeups.Wakeups(self._blocking, self.keys, lambda: self._closing)
 
     # -- plumbing ----------------------------------------------------------------------------
     async def _init_cluster(self) -> None:
@@ -231,12 +231,7 @@ class RedisStore(Store):
 
     async def close(self) -> None:
         self._closing = True
-        if self._listener is not None:
-            self._listener.cancel()
-            try:
-                await self._listener
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self._wakeups.close()
         for client in (self._redis, self._blocking):
             if isinstance(client, aioredis.Redis):
                 await client.aclose(close_connection_pool=True)
@@ -370,41 +365,11 @@ class RedisStore(Store):
         return {state: sum(max(0, int(raw.get(state.value, 0))) for raw in raws) for state in LIVE_STATES}
 
     # -- long-polls --------------------------------------------------------------------------
-    def _ensure_listener(self) -> None:
-        if not self._closing and (self._listener is None or self._listener.done()):
-            self._listener = asyncio.create_task(self._listen(), name="pdgate-left-pending")
-
-    async def _listen(self) -> None:
-        """Wake the waiters of each transfer id published on the left-pending channel; survive outages.
-
-        Ends on `_closing` too: redis-py may turn a cancellation inside a read into a connection error."""
-        while not self._closing:
-            pubsub = self._blocking.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.keys.left_pending)
-                while not self._closing:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg is not None:
-                        for event in self._waiters.get(msg["data"], ()):
-                            event.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the waiters fall back to re-reading; try again shortly
-                log.debug("left-pending listener: %r; resubscribing", exc)
-                await asyncio.sleep(0.5)
-            finally:
-                try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                except Exception:
-                    pass
-
     async def wait_handoff(self, transfer_id: str, *, timeout: float) -> Handoff | None:
         rec = await self.get_handoff(transfer_id)
         if rec is None or rec.state is not S.PENDING or timeout <= 0:
             return rec
-        self._ensure_listener()
-        event = asyncio.Event()
-        self._waiters.setdefault(transfer_id, set()).add(event)
+        event = self._wakeups.watch(transfer_id)
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout
         try:
@@ -414,16 +379,12 @@ class RedisStore(Store):
                 if rec is None or rec.state is not S.PENDING or remaining <= 0:
                     return rec
                 try:
-                    await asyncio.wait_for(event.wait(), min(remaining, 0.5))
+                    await asyncio.wait_for(event.wait(), min(remaining, wakeups.RECHECK_S))
                 except asyncio.TimeoutError:
                     pass
                 event.clear()
         finally:
-            waiting = self._waiters.get(transfer_id)
-            if waiting is not None:
-                waiting.discard(event)
-                if not waiting:
-                    del self._waiters[transfer_id]
+            self._wakeups.unwatch(transfer_id, event)
 
     async def read_events(
         self, instance_id: str, cursor: str | None, *, wait: float, limit: int = 1000

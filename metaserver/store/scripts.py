@@ -16,7 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from pdgate.metaserver import ledger, registry
 from pdgate.metaserver.store.base import LedgerPolicy
-from pdgate.metaserver.store.keys import DEADLINES, EVENTS, HANDOFF, STATE_COUNTS, Keys, ttl_ms
+from pdgate.metaserver.store.keys import DEADLINES, EVENTS, HANDOFF, LEFT_PENDING, STATE_COUNTS, Keys, ttl_ms
 from redis.commands.core import AsyncScript
 
 __all__ = ["SCRIPTS", "config", "load_scripts", "lua_literal", "source"]
@@ -72,6 +72,7 @@ def config(keys: Keys, policy: LedgerPolicy) -> dict[str, Any]:
         "events_suffix": EVENTS,
         "state_counts_suffix": STATE_COUNTS,
         "left_pending": keys.left_pending,
+        "left_pending_suffix": LEFT_PENDING,
         "buckets": len(keys.shards),
         "terminal_ttl_ms": ttl_ms(policy.terminal_ttl_s),
         "events_maxlen": policy.events_maxlen,

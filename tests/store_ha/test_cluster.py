@@ -16,12 +16,13 @@ import pytest
 import redis
 from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, StoreUnavailable
 from pdgate.metaserver.models import HandoffCreate, HandoffState, KVLocation
-from pdgate.metaserver.store import Store, open_store
+from pdgate.metaserver.store import Store, open_store, wakeups
 from pdgate.metaserver.store.redis import RedisStore
 from redis.crc import key_slot
 
 from pdgate.errors import Code
 from tests.store_ha.servers import RedisClusterServers, redis_cli
+from tests.support.ports import wait_until
 
 pytestmark = pytest.mark.store_ha
 
@@ -212,3 +213,44 @@ async def test_another_replica_finds_the_shard_and_an_id_cannot_live_in_two_shar
     finally:
         await first.close()
         await second.close()
+
+
+async def test_long_polls_wake_on_their_shards_channel(
+    redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a cluster the wake-up of a long-poll is an SPUBLISH on the shard's own channel, heard by one
+    subscription per master (a plain PUBLISH would cross the bus to every node). With the waiters'
+    periodic re-read pushed past the poll's end, the listener must hear every id."""
+    monkeypatch.setattr(wakeups, "RECHECK_S", 60.0)
+    store = open_store(redis_cluster.url(f"t{uuid.uuid4().hex[:8]}"))
+    assert isinstance(store, RedisStore)
+    now = time.time()
+    prefills = [f"pw-{i}" for i in range(30)]
+    try:
+        for i, p in enumerate(prefills):
+            await store.create_handoff(
+                HandoffCreate(prefill_instance_id=p), transfer_id=f"w{i}", now=now, pending_lease_s=60, ready_lease_s=60
+            )
+        heard: list[str] = []
+        wake = store._wakeups._wake
+        monkeypatch.setattr(store._wakeups, "_wake", lambda tid: (heard.append(tid), wake(tid)))
+        polls = [asyncio.create_task(store.wait_handoff(f"w{i}", timeout=30)) for i in range(30)]
+        # Every shard channel has its one subscriber, on the master that serves it.
+        channels = [s.left_pending for s in store.keys.shards]
+
+        def subscribed() -> bool:
+            for channel in channels:
+                out = redis_cli(redis_cluster.owner(_slot(channel)), "pubsub", "shardnumsub", channel).split()
+                if out[-1] != "1":
+                    return False
+            return True
+
+        await asyncio.to_thread(wait_until, subscribed, timeout=20, what="shard channels subscribed")
+        assert redis_cli(redis_cluster.ports[0], "pubsub", "numsub", store.keys.left_pending).split()[-1] == "0"
+        for i in range(30):
+            await store.mark_ready(f"w{i}", LOC, now=now)
+        woken = await asyncio.gather(*polls)
+        assert [h.state if h else None for h in woken] == [S.READY] * 30
+        assert sorted(heard) == sorted(f"w{i}" for i in range(30))  # each woken by its shard's message
+    finally:
+        await store.close()

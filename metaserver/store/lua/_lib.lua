@@ -3,6 +3,7 @@
 -- not sent with every call:
 --   CFG.deadlines_suffix  CFG.handoff_suffix  CFG.events_suffix  CFG.state_counts_suffix
 --               a shard's key names after its base (keys.py); CFG.left_pending  the pub/sub channel
+--               (CFG.left_pending_suffix: a shard's own channel on a cluster)
 --   CFG.buckets number of ledger shards (kv_key's shard bits; 1 on one Redis)
 --   CFG.terminal_ttl_ms  CFG.events_maxlen  CFG.events_ttl_s  CFG.max_claims     retention (LedgerPolicy)
 --   CFG.moves   ledger.MOVES, name -> {sources = {STATE = true}, to, lease, field, claimant,
@@ -47,9 +48,15 @@ local function count_move(from, to)
   end
 end
 
+-- Wake long-polls on this transfer id. On a cluster each shard has its own channel (SPUBLISH stays on
+-- the shard's node; a plain PUBLISH would cross the cluster bus to every node): store/wakeups.py.
 local function left_pending(before, tid)
   if before == CFG.pending then
-    redis.call('PUBLISH', CFG.left_pending, tid)
+    if CFG.buckets > 1 then
+      redis.call('SPUBLISH', SHARD .. CFG.left_pending_suffix, tid)
+    else
+      redis.call('PUBLISH', CFG.left_pending, tid)
+    end
   end
 end
 
