@@ -29,8 +29,9 @@ def sentinel_group() -> Iterator[SentinelGroup]:
         group.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisClusterServers]:
+    """One three-master cluster for every test here (each test uses its own key prefix)."""
     cluster = RedisClusterServers().start()
     try:
         yield cluster
