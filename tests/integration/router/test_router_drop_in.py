@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.router.conftest import HTTP, Deployment, transfer_ids
+from tests.integration.router.conftest import HTTP, Deployment, Sim, transfer_ids
+from tests.support.ports import free_port
 
 MODEL_LEN = 512  # the sims' --max-model-len
 
@@ -234,3 +235,20 @@ def test_decode_is_not_asked_for_prompt_logprobs(dep: Deployment) -> None:
     p_body = next(e["body"] for e in p_sim.stats(log=True)["log"] if e["mode"] == "prefill")
     d_body = next(e["body"] for e in d_sim.stats(log=True)["log"] if e["mode"] == "decode")
     assert p_body["prompt_logprobs"] == 1 and "prompt_logprobs" not in d_body
+
+
+def test_a_passed_through_route_skips_an_instance_that_cannot_be_reached() -> None:
+    """One dead instance of the model: it is skipped (503 pd_no_instance when it is the only one); next to a
+    live one that does not serve the route, the answer is the typed 404."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    with Deployment(prefill=[dead], decode=[dead], model="sim-model") as alone:
+        r = HTTP.post(alone.url + "/tokenize", json={"model": "sim-model", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "pd_no_instance"
+        assert r.headers["x-pdgate-error"] == "pd_no_instance"
+    live = Sim("both").wait()
+    try:
+        with Deployment(prefill=[dead, live.url], decode=[live.url], model="sim-model") as both:
+            r = HTTP.post(both.url + "/tokenize", json={"model": "sim-model", "prompt": "x"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    finally:
+        live.stop()
