@@ -37,7 +37,7 @@ def _gauges(metrics: str) -> dict[str, float]:
 async def test_sweeper_gauges_and_registry_of_a_metaserver_on_a_cluster(redis_cluster: RedisClusterServers) -> None:
     prefix = f"t{uuid.uuid4().hex[:8]}"
     settings = MetaSettings(
-        store=redis_cluster.url(prefix), sweep_interval_s=0.05, pending_lease_s=4.0, ready_lease_s=4.0
+        store=redis_cluster.url(prefix), sweep_interval_s=0.05, pending_lease_s=8.0, ready_lease_s=8.0
     )
     prefills = [f"prefill-{i}" for i in range(30)]
     keys = Keys(prefix, buckets=64)
