@@ -50,10 +50,9 @@ from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
 from pdgate.metaserver.store.keys import INSTANCE_TTL_GRACE_S, Keys, ShardKeys
 from pdgate.metaserver.store.pipeline import NotReplicated, Pipeliner
 from pdgate.metaserver.store.redis_urls import connect, parse_store_url
-from pdgate.metaserver.store.scripts import SCRIPTS, config, source
+from pdgate.metaserver.store.scripts import load_scripts
 from pdgate.metaserver.store.shards import Locator, xread
 from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import AsyncScript
 from redis.exceptions import ClusterError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -155,9 +154,8 @@ class RedisStore(Store):
         # pool, no socket timeout (the block time bounds them).
         self._redis = connect(target, socket_timeout=5.0, max_connections=4096)
         self._blocking = connect(target, socket_timeout=None, max_connections=4096)
-        cfg = config(self.keys, self.policy)
-        register = cast(aioredis.Redis, self._redis).register_script
-        self._scripts: dict[str, AsyncScript] = {name: register(source(name, cfg)) for name in SCRIPTS}
+        # A cluster client registers scripts the same way (EVALSHA routes by KEYS, NOSCRIPT reloads).
+        self._scripts = load_scripts(cast(aioredis.Redis, self._redis), self.keys, self.policy)
         self._cluster_ready = not isinstance(self._redis, RedisCluster)
         self._cluster_lock = asyncio.Lock()
         ready = None if self._cluster_ready else self._init_cluster
