@@ -2,7 +2,7 @@
 
 Key layout (PREFIX defaults to `pdgate`, set with `...?prefix=NAME`). The ledger lives in one or more
 *shards*; SHARD below is a shard's hash tag. On one Redis (plain or Sentinel) there is one shard,
-`{PREFIX}`; on a Redis Cluster there are `buckets` of them (`{PREFIX:BUCKET}`, default 64), and a handoff
+`{PREFIX}`; on a Redis Cluster there are `buckets` of them (`{PREFIX:N}`, one tag per bucket, default 64), and a handoff
 lives in the shard of its prefill instance (`Keys.bucket_of`):
 
     SHARD:h:<transfer_id>        hash   one handoff record (fields named as in models.Handoff); terminal
@@ -29,7 +29,7 @@ only over keys of one slot, so those keys must share a slot; with a per-transfer
 stream would live elsewhere and the step would stop being atomic. Prefills are hashed into a fixed
 number of buckets rather than one tag each, so the sweeper and the per-state gauges visit a known,
 bounded set of shards. Each bucket's tag is chosen so its hash slot falls in the bucket's share of the
-16384 slots (`_slot_tag`): buckets spread evenly over masters that own contiguous slot ranges, which is
+16384 slots (`_slot_tags`): buckets spread evenly over masters that own contiguous slot ranges, which is
 how `redis-cli --cluster create` lays them out. The registry is small and stays in one slot. Scripts
 derive every other key of a shard from KEYS[1] (the shard's deadline index) and the suffixes below.
 """
@@ -69,17 +69,19 @@ def ttl_ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
-def _slot_tag(prefix: str, bucket: int, buckets: int) -> str:
-    """A hash tag for `bucket` whose slot lies in the bucket's share of the slots (first match by a
-    counter; about `buckets` tries each, done once per store)."""
-    lo = bucket * REDIS_CLUSTER_HASH_SLOTS // buckets
-    hi = (bucket + 1) * REDIS_CLUSTER_HASH_SLOTS // buckets
-    n = 0
-    while True:
-        tag = f"{prefix}:{bucket}.{n}"
-        if lo <= key_slot(tag.encode()) < hi:
-            return tag
+def _slot_tags(prefix: str, buckets: int) -> list[str]:
+    """One hash tag per bucket, each in its bucket's share of the slots: `PREFIX:N` for the first N whose
+    slot falls there (a single pass; about buckets x ln(buckets) tries, done once per store)."""
+    tags: list[str | None] = [None] * buckets
+    missing, n = buckets, 0
+    while missing:
+        tag = f"{prefix}:{n}"
+        bucket = key_slot(tag.encode()) * buckets // REDIS_CLUSTER_HASH_SLOTS
+        if tags[bucket] is None:
+            tags[bucket] = tag
+            missing -= 1
         n += 1
+    return [t for t in tags if t is not None]
 
 
 class ShardKeys:
@@ -116,7 +118,7 @@ class Keys:
         if buckets == 1:
             self.shards = (ShardKeys(prefix, 0),)
         else:
-            self.shards = tuple(ShardKeys(_slot_tag(prefix, b, buckets), b) for b in range(buckets))
+            self.shards = tuple(ShardKeys(tag, b) for b, tag in enumerate(_slot_tags(prefix, buckets)))
         one = self.shards[0]
         # The single shard's names (what one Redis holds; kept for tools and tests of that layout).
         self.handoff_prefix = one.handoff_prefix
