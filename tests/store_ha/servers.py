@@ -107,7 +107,7 @@ class SentinelGroup:
                 f"port {port}\nbind 127.0.0.1\ndir {d}\nlogfile {d / 'sentinel.log'}\n"
                 f"sentinel monitor {SERVICE} 127.0.0.1 {self.master.port} 2\n"
                 f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}\n"
-                f"sentinel failover-timeout {SERVICE} 4000\n"
+                f"sentinel failover-timeout {SERVICE} 2000\n"
                 f"sentinel parallel-syncs {SERVICE} 1\n"
             )
             cmd = [shutil.which("redis-server") or "/usr/bin/redis-server", str(conf), "--sentinel"]
@@ -134,6 +134,11 @@ class SentinelGroup:
         """The master as the first Sentinel sees it now."""
         host_port = redis_cli(self.sentinel_ports[0], "sentinel", "get-master-addr-by-name", SERVICE).split()
         return int(host_port[1])
+
+    def sentinel_log(self, lines: int = 30) -> str:
+        """The first Sentinel's last log lines (why a failover did or did not happen)."""
+        log = self._dirs[0] / "sentinel.log"
+        return "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else ""
 
     def close(self) -> None:
         for proc in self._sentinels:
