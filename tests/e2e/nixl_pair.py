@@ -32,6 +32,10 @@ from pdgate.deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec, writ
 
 Log = Callable[[str], None]
 
+# A stock engine busy with a long prefill on a shared core can take seconds to answer /health; the
+# router's default probe timeout would take it out of the pool mid-run (seen at load average 30 on 2 cores).
+ROUTER_ARGS = ("--health-timeout-s", "15")
+
 ENGINE_COMM = "VLLM::"  # /proc/<pid>/comm prefix of vLLM's engine processes (VLLM::EngineCor, VLLM::Worker)
 
 
@@ -150,7 +154,7 @@ class NixlPair:
         flags: ServeFlags | None = None,
         tuning: Tuning = AS_SHIPPED,
         port: int | None = None,
-        router_args: Sequence[str] = (),
+        router_args: Sequence[str] = ROUTER_ARGS,
         log: Log = print,
         startup_timeout_s: float = 600.0,
     ) -> None:
