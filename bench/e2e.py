@@ -1,21 +1,34 @@
-"""Time to first token and end-to-end latency: pdgate PD (1P1D through the router) versus one vLLM.
+"""Time to first token and end-to-end latency: pdgate PD (1P1D through the router) versus one vLLM, with
+vLLM's own NixlConnector 1P1D behind pdgate-router as the anchor.
 
-Starts, with `pdgate.deploy.local.stack`, a connector-less single instance and a 1P1D stack (router with its
-embedded metaserver, prefill and decode with PDGateConnector over NIXL), then for each prompt length
-sends the same fresh prompts (streaming /v1/completions, temperature 0, ignore_eos) to both, in
-alternating order, and measures on the client: TTFT (request sent -> first token chunk) and E2E
-(-> last chunk). The router's own phase histograms (`pdgate_router_*_seconds` on its /metrics) give
-the breakdown of the PD side per length: prefill, handoff (ledger create), decode first byte (claim +
-pull + first token on decode), router overhead.
+Phases, in one run and in sequence, so that no PD pair shares the machine with another pair's threads:
+1. a connector-less single instance and pdgate's 1P1D stack (`pdgate.deploy.local.stack`: router with
+   its embedded metaserver, prefill and decode with PDGateConnector over NIXL), started together; the
+   same fresh prompts go to both in alternating order. Both are stopped after.
+2. vLLM's stock NixlConnector 1P1D behind pdgate-router, as shipped (`tests/e2e/nixl_pair.py`);
+3. the same pair hand-tuned as docs/NIXL.md describes (taskset + renice).
+Every pair gets pdgate-local's pinning policy (each engine's OMP threads on its own core, cores taken
+in order); the tuned pair adds its tuning on top. What each process ended with (CPU sets of its threads,
+nice) is read back from /proc and printed per configuration.
 
-Transfer time, per request: the decode's connector logs one line per KV load ("transfer <id>: ...
-loaded N tokens in T ms (claim C, pull P [transport X], confirm F)"); the router answers with the
-transfer id as X-Request-Id, so each PD request is matched to its own line. "transfer" below is the
-pull (worker hand-off + NIXL read); claim and confirm are the ledger round trips around it.
+Per request, on the client: TTFT (request sent -> first token chunk) and E2E (-> last chunk), streaming
+/v1/completions, temperature 0, ignore_eos. Per length: median and p90 of each.
 
-Target (from the issue): PD TTFT <= single TTFT + transfer + 5 ms. Printed per length; no assertion.
+Breakdown per configuration and length:
+- r.*: the router's phase histograms (`pdgate_router_*_seconds` on its /metrics; means): prefill request
+  to answer, ledger create, decode request to its first byte, the router's own time.
+- pdgate decode (its connector's per-transfer log line "transfer <id>: ... loaded N tokens in T ms
+  (claim C, pull P [transport X], confirm F)", matched by the X-Request-Id the router answers with):
+  claim (0 under the router's claim), pull (worker hand-off + NIXL read; the read alone in brackets),
+  confirm, and "rest" = the router's decode first byte minus the whole KV load, the decode's time from
+  DONE (the load reported) to its first token plus request intake.
+- NixlConnector decode: the NIXL read, from vLLM's `vllm:nixl_xfer_time_seconds` histogram (mean per
+  length); there is no claim and no ledger on that path.
 
-    .venv-vllm/bin/python bench/e2e.py [--lengths 128 512 2048] [--reps 8] [--out bench/results/e2e.json]
+Target (issue 13): pdgate PD median TTFT <= single + transfer + 5 ms. Printed per length; no assertion.
+
+    .venv-vllm/bin/python bench/e2e.py [--lengths 128 512 2048] [--reps 12] [--no-nixl] [--out bench/results/e2e.json]
+    .venv-vllm/bin/python bench/e2e.py --load 256     # vllm bench serve at 256 concurrent (bench/e2e_load.py)
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +56,11 @@ from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR, LocalStack, SingleInsta
 from pdgate.deploy.local.tiny_model import MODEL_NAME  # noqa: E402
 from pdgate.deploy.local.vllm_instance import ServeFlags  # noqa: E402
 
+from tests.e2e.nixl_pair import AS_SHIPPED, TUNED, NixlPair, Tuning, describe_pinning, process_pinning  # noqa: E402
+
 BLOCK = 32
 PHASES = ("prefill", "handoff", "decode_ttft", "overhead", "e2e")
+NIXL_XFER = "vllm:nixl_xfer_time_seconds"
 
 
 def _say(msg: str) -> None:
@@ -92,25 +109,28 @@ def stream_once(client: httpx.Client, base_url: str, prompt: list[int], max_toke
     return {"ttft": ttft, "e2e": e2e, "id": request_id}
 
 
+def histograms(base_url: str, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each named histogram on a /metrics page (summed over label sets)."""
+    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
+    out = {n: (0.0, 0.0) for n in names}
+    for line in text.splitlines():
+        for n in names:
+            if line.startswith(n + "_sum") or line.startswith(n + "_count"):
+                total, count = out[n]
+                value = float(line.split()[-1])
+                out[n] = (total + value, count) if "_sum" in line.split()[0] else (total, count + value)
+    return out
+
+
 def router_histograms(base_url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of each router phase histogram."""
-    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
-    out: dict[str, tuple[float, float]] = {}
-    for phase in PHASES:
-        name = f"pdgate_router_{phase}_seconds"
-        total = count = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "_sum"):
-                total = float(line.split()[-1])
-            elif line.startswith(name + "_count"):
-                count = float(line.split()[-1])
-        out[phase] = (total, count)
-    return out
+    raw = histograms(base_url, tuple(f"pdgate_router_{p}_seconds" for p in PHASES))
+    return {p: raw[f"pdgate_router_{p}_seconds"] for p in PHASES}
 
 
 def phase_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
     means = {}
-    for phase in PHASES:
+    for phase in after:
         ds = after[phase][0] - before[phase][0]
         dc = after[phase][1] - before[phase][1]
         means[phase] = ds / dc if dc else float("nan")
@@ -136,50 +156,52 @@ def p50(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdgate-bench-e2e-"))
-    flags = ServeFlags(model_dir=args.model_dir)
-    limit = flags.max_model_len - args.max_tokens
-    lengths = [n for n in args.lengths if n <= limit]
-    skipped = [n for n in args.lengths if n > limit]
-    if skipped:
-        _say(f"skipping prompt lengths {skipped}: above the model's limit ({flags.max_model_len} - max_tokens)")
+def p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10, method="inclusive")[8] if len(values) > 1 else values[0]
+
+
+def latency(samples: list[dict[str, Any]]) -> dict[str, float]:
+    ttft, e2e = [s["ttft"] for s in samples], [s["e2e"] for s in samples]
+    return {"ttft_p50_s": p50(ttft), "ttft_p90_s": p90(ttft), "e2e_p50_s": p50(e2e), "e2e_p90_s": p90(e2e)}
+
+
+def warm(client: httpx.Client, urls: list[str], n: int, max_tokens: int) -> None:
+    """First requests of a fresh engine pay one-off costs."""
+    for i in range(n):
+        for url in urls:
+            stream_once(client, url, prompt_ids(64, seed=-1 - i), max_tokens)
+
+
+def run_pdgate_phase(args: argparse.Namespace, run_dir: Path, flags: ServeFlags, lengths: list[int]) -> dict[str, Any]:
+    """Phase 1: the single instance and pdgate 1P1D, same prompts, alternating order."""
     single = SingleInstance(
         model_dir=args.model_dir, run_dir=run_dir / "single", venv=args.venv, cpu="1", flags=flags, log=_say
     )
     stack = LocalStack(
         StackConfig(model_dir=args.model_dir, run_dir=run_dir / "pd", venv=args.venv, port=args.port), log=_say
     )
-    t_start = time.monotonic()
+    rows = []
     try:
         single.launch()
         stack.start()
         single.wait()
-        startup_s = time.monotonic() - t_start
-        rows = []
+        assert single.proc is not None and single.proc.pid is not None
+        pinning = {"single": process_pinning(single.proc.pid)}
+        pinning.update({h.instance_id: process_pinning(h.proc.pid) for h in stack.instances if h.proc.pid})
         with httpx.Client(timeout=300, trust_env=False) as client:
-            for i in range(args.warmup):  # first requests of a fresh engine pay one-off costs
-                warm = prompt_ids(64, seed=-1 - i)
-                stream_once(client, single.url, warm, args.max_tokens)
-                stream_once(client, stack.url, warm, args.max_tokens)
+            warm(client, [single.url, stack.url], args.warmup, args.max_tokens)
             for length in lengths:
                 before = router_histograms(stack.url)
-                single_s: list[dict[str, float]] = []
-                pd_s: list[dict[str, float]] = []
-                per_request: list[dict[str, float]] = []
+                single_s: list[dict[str, Any]] = []
+                pd_s: list[dict[str, Any]] = []
                 for rep in range(args.reps):
                     prompt = prompt_ids(length, seed=rep)
-                    order = [("single", single.url), ("pd", stack.url)]
+                    order = [(single_s, single.url), (pd_s, stack.url)]
                     if rep % 2:
                         order.reverse()
-                    for name, url in order:
+                    for out, url in order:
                         time.sleep(args.gap_s)  # let every process go idle: each request starts cold alike
-                        if name == "single":
-                            single_s.append(stream_once(client, url, prompt, args.max_tokens))
-                            continue
-                        mark = router_histograms(stack.url)
-                        pd_s.append(stream_once(client, url, prompt, args.max_tokens))
-                        per_request.append(phase_means(mark, router_histograms(stack.url)))
+                        out.append(stream_once(client, url, prompt, args.max_tokens))
                 phases = phase_means(before, router_histograms(stack.url))
                 logged = transfer_lines(stack.by_role("decode")[0].log_path)
                 loads = [logged[s["id"]] for s in pd_s if s["id"] in logged]
@@ -188,27 +210,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"the decode log has the KV-load line of {len(loads)} of {len(pd_s)} requests "
                         "(did the connector's log format change?)"
                     )
-                row = {
+                kv = {k: p50([x[k] for x in loads]) / 1e3 for k in ("claim", "pull", "transport", "confirm", "total")}
+                single_lat, pd_lat = latency(single_s), latency(pd_s)
+                row: dict[str, Any] = {
                     "prompt_tokens": length,
-                    "single_ttft_s": p50([s["ttft"] for s in single_s]),
-                    "pd_ttft_s": p50([s["ttft"] for s in pd_s]),
-                    "single_e2e_s": p50([s["e2e"] for s in single_s]),
-                    "pd_e2e_s": p50([s["e2e"] for s in pd_s]),
-                    "transfer_s": p50([x["pull"] for x in loads]) / 1e3,
-                    "transport_s": p50([x["transport"] for x in loads]) / 1e3,
-                    "claim_s": p50([x["claim"] for x in loads]) / 1e3,
-                    "confirm_s": p50([x["confirm"] for x in loads]) / 1e3,
-                    "kv_load_total_s": p50([x["total"] for x in loads]) / 1e3,
+                    "single": single_lat,
+                    "pdgate": pd_lat,
+                    "transfer_s": kv["pull"],
+                    "transport_s": kv["transport"],
+                    "claim_s": kv["claim"],
+                    "confirm_s": kv["confirm"],
+                    "kv_load_total_s": kv["total"],
+                    "decode_rest_s": phases["decode_ttft"] - kv["total"],
                     "router_phase_mean_s": phases,
-                    "samples": {"single": single_s, "pd": pd_s, "pd_router_phases": per_request, "kv_loads": loads},
+                    "samples": {"single": single_s, "pdgate": pd_s, "kv_loads": loads},
                 }
-                row["target_ttft_s"] = row["single_ttft_s"] + row["transfer_s"] + 0.005
-                row["target_met"] = row["pd_ttft_s"] <= row["target_ttft_s"]
+                row["target_ttft_s"] = single_lat["ttft_p50_s"] + kv["pull"] + 0.005
+                row["target_met"] = pd_lat["ttft_p50_s"] <= row["target_ttft_s"]
                 rows.append(row)
-                _say(f"{length} tokens done")
+                _say(f"single + pdgate: {length} tokens done")
     finally:
         stack.stop()
         single.stop()
+    return {"rows": rows, "pinning": pinning, "startup": stack.timings}
+
+
+def run_nixl_phase(
+    args: argparse.Namespace, run_dir: Path, flags: ServeFlags, lengths: list[int], tuning: Tuning
+) -> dict[str, Any]:
+    """Phases 2 and 3: vLLM's NixlConnector 1P1D behind pdgate-router, the same prompts in the same order."""
+    tag = "nixl-tuned" if tuning.taskset else "nixl-shipped"
+    pair = NixlPair(
+        model_dir=args.model_dir, run_dir=run_dir / tag, venv=args.venv, flags=flags, tuning=tuning, log=_say
+    )
+    rows = []
+    with pair:
+        pinning = pair.pinning()
+        decode = pair.engine("decode").url
+        with httpx.Client(timeout=300, trust_env=False) as client:
+            warm(client, [pair.url], args.warmup, args.max_tokens)
+            for length in lengths:
+                before = router_histograms(pair.url)
+                x0 = histograms(decode, (NIXL_XFER,))
+                samples: list[dict[str, Any]] = []
+                for rep in range(args.reps):
+                    time.sleep(args.gap_s)
+                    samples.append(stream_once(client, pair.url, prompt_ids(length, seed=rep), args.max_tokens))
+                xfer = phase_means(x0, histograms(decode, (NIXL_XFER,)))[NIXL_XFER]
+                phases = phase_means(before, router_histograms(pair.url))
+                rows.append(
+                    {
+                        "prompt_tokens": length,
+                        "latency": latency(samples),
+                        "nixl_xfer_mean_s": xfer,
+                        "router_phase_mean_s": phases,
+                        "samples": samples,
+                    }
+                )
+                _say(f"{tag}: {length} tokens done")
+    return {"tuning": tuning.name, "rows": rows, "pinning": pinning}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdgate-bench-e2e-"))
+    flags = ServeFlags(model_dir=args.model_dir)
+    limit = flags.max_model_len - args.max_tokens
+    lengths = [n for n in args.lengths if n <= limit]
+    skipped = [n for n in args.lengths if n > limit]
+    if skipped:
+        _say(f"skipping prompt lengths {skipped}: above the model's limit ({flags.max_model_len} - max_tokens)")
+    t_start = time.monotonic()
+    pdgate = run_pdgate_phase(args, run_dir, flags, lengths)
+    nixl = [] if args.no_nixl else [run_nixl_phase(args, run_dir, flags, lengths, t) for t in (AS_SHIPPED, TUNED)]
     return {
         "config": {
             "lengths": lengths,
@@ -219,68 +292,130 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "block_size": BLOCK,
             "model": MODEL_NAME,
             "max_model_len": flags.max_model_len,
-            "topology": "1P1D, router with embedded metaserver, NIXL over UCX on lo",
+            "topology": "1P1D; NIXL over UCX on lo; pdgate: router with embedded metaserver; "
+            "nixl: vLLM NixlConnector (kv_producer/kv_consumer) behind pdgate-router with static URLs",
         },
         "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
-        "startup_s": startup_s,
-        "rows": rows,
+        "wall_s": time.monotonic() - t_start,
+        "pdgate": pdgate,
+        "nixl": nixl,
     }
 
 
-def print_table(result: dict[str, Any]) -> None:
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.0f}" if v == v else "-"
+
+
+def print_tables(result: dict[str, Any], out: Callable[[str], None] = print) -> None:
     cfg = result["config"]
-    print(
-        f"\nTTFT / E2E in ms, medians of {cfg['reps']} streaming requests per length, {cfg['max_tokens']} tokens out; "
-        f"router phases are means; load {result['host']['loadavg'][0]:.1f} on {result['host']['cpus']} CPUs"
+    pd = result["pdgate"]
+    configs: list[tuple[str, list[dict[str, float]]]] = [
+        ("single vLLM, no connector", [r["single"] for r in pd["rows"]]),
+        ("**pdgate 1P1D** (pdgate-local's pinning)", [r["pdgate"] for r in pd["rows"]]),
+    ]
+    for n in result["nixl"]:
+        name = f"vLLM NixlConnector 1P1D, {n['tuning']}, behind pdgate-router"
+        configs.append((name, [r["latency"] for r in n["rows"]]))
+    lengths = cfg["lengths"]
+    out(
+        f"\nTTFT median / p90 and E2E median / p90 in ms, {cfg['reps']} streaming requests per cell, "
+        f"{cfg['max_tokens']} tokens out; load {result['host']['loadavg'][0]:.1f} on {result['host']['cpus']} CPUs"
     )
-    print(
-        "| prompt | single TTFT | PD TTFT | PD-single | transfer (NIXL) | target | met | single E2E | PD E2E "
-        "| r.prefill | r.handoff | r.decode 1st byte | d.claim | d.confirm | r.overhead |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in result["rows"]:
-        ph = r["router_phase_mean_s"]
-        print(
-            f"| {r['prompt_tokens']} | {r['single_ttft_s'] * 1e3:.1f} | {r['pd_ttft_s'] * 1e3:.1f} "
-            f"| {(r['pd_ttft_s'] - r['single_ttft_s']) * 1e3:+.1f} "
-            f"| {r['transfer_s'] * 1e3:.1f} ({r['transport_s'] * 1e3:.1f}) "
-            f"| {r['target_ttft_s'] * 1e3:.1f} | {'yes' if r['target_met'] else 'no'} "
-            f"| {r['single_e2e_s'] * 1e3:.1f} | {r['pd_e2e_s'] * 1e3:.1f} | {ph['prefill'] * 1e3:.1f} "
-            f"| {ph['handoff'] * 1e3:.2f} | {ph['decode_ttft'] * 1e3:.1f} | {r['claim_s'] * 1e3:.1f} "
-            f"| {r['confirm_s'] * 1e3:.1f} | {ph['overhead'] * 1e3:.2f} |"
+    out("| setup | " + " | ".join(f"{n} TTFT | {n} E2E" for n in lengths) + " |")
+    out("|---|" + "---:|" * (2 * len(lengths)))
+    for name, lats in configs:
+        cells = []
+        for lat in lats:
+            cells.append(f"{_ms(lat['ttft_p50_s'])} / {_ms(lat['ttft_p90_s'])}")
+            cells.append(f"{_ms(lat['e2e_p50_s'])} / {_ms(lat['e2e_p90_s'])}")
+        out(f"| {name} | " + " | ".join(cells) + " |")
+    out("\npdgate target: median TTFT <= single + transfer + 5 ms")
+    out("| prompt | single | pdgate | PD-single | transfer (NIXL read) | target | met |")
+    out("|---:|---:|---:|---:|---:|---:|:-:|")
+    for r in pd["rows"]:
+        s, p = r["single"]["ttft_p50_s"], r["pdgate"]["ttft_p50_s"]
+        out(
+            f"| {r['prompt_tokens']} | {s * 1e3:.1f} | {p * 1e3:.1f} | {(p - s) * 1e3:+.1f} "
+            f"| {r['transfer_s'] * 1e3:.1f} ({r['transport_s'] * 1e3:.1f}) | {r['target_ttft_s'] * 1e3:.1f} "
+            f"| {'yes' if r['target_met'] else 'no'} |"
         )
+    out("\nBreakdown (ms): router phase means; decode KV-load medians from its per-transfer log or NIXL's histogram")
+    out(
+        "| setup | prompt | r.prefill | r.handoff | r.decode 1st byte | d.claim | d.pull (read) | d.confirm "
+        "| d.rest | r.overhead |"
+    )
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in pd["rows"]:
+        ph = r["router_phase_mean_s"]
+        out(
+            f"| pdgate | {r['prompt_tokens']} | {ph['prefill'] * 1e3:.1f} | {ph['handoff'] * 1e3:.2f} "
+            f"| {ph['decode_ttft'] * 1e3:.1f} | {r['claim_s'] * 1e3:.1f} "
+            f"| {r['transfer_s'] * 1e3:.1f} ({r['transport_s'] * 1e3:.1f}) | {r['confirm_s'] * 1e3:.1f} "
+            f"| {r['decode_rest_s'] * 1e3:.1f} | {ph['overhead'] * 1e3:.2f} |"
+        )
+    for n in result["nixl"]:
+        for r in n["rows"]:
+            ph = r["router_phase_mean_s"]
+            out(
+                f"| nixl, {n['tuning']} | {r['prompt_tokens']} | {ph['prefill'] * 1e3:.1f} | {ph['handoff'] * 1e3:.2f} "
+                f"| {ph['decode_ttft'] * 1e3:.1f} | - | ({r['nixl_xfer_mean_s'] * 1e3:.1f}) | - "
+                f"| {(ph['decode_ttft'] - r['nixl_xfer_mean_s']) * 1e3:.1f} | {ph['overhead'] * 1e3:.2f} |"
+            )
+    out("\nPinning each configuration ended with (read back from /proc: CPU set -> threads, nice):")
+    for name, rows in pd["pinning"].items():
+        out(f"- pdgate phase, {name}: {describe_pinning(rows)}")
+    for n in result["nixl"]:
+        for role, rows in n["pinning"].items():
+            out(f"- nixl {n['tuning']}, {role}: {describe_pinning(rows)}")
 
 
 LEGEND = (
-    "transfer (NIXL): the decode worker's pull, median ms (in brackets: the NIXL read alone); target = single TTFT "
-    "+ transfer + 5 ms. r.*: the router's phase means (prefill request, ledger create, decode request to its "
-    "first byte, the router's own time). d.claim / d.confirm: the decode connector's ledger round trips "
-    "before and after the pull (medians)."
+    "transfer: the pdgate decode worker's pull, median (in brackets: the NIXL read alone; for the NixlConnector "
+    "rows vLLM's nixl_xfer_time mean). r.*: the router's phase means (prefill request, ledger create - the router "
+    "creates a record for stock engines too, unused -, decode request to its first byte, the router's own time). "
+    "d.claim / d.confirm: the pdgate decode's ledger steps around the pull (claim 0: the router claimed). "
+    "d.rest: decode first byte minus the KV load (DONE -> first token, plus request intake). READY's own time "
+    "after the prefill answers is not in these logs (the prefill connector logs it at DEBUG only)."
 )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
-    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--gap-s", type=float, default=0.5, help="pause before each request (default 0.5)")
+    ap.add_argument("--no-nixl", action="store_true", help="skip the NixlConnector phases")
+    ap.add_argument("--load", type=int, default=0, help="run bench/e2e_load.py at this concurrency instead")
     ap.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--venv", type=Path, default=None)
     ap.add_argument("--run-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "e2e.json")
-    args = ap.parse_args()
+    ap.add_argument("--render", type=Path, default=None, help="print the tables of a saved result and exit")
+    args, rest = ap.parse_known_args()
+    if args.load:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import e2e_load
+
+        e2e_load.main(["--concurrency", str(args.load), *rest])
+        return
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.render:
+        print_tables(json.loads(args.render.read_text()))
+        print(LEGEND)
+        return
     if args.port == 0:
         from pdgate.deploy.local.procs import free_port
 
         args.port = free_port()
     result = run(args)
-    print_table(result)
-    print(LEGEND)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_tables(result)
+    print(LEGEND)
     print(f"wrote {args.out}")
 
 
