@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.store_ha.servers import REDIS_CLI, SERVICE
+from tests.store_ha.servers import BOUND_S, REDIS_CLI, SERVICE
 from tests.support.ports import free_port
 
 __all__ = ["SecureSentinelGroup"]
@@ -58,7 +58,7 @@ class SecureSentinelGroup:
     def cli(self, port: int, password: str, *args: str) -> str:
         cmd = [REDIS_CLI, "--tls", "--cacert", str(self.ca), "-h", "127.0.0.1", "-p", str(port)]
         cmd += ["--no-auth-warning", "-a", password, *args]
-        return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30).stdout.strip()
 
     def _start(self, name: str, conf: str, port: int, password: str, *, sentinel: bool = False) -> None:
         d = self.root / name
@@ -70,7 +70,7 @@ class SecureSentinelGroup:
         self._wait(f"{name} answers over TLS", lambda: self.cli(port, password, "ping") == "PONG")
 
     @staticmethod
-    def _wait(what: str, ok: object, timeout: float = 20.0) -> None:
+    def _wait(what: str, ok: object, timeout: float = BOUND_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -82,6 +82,14 @@ class SecureSentinelGroup:
         raise TimeoutError(f"{what} within {timeout} s")
 
     def start(self) -> SecureSentinelGroup:
+        """Start everything; on any failure, stop what did start."""
+        try:
+            return self._start_all()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_all(self) -> SecureSentinelGroup:
         data = f"save ''\nappendonly no\nrequirepass {DATA_PASSWORD}\nmasterauth {DATA_PASSWORD}\n"
         self._start("master", data, self.master_port, DATA_PASSWORD)
         self._start("replica", data + f"replicaof 127.0.0.1 {self.master_port}\n", self.replica_port, DATA_PASSWORD)

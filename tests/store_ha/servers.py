@@ -20,13 +20,18 @@ from pathlib import Path
 from tests.support.ports import free_port
 from tests.support.redis import RedisServer
 
-__all__ = ["RedisClusterServers", "SentinelGroup", "crash", "redis_cli"]
+__all__ = ["BOUND_S", "RedisClusterServers", "SentinelGroup", "crash", "redis_cli"]
 
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 SERVICE = "pdgate-master"
 
 
-def redis_cli(port: int, *args: str, timeout: float = 10.0) -> str:
+# Upper bounds on waits for servers to come up (not speed checks): generous, because the test machine
+# may be shared and loaded (two cores, load average above 10 seen).
+BOUND_S = 60.0
+
+
+def redis_cli(port: int, *args: str, timeout: float = 30.0) -> str:
     """One redis-cli command against 127.0.0.1:port; its stdout (raises on a non-zero exit)."""
     out = subprocess.run(
         [REDIS_CLI, "-h", "127.0.0.1", "-p", str(port), *args],
@@ -91,13 +96,21 @@ class SentinelGroup:
         self._dirs: list[Path] = []
 
     def start(self) -> SentinelGroup:
-        self.master.start()
+        """Start everything; on any failure, stop what did start (a fixture that raises is never closed)."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> SentinelGroup:
+        self.master.start(BOUND_S)
         self.replica.extra_args += ["--replicaof", "127.0.0.1", str(self.master.port)]
-        self.replica.start()
+        self.replica.start(BOUND_S)
         _wait(
             "replica in sync",
             lambda: "master_link_status:up" in redis_cli(self.replica.port, "info", "replication"),
-            10,
+            BOUND_S,
         )
         for port in self.sentinel_ports:
             d = Path(self.master._dir.name) / f"sentinel-{port}"
@@ -119,7 +132,7 @@ class SentinelGroup:
                 lambda p=port: (
                     _sentinel_field(p, "num-other-sentinels") == "2" and _sentinel_field(p, "num-slaves") == "1"
                 ),
-                15,
+                BOUND_S,
             )
         return self
 
@@ -167,8 +180,16 @@ class RedisClusterServers:
         self.servers = [RedisServer(cluster_port(), extra_args=list(_CLUSTER_ARGS)) for _ in range(size)]
 
     def start(self) -> RedisClusterServers:
+        """Start and join the three; on any failure, stop what did start."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> RedisClusterServers:
         for server in self.servers:
-            server.start()
+            server.start(BOUND_S)
         addrs = [f"127.0.0.1:{s.port}" for s in self.servers]
         subprocess.run(
             [REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
@@ -177,7 +198,7 @@ class RedisClusterServers:
             timeout=30,
         )
         for s in self.servers:
-            _wait("cluster_state:ok", lambda s=s: "cluster_state:ok" in redis_cli(s.port, "cluster", "info"), 20)
+            _wait("cluster_state:ok", lambda s=s: "cluster_state:ok" in redis_cli(s.port, "cluster", "info"), BOUND_S)
         return self
 
     @property
@@ -210,11 +231,3 @@ class RedisClusterServers:
     def close(self) -> None:
         for s in self.servers:
             s.close()
-
-
-def port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False

@@ -21,7 +21,7 @@ from pdgate.metaserver.store.redis import RedisStore
 from redis.crc import key_slot
 
 from pdgate.errors import Code
-from tests.store_ha.servers import RedisClusterServers, redis_cli
+from tests.store_ha.servers import BOUND_S, RedisClusterServers, redis_cli
 from tests.support.ports import wait_until
 
 pytestmark = pytest.mark.store_ha
@@ -245,7 +245,7 @@ async def test_long_polls_wake_on_their_shards_channel(
                     return False
             return True
 
-        await asyncio.to_thread(wait_until, subscribed, timeout=20, what="shard channels subscribed")
+        await asyncio.to_thread(wait_until, subscribed, timeout=BOUND_S, what="shard channels subscribed")
         assert redis_cli(redis_cluster.ports[0], "pubsub", "numsub", store.keys.left_pending).split()[-1] == "0"
         for i in range(30):
             await store.mark_ready(f"w{i}", LOC, now=now)

@@ -25,7 +25,7 @@ from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store import open_store
 
 from pdgate.errors import Code
-from tests.store_ha.servers import SentinelGroup, crash, redis_cli
+from tests.store_ha.servers import BOUND_S, SentinelGroup, crash, redis_cli
 from tests.support.ports import wait_until
 from tests.support.servers import UvicornThread
 
@@ -169,7 +169,7 @@ async def test_failover_under_a_stream_of_handoffs(sentinel_group: SentinelGroup
                 )
                 promoted, new_master = loop.time(), group.master_port()
                 group.master.extra_args += ["--replicaof", "127.0.0.1", str(new_master)]
-                group.master.start()  # empty (no persistence): a full resync from the new master
+                group.master.start(BOUND_S)  # empty (no persistence): a full resync from the new master
                 await stream.until_done(60, loop.time() + 60)
             finally:
                 stream.stop = True
