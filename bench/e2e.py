@@ -380,6 +380,15 @@ LEGEND = (
 
 
 def main() -> None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--load", type=int, default=0)
+    early, rest = pre.parse_known_args()
+    if early.load:  # every other flag is bench/e2e_load.py's (its --out, --run-dir, --setups...)
+        sys.path.insert(0, str(Path(__file__).parent))
+        import e2e_load
+
+        e2e_load.main(["--concurrency", str(early.load), *rest])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--reps", type=int, default=12)
@@ -387,22 +396,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--gap-s", type=float, default=0.5, help="pause before each request (default 0.5)")
     ap.add_argument("--no-nixl", action="store_true", help="skip the NixlConnector phases")
-    ap.add_argument("--load", type=int, default=0, help="run bench/e2e_load.py at this concurrency instead")
+    ap.add_argument(
+        "--load", type=int, default=0, help="run bench/e2e_load.py at this concurrency instead (its flags follow)"
+    )
     ap.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--venv", type=Path, default=None)
     ap.add_argument("--run-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "e2e.json")
     ap.add_argument("--render", type=Path, default=None, help="print the tables of a saved result and exit")
-    args, rest = ap.parse_known_args()
-    if args.load:
-        sys.path.insert(0, str(Path(__file__).parent))
-        import e2e_load
-
-        e2e_load.main(["--concurrency", str(args.load), *rest])
-        return
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = ap.parse_args()
     if args.render:
         print_tables(json.loads(args.render.read_text()))
         print(LEGEND)
