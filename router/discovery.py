@@ -8,7 +8,11 @@ the registry and static is taken from the registry (it says more).
 
 Health: every `health_interval_s`, `GET /health` of each distinct URL (DP ranks share one); an instance
 that fails it gets no new work until a probe passes again. This catches an engine whose API server is
-wedged while its connector still heartbeats, and a static instance that died.
+wedged while its connector still heartbeats, and a static instance that died. A probe that is refused or
+answers an error fails at once (the engine is gone or says it is sick); a probe that only times out fails
+the instance after `health_timeouts_to_fail` timeouts in a row, because a vLLM API server busy with a
+burst of requests can answer /health late while it serves them well, and taking the one decode of a pair
+out for one slow answer turns a busy moment into 503s for everyone.
 
 One instance can never stop the others: whatever goes wrong while probing it (any exception, not only
 the upstream errors) is that instance's failed check, and a registry record whose URL breaks the URL
@@ -76,6 +80,7 @@ class Discovery:
         for url in settings.decode:
             roles[url] = Role.BOTH if roles.get(url) is Role.PREFILL else Role.DECODE
         self._static_roles = roles
+        self._timeouts: dict[str, int] = {}  # url -> health probes timed out in a row
         self._static_models: dict[str, str | None] = {url: settings.model for url in roles}
         self._registry: list[InstanceView] = []
         self._leases: dict[str, float] = {}  # instance id -> its registry lease (s), for the outage grace
@@ -219,6 +224,13 @@ class Discovery:
             return
         results = await asyncio.gather(*(self._probe(url) for url in urls))
         for url, reason in zip(urls, results, strict=True):
+            if reason == _TIMED_OUT:
+                slow = self._timeouts[url] = self._timeouts.get(url, 0) + 1
+                if slow < self._s.health_timeouts_to_fail:
+                    log.info("health check of %s timed out (%d in a row); still in rotation", url, slow)
+                    continue
+            else:
+                self._timeouts.pop(url, None)
             ok = reason is None
             self._m.health_checks.labels("ok" if ok else "failed").inc()
             self._pool.set_health(url, ok, reason or "")
@@ -273,10 +285,13 @@ def _log_failure(task: asyncio.Task[None]) -> None:
         log.warning("%s failed: %r", task.get_name(), task.exception())
 
 
+_TIMED_OUT = "timed out"
+
+
 def _reason(exc: BaseException) -> str:
     """A failure as /health shows it to anyone: what went wrong, never the address it went wrong at."""
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ReadTimeout)):
-        return "timed out"
+        return _TIMED_OUT
     if isinstance(exc, ConnectFailed):
         return "connection failed"
     if isinstance(exc, UpstreamError):

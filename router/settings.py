@@ -135,6 +135,13 @@ class RouterSettings(BaseSettings):
     )
     health_interval_s: float = Field(5.0, gt=0, description="how often each instance's GET /health is probed")
     health_timeout_s: float = Field(2.0, gt=0, description="timeout of one health probe")
+    health_timeouts_to_fail: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="health probes that time out in a row before an instance leaves rotation (a refused or "
+        "failing probe takes it out at once)",
+    )
     breaker_failures: int = Field(5, ge=1, description="consecutive failures that open an instance's breaker")
     breaker_open_s: float = Field(10.0, gt=0, description="how long an open breaker rejects before a probe")
     breaker_successes: int = Field(1, ge=1, description="successful probes that close a half-open breaker")

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "MAX_PROMPTS",
     "N_THROUGH_PD",
     "ChatCompletionRequest",
     "CompletionRequest",
@@ -42,6 +43,9 @@ __all__ = [
 
 MAX_SAFE_INT = 2**53 - 1  # exact in a double, so in every JSON parser the body reaches
 MAX_N = 128
+# Prompts in one completions request: each becomes a PD pair of its own (`fanout.py`), all at once, so
+# one request may not hold more than this many (a 32 MiB body of one-token prompts would be millions).
+MAX_PROMPTS = 256
 _GREEDY = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INT)]
@@ -81,6 +85,8 @@ def _check_prompt(value: Any) -> Any:
     if not value:
         raise ValueError("must not be an empty list")
     first = type(value[0])
+    if first in (str, list) and len(value) > MAX_PROMPTS:
+        raise ValueError(f"holds {len(value)} prompts; one request may hold at most {MAX_PROMPTS}")
     if first is str:
         ok = all(type(p) is str for p in value)
     elif first is list:

@@ -20,7 +20,8 @@ with its in-flight load, and deregisters on clean shutdown. A request for DP ran
 Faults are scripted, never random: `--fail-first N` (the next N requests answer `--fail-status`),
 `--fail-rate R` (exactly every 1/R-th request fails), `--die-after-tokens N` (drop the connection after N
 tokens), `--hang` (never answer), `--no-kv-params` (a prefill that forgets its params),
-`--decode-delay S` (wait before claiming), `--unhealthy` (GET /health answers 503). Tests change them at
+`--decode-delay S` (wait before claiming), `--unhealthy` (GET /health answers 503),
+`--health-delay S` (GET /health answers late). Tests change them at
 run time with `POST /sim/script` and read counters at `GET /sim/stats`.
 
 A request field of the wrong type or range gets a 400, as from vLLM, never a 5xx (`wire.validate_completion`).

@@ -77,6 +77,9 @@ class SimApp:
             if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
                 await self._completion(scope, receive, send, chat=path.endswith("chat/completions"))
             elif path == "/health":
+                self.stats.inc("health_probes")
+                if self.script.health_delay:
+                    await asyncio.sleep(self.script.health_delay)
                 status = 503 if self.script.unhealthy else 200
                 await reply(send, status, {"status": "ok" if status == 200 else "unhealthy"})
             elif path == "/v1/models":

@@ -50,6 +50,7 @@ class SimSettings(BaseSettings):
     hang: bool = Field(False, description="never answer completions (until the client goes away)")
     no_kv_params: bool = Field(False, description="prefill answers without kv_transfer_params")
     unhealthy: bool = Field(False, description="GET /health answers 503")
+    health_delay: float = Field(0.0, ge=0, le=600, description="seconds GET /health waits before answering")
     hold_until: int = Field(0, ge=0, description="hold requests until this many are in flight together (max 60 s)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("warning", description="log level")
 
@@ -68,6 +69,7 @@ class Script:
     hang: bool = False
     no_kv_params: bool = False
     unhealthy: bool = False
+    health_delay: float = 0.0
     hold_until: int = 0  # hold every request until this many are in flight at once (max 60 s)
 
     @classmethod

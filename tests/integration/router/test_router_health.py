@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from tests.integration.router.conftest import Deployment
 
 
@@ -53,6 +55,35 @@ def test_active_health_checks_eject_and_readmit() -> None:
         for i in range(2):
             c.completions.create(model="sim-model", prompt=f"z{i}", max_tokens=1)
         assert sick.count("prefill") == 1
+
+
+def test_a_slow_health_probe_takes_an_instance_out_only_after_several_in_a_row() -> None:
+    """A busy engine answering /health late keeps serving; one that stays silent leaves rotation."""
+    with Deployment(
+        prefill_policy="round_robin", health_interval_s=0.2, health_timeout_s=0.1, health_timeouts_to_fail=100
+    ) as d:
+        slow, dec = d.add_many([("prefill", ()), ("decode", ())])
+        d.wait_available(slow.id, dec.id)
+        slow.script(health_delay=0.5)  # every probe times out from now on
+        probes = slow.count("health_probes")
+        deadline = time.monotonic() + 30
+        while slow.count("health_probes") < probes + 4 and time.monotonic() < deadline:
+            time.sleep(0.1)  # several probes time out meanwhile; each one alone is not enough
+        assert slow.count("health_probes") >= probes + 4
+        for i in range(4):
+            d.openai().completions.create(model="sim-model", prompt=f"s{i}", max_tokens=1)
+        assert slow.count("prefill") == 4
+        [row] = [i for i in d.health()["instances"] if i["id"] == slow.id]
+        assert row["available"], row
+    with Deployment(health_interval_s=0.1, health_timeout_s=0.1, health_timeouts_to_fail=3) as d:
+        slow, dec = d.add_many([("prefill", ()), ("decode", ())])
+        d.wait_available(slow.id, dec.id)
+        slow.script(health_delay=0.5)
+        d.wait_available(slow.id, available=False)
+        [row] = [i for i in d.health()["instances"] if i["id"] == slow.id]
+        assert "timed out" in row["reason"]
+        slow.script(health_delay=0.0)
+        d.wait_available(slow.id)
 
 
 def test_router_health_is_503_until_a_pair_exists() -> None:

@@ -8,7 +8,7 @@ import orjson
 import pytest
 from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.loops import is_own_address
-from pdgate.router.validation import InvalidField, validate_request
+from pdgate.router.validation import MAX_PROMPTS, InvalidField, validate_request
 
 
 @pytest.mark.parametrize(
@@ -26,6 +26,12 @@ def test_valid_completion_bodies_pass(body: dict[str, Any]) -> None:
     validate_request(body, COMPLETIONS)
 
 
+def test_the_most_prompts_one_request_may_hold_pass() -> None:
+    validate_request({"prompt": ["a"] * MAX_PROMPTS}, COMPLETIONS)
+    validate_request({"prompt": [[1, 2]] * MAX_PROMPTS}, COMPLETIONS)
+    validate_request({"prompt": [7] * (MAX_PROMPTS * 4)}, COMPLETIONS)  # token ids of one prompt: not a count
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -39,6 +45,8 @@ def test_valid_completion_bodies_pass(body: dict[str, Any]) -> None:
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": [[1], []]}, "prompt"),
         ({"prompt": ["a", 1]}, "prompt"),
+        ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt"),  # each prompt is a PD pair: bounded
+        ({"prompt": [[1]] * (MAX_PROMPTS + 1)}, "prompt"),
     ],
 )
 def test_bad_completion_fields_name_their_param(body: dict[str, Any], param: str) -> None:
