@@ -330,8 +330,11 @@ class DecodeSide:
                 self._fail(rec, result.code, result.message, abort=result.code not in _NOTHING_TO_ABORT)
 
     def on_done(self, result: DoneResult, now: float) -> None:
-        if result.code is not None:  # refused (even when the KV was still held): should never happen
-            self._out.bump("done_refused")
+        if result.code is not None:
+            # Refused while the KV was still held (a lapsed claim): should never happen. Refused because
+            # the handoff had already ended (the router aborted it: its client went away) is the race
+            # that abort is for, counted apart.
+            self._out.bump("done_refused" if result.valid else "done_after_end")
         for rec in self._members(result.transfer_id):
             if rec.state is not _State.CONFIRMING:
                 continue

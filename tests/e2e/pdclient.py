@@ -240,6 +240,23 @@ def observe(instance: Engine) -> dict[str, float]:
     return out
 
 
+def settled(instance: Engine, *, quiet_s: float = 0.6, timeout: float = 30.0) -> dict[str, float]:
+    """`observe()` once the engine's numbers have stopped moving: two reads `quiet_s` apart agree.
+
+    Why: the connector's stats file is written by its control process, coalesced to a few writes a
+    second, so a read taken right after the answers may be a step behind; a baseline taken too early
+    would make every later delta wrong. Use it for baselines and for the final reads of a test.
+    """
+    deadline = time.monotonic() + timeout
+    last = observe(instance)
+    while True:
+        time.sleep(quiet_s)
+        now = observe(instance)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}
 

@@ -16,7 +16,7 @@ from pdgate.deploy.local.stack import LocalStack
 from pdgate.metaserver.models import HandoffState
 
 from tests.e2e.conftest import Baseline
-from tests.e2e.pdclient import complete, delta, get_handoff, observe, prompt_ids, wait_for
+from tests.e2e.pdclient import complete, delta, get_handoff, observe, prompt_ids, settled, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,7 @@ def test_decode_pulls_every_prompt_block_from_prefill(
     [decode] = pd_stack.by_role("decode")
     prompt = prompt_ids(length, seed=300)
     want = baseline.complete(prompt)
-    d0, p0 = observe(decode), observe(prefill)
+    d0, p0 = settled(decode), settled(prefill)
 
     got = complete(router_client, prompt)
 

@@ -14,7 +14,7 @@ from openai import OpenAI
 from pdgate.deploy.local.stack import LocalStack
 
 from tests.e2e.conftest import Baseline
-from tests.e2e.pdclient import Answer, chat, chat_messages, complete, delta, observe, prompt_ids
+from tests.e2e.pdclient import Answer, chat, chat_messages, complete, delta, prompt_ids, settled
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ def test_eight_concurrent_requests_match_the_single_instance(
         for kind, payload, _ in cases
     ]
     [decode] = pd_stack.by_role("decode")
-    before = observe(decode)
+    before = settled(decode)
 
     def send(case: tuple[str, object, bool]) -> Answer:
         kind, payload, stream = case
@@ -49,5 +49,5 @@ def test_eight_concurrent_requests_match_the_single_instance(
         assert got.token_ids == want.token_ids, f"{kind} (stream={stream}) differs from the single instance"
         assert got.text == want.text
     # Every one of them went through a KV transfer (fresh prompts: nothing was cached on decode).
-    assert delta(observe(decode), before)["recv_started"] == len(cases)
+    assert delta(settled(decode), before)["recv_started"] == len(cases)
     assert len({a.headers["x-request-id"] for a in answers}) == len(cases)

@@ -17,7 +17,18 @@ from pdgate.deploy.local.stack import LocalStack
 from pdgate.deploy.local.tiny_model import MODEL_NAME
 from pdgate.metaserver.models import HandoffState
 
-from tests.e2e.pdclient import Answer, chat, chat_messages, complete, delta, get_handoff, observe, prompt_ids, wait_for
+from tests.e2e.pdclient import (
+    Answer,
+    chat,
+    chat_messages,
+    complete,
+    delta,
+    get_handoff,
+    observe,
+    prompt_ids,
+    settled,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +41,7 @@ def test_no_ledger_record_or_block_is_held_after_requests(pd_stack: LocalStack, 
     [prefill] = pd_stack.by_role("prefill")
     [decode] = pd_stack.by_role("decode")
     wait_for(lambda: _idle(observe(prefill)) and _idle(observe(decode)), timeout=60, what="an idle stack to start")
-    p0 = observe(prefill)
+    p0 = settled(prefill)
 
     def send(i: int) -> Answer:
         if i % 3 == 2:
@@ -62,7 +73,7 @@ def test_client_disconnect_mid_stream_aborts_decode_and_frees_blocks(pd_stack: L
     [prefill] = pd_stack.by_role("prefill")
     [decode] = pd_stack.by_role("decode")
     wait_for(lambda: _idle(observe(prefill)) and _idle(observe(decode)), timeout=60, what="an idle stack to start")
-    d0, p0 = observe(decode), observe(prefill)
+    d0, p0 = settled(decode), settled(prefill)
     body = {
         "model": MODEL_NAME,
         "prompt": prompt_ids(200, seed=600),
@@ -90,7 +101,7 @@ def test_client_disconnect_mid_stream_aborts_decode_and_frees_blocks(pd_stack: L
                 break  # hang up: leaving the block closes the connection mid-stream
     assert chunks == 3
     wait_for(lambda: observe(decode)["running"] == 0, timeout=60, what="decode to stop the abandoned request")
-    d = delta(observe(decode), d0)
+    d = delta(settled(decode), d0)
     # Stopped early: it neither ran to max_tokens nor finished any other way; the router aborted it.
     assert d["finished_length"] == 0 and d["finished_stop"] == 0, d
     assert 3 <= d["generated"] < body["max_tokens"], f"decode did not abort the request: {d}"

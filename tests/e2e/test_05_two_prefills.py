@@ -16,7 +16,7 @@ from pdgate.deploy.local.stack import LocalStack
 from pdgate.metaserver.models import HandoffState, Instance
 
 from tests.e2e.conftest import Baseline
-from tests.e2e.pdclient import complete, delta, get_handoff, observe, prompt_ids, wait_for
+from tests.e2e.pdclient import complete, delta, get_handoff, observe, prompt_ids, settled, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -45,8 +45,8 @@ def test_two_prefills_serve_and_decode_pulls_from_the_right_one(
     assert len(ids) == 2
     wait_for(lambda: _available(pd_stack, "prefill") == ids, timeout=60, what="the router to use both prefills")
     engine_ids = {i: _registered(pd_stack, i).engine_id for i in ids}
-    before = {p.instance_id: observe(p) for p in prefills}
-    d0 = observe(decode)
+    before = {p.instance_id: settled(p) for p in prefills}
+    d0 = settled(decode)
 
     records = []
     for i in range(8):

@@ -15,7 +15,7 @@ import pytest
 from pdgate.deploy.local.stack import InstanceHandle, LocalStack
 
 from tests.e2e.conftest import Baseline, Stacks
-from tests.e2e.pdclient import complete, delta, observe, openai_client, prompt_ids, wait_for
+from tests.e2e.pdclient import complete, delta, observe, openai_client, prompt_ids, settled, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +48,7 @@ def test_corrupted_kv_changes_the_output(
 ) -> None:
     stack, bad = corrupting_stack
     client = openai_client(stack.openai_base_url)
-    before = observe(bad)
+    before = settled(bad)
     prompts = [prompt_ids(n, seed=800) for n in (64, 300, 1000)]
     for prompt in prompts:
         got = complete(client, prompt)

@@ -22,7 +22,17 @@ from pdgate.deploy.local.procs import ManagedProcess, free_port
 from pdgate.deploy.local.vllm_env import VllmEnv, repo_root
 
 from tests.e2e.conftest import Baseline, Stacks
-from tests.e2e.pdclient import chat, chat_messages, complete, delta, observe, openai_client, prompt_ids, wait_for
+from tests.e2e.pdclient import (
+    chat,
+    chat_messages,
+    complete,
+    delta,
+    observe,
+    openai_client,
+    prompt_ids,
+    settled,
+    wait_for,
+)
 from tests.support.redis import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -137,7 +147,7 @@ def test_redis_store_pd_matches_single_instance(
     length: int, stream: bool, launched: Launched, baseline: Baseline
 ) -> None:
     decode = launched.engine("decode")
-    before = observe(decode)
+    before = settled(decode)
     prompt = prompt_ids(length, seed=900 + int(stream))
     got = complete(openai_client(launched.url + "/v1"), prompt, stream=stream)
     assert got.token_ids == baseline.complete(prompt).token_ids

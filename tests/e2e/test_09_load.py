@@ -21,7 +21,18 @@ from pdgate.deploy.local.stack import LocalStack
 from pdgate.metaserver.models import HandoffState
 
 from tests.e2e.conftest import Baseline
-from tests.e2e.pdclient import Answer, complete, delta, get_handoff, metric, observe, prompt_ids, scrape, wait_for
+from tests.e2e.pdclient import (
+    Answer,
+    complete,
+    delta,
+    get_handoff,
+    metric,
+    observe,
+    prompt_ids,
+    scrape,
+    settled,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +51,7 @@ def test_64_concurrent_streams_leave_no_handoff_and_no_refused_done(
     wanted = [baseline.complete(p) for p in prompts]
     [decode] = pd_stack.by_role("decode")
     [prefill] = pd_stack.by_role("prefill")
-    d0, p0 = observe(decode), observe(prefill)
+    d0, p0 = settled(decode), settled(prefill)
     claims_before = decode.read_stats().get("claim_ms", {}).get("n", 0)
     refusals_before = decode.log_path.read_text(errors="replace").count("DONE refused")
 

@@ -254,6 +254,12 @@ def test_a_refused_done_is_counted() -> None:
     assert h.counters["done_refused"] == 1
 
 
+def test_a_done_after_the_handoff_ended_is_counted_apart() -> None:
+    h = half()
+    h.on_result(DoneResult("t-9", False, Code.HANDOFF_TERMINAL, "handoff is ABORTED"), now=0.0)
+    assert (h.counters["done_refused"], h.counters["done_after_end"]) == (0, 1)
+
+
 # ---- decode: siblings (vLLM's n > 1: one handoff, several decode requests) -----------------------
 
 
