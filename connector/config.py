@@ -168,6 +168,11 @@ class ConnectorConfig:
     corrupt_pulled_bytes: bool = _key(
         "bool", "TEST ONLY: XOR the pulled bytes on D (negative control). CPU KV caches only.", default=False
     )
+    control_process: bool = _key(
+        "bool",
+        "Run the ledger I/O in a child process instead of a thread of the engine's (off its GIL). Experimental.",
+        default=False,
+    )
     log_level: str = _key(
         "level", "The level of the connector's own logs: debug, info, warning, error.", default="info"
     )

@@ -1,9 +1,11 @@
 """`PDGateConnector`: the vLLM v1 KV connector facade. It builds one half by role and delegates.
 
-* SCHEDULER role (engine-core process): `SchedulerHalf` (pure bookkeeping) + `ControlProcess`
-  (metaserver I/O: the `ControlThread` in a child process, so ledger calls never wait on the engine's
-  GIL). This facade moves commands from the first to the second and results back, at the hooks vLLM
-  calls every step (`build_connector_meta`, `update_connector_output`, ...).
+* SCHEDULER role (engine-core process): `SchedulerHalf` (pure bookkeeping) + `ControlThread`
+  (metaserver I/O on a thread of its own; with `control_process: true`, the same thread in a child
+  process, `ControlProcess`, so ledger calls never wait on the engine's GIL. Not the default yet: in one
+  full e2e run under 64-stream load both engines' child processes went silent for ~90 s, their
+  heartbeats lapsed and the router lost its pair; the thread never did). This facade moves commands
+  from the first to the second and results back, at the hooks vLLM calls every step (`build_connector_meta`, `update_connector_output`, ...).
 * WORKER role (one per worker process / TP rank): `WorkerHalf`, which owns the transport thread.
 
 The halves share no objects: the scheduler half reaches the workers only through the per-step
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdgate.connector.config import ConnectorConfig, ServerFacts, discover_server, parse_config
+from pdgate.connector.control import ControlThread
 from pdgate.connector.control_process import ControlProcess
 from pdgate.connector.errors import ConfigError
 from pdgate.connector.location import EngineFacts
@@ -150,7 +153,7 @@ class PDGateConnector(KVConnectorBase_V1):
         self._cfg: ConnectorConfig = parse_config(kv.kv_connector_extra_config, server_facts(vllm_config), os.environ)
         setup_logging(self._cfg.log_level)
         self._sched: SchedulerHalf | None = None
-        self._control: ControlProcess | None = None
+        self._control: ControlThread | ControlProcess | None = None
         self._worker: WorkerHalf | None = None
         self._published_version = -1
         self._published_load: tuple[int, int, float] | None = None
@@ -185,7 +188,8 @@ class PDGateConnector(KVConnectorBase_V1):
                 transport=self._cfg.transport,
             )
             self._sched = SchedulerHalf(self._cfg, facts)
-            self._control = ControlProcess(self._cfg)  # the control thread, off the engine's GIL
+            # The control thread; in a child process (off the engine's GIL) when the config asks for it.
+            self._control = ControlProcess(self._cfg) if self._cfg.control_process else ControlThread(self._cfg)
             logger.info(
                 "PDGateConnector scheduler half: instance %s (%s), metaserver %s",
                 self._cfg.instance_id,
