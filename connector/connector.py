@@ -5,7 +5,8 @@
   process, `ControlProcess`, so ledger calls never wait on the engine's GIL. Not the default yet: in one
   full e2e run under 64-stream load both engines' child processes went silent for ~90 s, their
   heartbeats lapsed and the router lost its pair; the thread never did). This facade moves commands
-  from the first to the second and results back, at the hooks vLLM calls every step (`build_connector_meta`, `update_connector_output`, ...).
+  from the first to the second and results back, at the hooks vLLM calls every step
+  (`build_connector_meta`, `update_connector_output`, ...).
 * WORKER role (one per worker process / TP rank): `WorkerHalf`, which owns the transport thread.
 
 The halves share no objects: the scheduler half reaches the workers only through the per-step
