@@ -308,7 +308,11 @@ class LocalStack:
         port = free_port()
         instance_id = f"{role}-{index}"
         log_path = self.run_dir / f"{instance_id}.log"
-        conn_extra: dict[str, Any] = {"stats_file": str(log_path.with_suffix(".stats.json"))}
+        stats_path = log_path.with_suffix(".stats.json")
+        # A restarted stack reuses its run dir: an earlier engine's counters must not pass for this one's
+        # until its first write (a reader would take them as its baseline).
+        stats_path.unlink(missing_ok=True)
+        conn_extra: dict[str, Any] = {"stats_file": str(stats_path)}
         conn_extra.update(cfg.connector_extra)
         conn_extra.update(cfg.prefill_extra if role == "prefill" else cfg.decode_extra)
         conn_extra.update(extra or {})
