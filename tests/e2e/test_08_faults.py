@@ -98,9 +98,9 @@ def _stream(client: openai.OpenAI, seed: int, max_tokens: int) -> dict[str, Any]
 
 
 @pytest.mark.xfail(
-    reason="open bug: on a real 1P2D stack one decode's KV loads fail before any fault is injected "
-    "(its first NIXL pull hangs to the pull timeout, or its claim lands after the READY lease); "
-    "issue 10 stays open until this passes",
+    reason="open bug: on a real 1P2D stack the second decode's first NIXL contact with the prefill "
+    "(add_remote_agent, UCX wireup) blocks ~30-40 s, past the READY lease, so its first loads fail "
+    "before any fault is injected; issue 10 stays open until this passes",
     strict=False,
 )
 def test_sigkill_decode_under_load(stack_1p2d: LocalStack) -> None:
