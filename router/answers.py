@@ -12,9 +12,8 @@ Two things only the prefill's answer knows:
 - `prompt_logprobs`, which the decode is not asked for (`bodies.decode_body`): the prefill's are put
   where vLLM puts them (completions: each choice's `prompt_logprobs`; chat: the answer's).
 
-How the prefill's answer is seen without a second copy of the attempt logic: `capture()` arms a
-context-local box for the duration of the prefill; `RecordingUpstream` (the upstream the dispatcher
-uses) appends each answer it reads while the box is armed. The prefill that succeeded is the last 200.
+The prefill's answer is the one the dispatcher already parsed for its `kv_transfer_params`
+(`bodies.kv_params_from_prefill`, kept as `ProxiedRequest.prefill_answer`): read once, never re-parsed.
 
 The client's answer is rewritten by `PatchingSend`, a `send` in front of the client's: a JSON answer is
 parsed and re-encoded once (its content-length fixed), a stream is cut at event boundaries and only the
@@ -23,81 +22,21 @@ final usage event is re-encoded; every other byte passes as it came.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from pdgate.router.asgi import Message, Send
-from pdgate.router.upstream import Headers, Upstream, UpstreamResponse
 
 __all__ = [
     "PatchingSend",
     "PrefillFacts",
-    "RecordingUpstream",
-    "capture",
     "decode_recomputes",
     "patch_answer",
     "patch_usage",
     "prefill_facts",
     "split_events",
 ]
-
-_box: ContextVar[list[tuple[int, bytes]] | None] = ContextVar("pdgate_prefill_answers", default=None)
-
-
-@contextlib.contextmanager
-def capture() -> Iterator[list[tuple[int, bytes]]]:
-    """Record (status, body) of every engine answer read in this context until the block ends."""
-    box: list[tuple[int, bytes]] = []
-    token = _box.set(box)
-    try:
-        yield box
-    finally:
-        _box.reset(token)
-
-
-class _Recorded:
-    """An upstream response whose whole-body read is also recorded."""
-
-    def __init__(self, resp: UpstreamResponse, box: list[tuple[int, bytes]]) -> None:
-        self._resp = resp
-        self._box = box
-        self.status = resp.status
-        self.headers = resp.headers
-
-    def header(self, name: bytes) -> bytes | None:
-        return self._resp.header(name)
-
-    async def next_chunk(self, timeout: float | None = None) -> bytes | None:
-        return await self._resp.next_chunk(timeout)
-
-    async def read(self, timeout: float | None = None, limit: int | None = None) -> bytes:
-        data = await self._resp.read(timeout, limit)
-        self._box.append((self.status, data))
-        return data
-
-    def close(self) -> None:
-        self._resp.close()
-
-
-class RecordingUpstream:
-    """The dispatcher's `Upstream`: the router's pool, plus recording while `capture()` is armed."""
-
-    def __init__(self, inner: Upstream) -> None:
-        self.inner = inner
-
-    async def request(
-        self, method: str, url: str, headers: Headers, body: bytes, *, timeout: float | None = None
-    ) -> UpstreamResponse:
-        resp = await self.inner.request(method, url, headers, body, timeout=timeout)
-        box = _box.get()
-        return resp if box is None else _Recorded(resp, box)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @dataclass(frozen=True)
@@ -114,16 +53,9 @@ def decode_recomputes(body: dict[str, Any], chat: bool) -> bool:
     return not chat and bool(body.get("echo")) and body.get("logprobs") is not None
 
 
-def prefill_facts(box: list[tuple[int, bytes]], chat: bool) -> PrefillFacts:
-    """Read the prefill's answer (the last 200 recorded); nothing known when none parses."""
-    raw = next((data for status, data in reversed(box) if status == 200), None)
-    if raw is None:
-        return PrefillFacts(None)
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return PrefillFacts(None)
-    if not isinstance(data, dict):
+def prefill_facts(data: dict[str, Any] | None, chat: bool) -> PrefillFacts:
+    """What the prefill's answer (parsed by the dispatcher, `req.prefill_answer`) adds; None: nothing."""
+    if data is None:
         return PrefillFacts(None)
     kv = data.get("kv_transfer_params")
     usage = data.get("usage")

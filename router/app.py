@@ -36,7 +36,6 @@ from fastapi import FastAPI, Request, Response
 from pdgate.metaserver.client import MetaAPI
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.access import AdminCheck, ClientKeys
-from pdgate.router.answers import RecordingUpstream
 from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.breaker import BreakerConfig
@@ -238,7 +237,7 @@ def create_app(
         s,
         pool=pool,
         meta=lambda: holder["meta"],
-        upstream=lambda: holder["recording"],
+        upstream=lambda: holder["upstream"],
         metrics=metrics,
         prefill_policy=make_policy(s.prefill_policy, **options),
         decode_policy=make_policy(s.decode_policy, **options),
@@ -264,7 +263,6 @@ def create_app(
                 holder["upstream"] = pool_
             else:
                 holder["upstream"] = upstream
-            holder["recording"] = RecordingUpstream(holder["upstream"])
             if tracing is not None:
                 stack.callback(tracing.shutdown)
             if meta is not None:

@@ -199,7 +199,7 @@ class Dispatcher:
                 v = verdict(resp.status)
                 if v == Verdict.OK:
                     try:
-                        kv = kv_params_from_prefill(data)
+                        req.prefill_answer, kv = kv_params_from_prefill(data)
                         req.decode_kv = decode_params(kv, req.tid, req.kv_key, self._engine_meta)
                         req.decode_payload = decode_body(req.body, req.decode_kv)  # unclaimed; fails here
                         # Only a prefill that names the handoff records READY in the ledger (pdgate's

@@ -156,9 +156,10 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
     return orjson.dumps(p)
 
 
-def kv_params_from_prefill(raw: bytes) -> dict[str, Any]:
-    """The `kv_transfer_params` of a prefill's answer; a prefill that sent none failed (never decode
-    without the KV: that would silently recompute the prompt)."""
+def kv_params_from_prefill(raw: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefill's answer, parsed, and its `kv_transfer_params`; a prefill that sent none failed (never
+    decode without the KV: that would silently recompute the prompt). The answer is returned too, so that
+    what the client's answer takes from it (`answers.prefill_facts`) needs no second parse."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -168,7 +169,7 @@ def kv_params_from_prefill(raw: bytes) -> dict[str, Any]:
         raise PrefillFailed(
             "prefill answered without kv_transfer_params (is the engine started with a KV connector as producer?)"
         )
-    return params
+    return data, params
 
 
 def decode_params(

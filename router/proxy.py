@@ -38,7 +38,7 @@ from typing import Any
 
 from pdgate.metaserver.client import MetaAPI
 from pdgate.router.access import ClientKeys
-from pdgate.router.answers import PatchingSend, PrefillFacts, capture, decode_recomputes, prefill_facts
+from pdgate.router.answers import PatchingSend, PrefillFacts, decode_recomputes, prefill_facts
 from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.attempts import Dispatcher
 from pdgate.router.bodies import CHAT, COMPLETIONS, parse_json, request_facts, split_prompts
@@ -252,10 +252,10 @@ class Proxy:
     async def _one(self, req: ProxiedRequest, model: str, send: Send) -> str:
         """Prefill, then decode, of one prompt; the decode's answer gets what the prefill's answer adds."""
         try:
-            with capture() as box, self._phase(req, "prefill"):
+            with self._phase(req, "prefill"):
                 await self._dispatch.prefill(req, model)
             chat = req.endpoint == CHAT
-            facts = prefill_facts(box, chat)
+            facts = prefill_facts(req.prefill_answer, chat)
             if decode_recomputes(req.body, chat):
                 facts = PrefillFacts(None, facts.prompt_logprobs)
             with self._phase(req, "decode"):

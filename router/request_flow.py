@@ -51,6 +51,7 @@ class ProxiedRequest:
         "live",
         "overhead_s",
         "prefill",
+        "prefill_answer",
         "rid",
         "started",
         "tid",
@@ -69,6 +70,7 @@ class ProxiedRequest:
         self.kv_key = 0
         self.live: str | None = None
         self.prefill: LiveInstance | None = None
+        self.prefill_answer: dict[str, Any] | None = None  # the prefill's answer, parsed (what it adds)
         self.decode_kv: dict[str, Any] = {}
         self.decode_payload = b""
         self.last_decode: str | None = None

@@ -10,6 +10,7 @@ import pytest
 from pdgate.router import validation
 from pdgate.router.answers import PatchingSend, PrefillFacts, patch_answer, prefill_facts, split_events
 from pdgate.router.asgi import Message
+from pdgate.router.bodies import kv_params_from_prefill
 from pdgate.router.errors import BadRequest, ContextTooLong, UnsupportedByPD
 from pdgate.router.fanout import merge_answers, merge_usage
 from pdgate.router.validation import check_context, check_pd_support
@@ -17,27 +18,28 @@ from pdgate.router.validation import check_context, check_pd_support
 from pdgate.errors import Code
 
 
-def prefill_answer(**kv: Any) -> bytes:
-    return orjson.dumps(
+def prefill_answer(**kv: Any) -> dict[str, Any]:
+    """A prefill's answer as the dispatcher keeps it (`kv_params_from_prefill` parsed it)."""
+    raw = orjson.dumps(
         {
             "choices": [{"index": 0, "text": "x", "prompt_logprobs": [None, {"5": {"logprob": -1.0}}]}],
             "prompt_logprobs": [None, {"7": {"logprob": -2.0}}],
             "usage": {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41},
-            "kv_transfer_params": kv or None,
+            "kv_transfer_params": kv or {"transfer_id": "t"},
         }
     )
+    answer, _ = kv_params_from_prefill(raw)
+    return answer
 
 
 def test_the_transferred_count_comes_from_the_prefills_params_else_its_usage() -> None:
-    assert prefill_facts([(200, prefill_answer(remote_num_tokens=32))], chat=False).transferred == 32
-    assert prefill_facts([(200, prefill_answer())], chat=False).transferred == 40
-    assert prefill_facts([(503, b"busy"), (200, prefill_answer(remote_num_tokens=8))], chat=False).transferred == 8
-    assert prefill_facts([(503, b"busy")], chat=False) == PrefillFacts(None)
-    assert prefill_facts([(200, b"not json")], chat=False) == PrefillFacts(None)
+    assert prefill_facts(prefill_answer(remote_num_tokens=32), chat=False).transferred == 32
+    assert prefill_facts(prefill_answer(), chat=False).transferred == 40
+    assert prefill_facts(None, chat=False) == PrefillFacts(None)  # no prefill answer was kept
 
 
 def test_completion_and_chat_keep_prompt_logprobs_where_vllm_puts_them() -> None:
-    box = [(200, prefill_answer(remote_num_tokens=40))]
+    box = prefill_answer(remote_num_tokens=40)
     completion = {"choices": [{"index": 0, "prompt_logprobs": None}], "usage": {"prompt_tokens": 40}}
     patch_answer(completion, prefill_facts(box, chat=False), chat=False)
     assert completion["choices"][0]["prompt_logprobs"] == [None, {"5": {"logprob": -1.0}}]
