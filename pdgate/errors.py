@@ -7,7 +7,7 @@ status, the OpenAI error `type`, and whether a retry elsewhere can help. Each bo
 -> client exception, transport exception -> pull outcome, metaserver error -> router error) has one
 mapping table, applied with `map_exceptions`, in the manner of httpx's `_transports/default.py`.
 
-    PDGateError                 code -> (status, retryable, OpenAI type) from CODES
+    PDGateError                 code -> (status, retryable, OpenAI type): the code's own entry
     └── one subclass per package where callers catch a family (pdgate.metaserver.client.MetaError,
         pdgate.router.errors.RouterError, pdgate.connector.transport.base.TransportError, ...)
 
@@ -21,75 +21,9 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 __all__ = ["CODES", "Code", "CodeInfo", "PDGateError", "info", "map_exceptions"]
-
-
-class Code(str, Enum):
-    """Stable machine codes. Clients and dashboards key on these strings: never rename one."""
-
-    # -- request refused before any work (client's fault) ---------------------------------------
-    INVALID_REQUEST = "invalid_request"
-    VALIDATION_ERROR = "validation_error"
-    MALFORMED_JSON = "malformed_json"
-    MULTIPLE_PROMPTS = "multiple_prompts_unsupported"  # no longer sent (prompts fan out); kept: codes are never reused
-    UNSUPPORTED_BY_PD = "pd_unsupported_parameter"  # a field PD disaggregation cannot serve (param names it)
-    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code: longer than the model's max_model_len
-    BODY_TOO_LARGE = "body_too_large"
-    REQUEST_TOO_LARGE = "request_too_large"
-    INVALID_API_KEY = "invalid_api_key"
-    UNAUTHORIZED = "unauthorized"
-    FORBIDDEN = "forbidden"
-    NOT_FOUND = "not_found"
-    METHOD_NOT_ALLOWED = "method_not_allowed"
-    MODEL_NOT_FOUND = "model_not_found"
-    INSTANCE_NOT_FOUND = "instance_not_found"
-    HANDOFF_NOT_FOUND = "handoff_not_found"
-    INVALID_CURSOR = "invalid_cursor"
-    TOO_MANY_REQUESTS = "too_many_requests"
-    REQUEST_TIMEOUT = "request_timeout"  # the client did not send its headers in time
-    SERVER_BUSY = "server_busy"  # connection limit reached; retry shortly
-    UPSTREAM_REJECTED = "upstream_rejected"  # an engine's own 4xx, relayed verbatim
-    LOOP_DETECTED = "pd_loop_detected"
-    # -- ledger state ---------------------------------------------------------------------------
-    HANDOFF_EXISTS = "handoff_exists"
-    ILLEGAL_TRANSITION = "illegal_transition"
-    HANDOFF_TERMINAL = "handoff_terminal"
-    # -- the disaggregated path failed (pd_*) ---------------------------------------------------
-    PREFILL_FAILED = "pd_prefill_failed"
-    DECODE_FAILED = "pd_decode_failed"
-    KV_EXPIRED = "pd_kv_expired"
-    KV_NOT_READY = "pd_kv_not_ready"  # a decode's claim found no READY handoff in time
-    KV_LOAD_TIMEOUT = "pd_kv_timeout"  # a decode's KV load outlived its deadline
-    NO_COMPATIBLE_PAIR = "pd_no_compatible_pair"
-    NO_INSTANCE = "pd_no_instance"  # no instance of the model answered a route the router passes through
-    OVERLOADED = "pd_overloaded"
-    UPSTREAM_TIMEOUT = "pd_upstream_timeout"
-    METASERVER_UNAVAILABLE = "pd_metaserver_unavailable"
-    BLOCK_PLAN_INVALID = "pd_block_plan_invalid"
-    TP_LAYOUT_UNSUPPORTED = "pd_tp_layout_unsupported"
-    INVALID_TRANSFER_PARAMS = "pd_invalid_transfer_params"
-    LOCATION_MISMATCH = "pd_location_mismatch"
-    # -- the store ------------------------------------------------------------------------------
-    STORE_UNAVAILABLE = "store_unavailable"
-    STORE_ERROR = "store_error"
-    # -- transports (connector) ------------------------------------------------------------------
-    TRANSPORT_ERROR = "transport_error"
-    TRANSPORT_BAD_REQUEST = "transport_bad_request"
-    TRANSPORT_REGISTRATION_FAILED = "transport_registration_failed"
-    TRANSPORT_CLOSED = "transport_closed"
-    TRANSPORT_REMOTE_KV_MISSING = "transport_remote_kv_missing"
-    TRANSPORT_ENGINE_ERROR = "transport_engine_error"
-    TRANSPORT_PEER_UNREACHABLE = "transport_peer_unreachable"
-    TRANSPORT_LINK_FAILED = "transport_link_failed"
-    TRANSPORT_PULL_TIMEOUT = "transport_pull_timeout"
-    # -- configuration (start-up) ----------------------------------------------------------------
-    CONFIG_ERROR = "config_error"
-    DEVICE_NOT_FOUND = "connector_device_unknown"
-    RANKTABLE_INVALID = "ranktable_invalid"
-    # -- anything else ---------------------------------------------------------------------------
-    INTERNAL = "internal_error"
 
 
 @dataclass(frozen=True)
@@ -101,70 +35,108 @@ class CodeInfo:
 
 _BAD = "invalid_request_error"
 
-CODES: dict[Code, CodeInfo] = {
-    Code.INVALID_REQUEST: CodeInfo(400, openai_type=_BAD),
-    Code.VALIDATION_ERROR: CodeInfo(422, openai_type=_BAD),
-    Code.MALFORMED_JSON: CodeInfo(400, openai_type=_BAD),
-    Code.MULTIPLE_PROMPTS: CodeInfo(400, openai_type=_BAD),
-    Code.UNSUPPORTED_BY_PD: CodeInfo(400, openai_type=_BAD),
-    Code.CONTEXT_LENGTH_EXCEEDED: CodeInfo(400, openai_type=_BAD),
-    Code.BODY_TOO_LARGE: CodeInfo(413, openai_type=_BAD),
-    Code.REQUEST_TOO_LARGE: CodeInfo(413, openai_type=_BAD),
-    Code.INVALID_API_KEY: CodeInfo(401, openai_type=_BAD),
-    Code.UNAUTHORIZED: CodeInfo(401, openai_type=_BAD),
-    Code.FORBIDDEN: CodeInfo(403, openai_type=_BAD),
-    Code.NOT_FOUND: CodeInfo(404, openai_type=_BAD),
-    Code.METHOD_NOT_ALLOWED: CodeInfo(405, openai_type=_BAD),
-    Code.MODEL_NOT_FOUND: CodeInfo(404, openai_type=_BAD),
-    Code.INSTANCE_NOT_FOUND: CodeInfo(404, openai_type=_BAD),
-    Code.HANDOFF_NOT_FOUND: CodeInfo(404, openai_type=_BAD),
-    Code.INVALID_CURSOR: CodeInfo(400, openai_type=_BAD),
-    Code.TOO_MANY_REQUESTS: CodeInfo(429, retryable=True, openai_type="rate_limit_error"),
-    Code.REQUEST_TIMEOUT: CodeInfo(408, openai_type=_BAD),
-    Code.SERVER_BUSY: CodeInfo(503, retryable=True),
-    Code.UPSTREAM_REJECTED: CodeInfo(400, openai_type=_BAD),
-    Code.LOOP_DETECTED: CodeInfo(508, openai_type=_BAD),
-    Code.HANDOFF_EXISTS: CodeInfo(409, openai_type=_BAD),
-    Code.ILLEGAL_TRANSITION: CodeInfo(409, openai_type=_BAD),
-    Code.HANDOFF_TERMINAL: CodeInfo(410, openai_type=_BAD),
-    Code.PREFILL_FAILED: CodeInfo(502, retryable=True),
-    Code.DECODE_FAILED: CodeInfo(502, retryable=True),
-    Code.KV_EXPIRED: CodeInfo(504),
-    Code.KV_NOT_READY: CodeInfo(504),
-    Code.KV_LOAD_TIMEOUT: CodeInfo(504),
-    Code.NO_COMPATIBLE_PAIR: CodeInfo(503),
-    Code.NO_INSTANCE: CodeInfo(503, retryable=True),
-    Code.OVERLOADED: CodeInfo(429, retryable=True, openai_type="rate_limit_error"),
-    Code.UPSTREAM_TIMEOUT: CodeInfo(504, retryable=True),
-    Code.METASERVER_UNAVAILABLE: CodeInfo(503, retryable=True),
-    Code.BLOCK_PLAN_INVALID: CodeInfo(502),
-    Code.TP_LAYOUT_UNSUPPORTED: CodeInfo(502),
-    Code.INVALID_TRANSFER_PARAMS: CodeInfo(400, openai_type=_BAD),
-    Code.LOCATION_MISMATCH: CodeInfo(502),
-    Code.STORE_UNAVAILABLE: CodeInfo(503, retryable=True),
-    Code.STORE_ERROR: CodeInfo(500),
-    Code.TRANSPORT_ERROR: CodeInfo(502),
-    Code.TRANSPORT_BAD_REQUEST: CodeInfo(502),
-    Code.TRANSPORT_REGISTRATION_FAILED: CodeInfo(502),
-    Code.TRANSPORT_CLOSED: CodeInfo(502),
-    Code.TRANSPORT_REMOTE_KV_MISSING: CodeInfo(502),
-    Code.TRANSPORT_ENGINE_ERROR: CodeInfo(502),
-    Code.TRANSPORT_PEER_UNREACHABLE: CodeInfo(502, retryable=True),
-    Code.TRANSPORT_LINK_FAILED: CodeInfo(502, retryable=True),
-    Code.TRANSPORT_PULL_TIMEOUT: CodeInfo(504, retryable=True),
-    Code.CONFIG_ERROR: CodeInfo(500),
-    Code.DEVICE_NOT_FOUND: CodeInfo(500),
-    Code.RANKTABLE_INVALID: CodeInfo(500),
-    Code.INTERNAL: CodeInfo(500),
-}
+
+class Code(str, Enum):
+    """Stable machine codes. Clients and dashboards key on these strings: never rename one.
+
+    Each member carries its table entry on its own line (HTTP status, retryable, OpenAI type), so a
+    new code cannot be added without deciding what it means to a client.
+    """
+
+    _value_: str
+    entry: CodeInfo
+
+    def __new__(cls, value: str, entry: CodeInfo | None = None) -> Code:
+        # Runs once per member at class creation; `Code("pd_overloaded")` looks a member up instead.
+        if entry is None:
+            raise TypeError(f"code {value!r} needs its CodeInfo: what it means to a client is part of the code")
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.entry = entry
+        return member
+
+    if TYPE_CHECKING:  # a custom __new__ hides the member values' type from mypy: they are the strings
+
+        @property
+        def value(self) -> str: ...
+
+    # -- request refused before any work (client's fault) ---------------------------------------
+    INVALID_REQUEST = "invalid_request", CodeInfo(400, openai_type=_BAD)
+    VALIDATION_ERROR = "validation_error", CodeInfo(422, openai_type=_BAD)
+    MALFORMED_JSON = "malformed_json", CodeInfo(400, openai_type=_BAD)
+    # no longer sent (prompts fan out); kept: codes are never reused
+    MULTIPLE_PROMPTS = "multiple_prompts_unsupported", CodeInfo(400, openai_type=_BAD)
+    # a field PD disaggregation cannot serve (param names it)
+    UNSUPPORTED_BY_PD = "pd_unsupported_parameter", CodeInfo(400, openai_type=_BAD)
+    # OpenAI's code: longer than the model's max_model_len
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded", CodeInfo(400, openai_type=_BAD)
+    BODY_TOO_LARGE = "body_too_large", CodeInfo(413, openai_type=_BAD)
+    REQUEST_TOO_LARGE = "request_too_large", CodeInfo(413, openai_type=_BAD)
+    INVALID_API_KEY = "invalid_api_key", CodeInfo(401, openai_type=_BAD)
+    UNAUTHORIZED = "unauthorized", CodeInfo(401, openai_type=_BAD)
+    FORBIDDEN = "forbidden", CodeInfo(403, openai_type=_BAD)
+    NOT_FOUND = "not_found", CodeInfo(404, openai_type=_BAD)
+    METHOD_NOT_ALLOWED = "method_not_allowed", CodeInfo(405, openai_type=_BAD)
+    MODEL_NOT_FOUND = "model_not_found", CodeInfo(404, openai_type=_BAD)
+    INSTANCE_NOT_FOUND = "instance_not_found", CodeInfo(404, openai_type=_BAD)
+    HANDOFF_NOT_FOUND = "handoff_not_found", CodeInfo(404, openai_type=_BAD)
+    INVALID_CURSOR = "invalid_cursor", CodeInfo(400, openai_type=_BAD)
+    TOO_MANY_REQUESTS = "too_many_requests", CodeInfo(429, retryable=True, openai_type="rate_limit_error")
+    REQUEST_TIMEOUT = "request_timeout", CodeInfo(408, openai_type=_BAD)  # the client did not send its headers in time
+    SERVER_BUSY = "server_busy", CodeInfo(503, retryable=True)  # connection limit reached; retry shortly
+    UPSTREAM_REJECTED = "upstream_rejected", CodeInfo(400, openai_type=_BAD)  # an engine's own 4xx, relayed verbatim
+    LOOP_DETECTED = "pd_loop_detected", CodeInfo(508, openai_type=_BAD)
+    # -- ledger state ---------------------------------------------------------------------------
+    HANDOFF_EXISTS = "handoff_exists", CodeInfo(409, openai_type=_BAD)
+    ILLEGAL_TRANSITION = "illegal_transition", CodeInfo(409, openai_type=_BAD)
+    HANDOFF_TERMINAL = "handoff_terminal", CodeInfo(410, openai_type=_BAD)
+    # -- the disaggregated path failed (pd_*) ---------------------------------------------------
+    PREFILL_FAILED = "pd_prefill_failed", CodeInfo(502, retryable=True)
+    DECODE_FAILED = "pd_decode_failed", CodeInfo(502, retryable=True)
+    KV_EXPIRED = "pd_kv_expired", CodeInfo(504)
+    KV_NOT_READY = "pd_kv_not_ready", CodeInfo(504)  # a decode's claim found no READY handoff in time
+    KV_LOAD_TIMEOUT = "pd_kv_timeout", CodeInfo(504)  # a decode's KV load outlived its deadline
+    NO_COMPATIBLE_PAIR = "pd_no_compatible_pair", CodeInfo(503)
+    # no instance of the model answered a route the router passes through
+    NO_INSTANCE = "pd_no_instance", CodeInfo(503, retryable=True)
+    OVERLOADED = "pd_overloaded", CodeInfo(429, retryable=True, openai_type="rate_limit_error")
+    UPSTREAM_TIMEOUT = "pd_upstream_timeout", CodeInfo(504, retryable=True)
+    METASERVER_UNAVAILABLE = "pd_metaserver_unavailable", CodeInfo(503, retryable=True)
+    BLOCK_PLAN_INVALID = "pd_block_plan_invalid", CodeInfo(502)
+    TP_LAYOUT_UNSUPPORTED = "pd_tp_layout_unsupported", CodeInfo(502)
+    INVALID_TRANSFER_PARAMS = "pd_invalid_transfer_params", CodeInfo(400, openai_type=_BAD)
+    LOCATION_MISMATCH = "pd_location_mismatch", CodeInfo(502)
+    # -- the store ------------------------------------------------------------------------------
+    STORE_UNAVAILABLE = "store_unavailable", CodeInfo(503, retryable=True)
+    STORE_ERROR = "store_error", CodeInfo(500)
+    # -- transports (connector) ------------------------------------------------------------------
+    TRANSPORT_ERROR = "transport_error", CodeInfo(502)
+    TRANSPORT_BAD_REQUEST = "transport_bad_request", CodeInfo(502)
+    TRANSPORT_REGISTRATION_FAILED = "transport_registration_failed", CodeInfo(502)
+    TRANSPORT_CLOSED = "transport_closed", CodeInfo(502)
+    TRANSPORT_REMOTE_KV_MISSING = "transport_remote_kv_missing", CodeInfo(502)
+    TRANSPORT_ENGINE_ERROR = "transport_engine_error", CodeInfo(502)
+    TRANSPORT_PEER_UNREACHABLE = "transport_peer_unreachable", CodeInfo(502, retryable=True)
+    TRANSPORT_LINK_FAILED = "transport_link_failed", CodeInfo(502, retryable=True)
+    TRANSPORT_PULL_TIMEOUT = "transport_pull_timeout", CodeInfo(504, retryable=True)
+    # -- configuration (start-up) ----------------------------------------------------------------
+    CONFIG_ERROR = "config_error", CodeInfo(500)
+    DEVICE_NOT_FOUND = "connector_device_unknown", CodeInfo(500)
+    RANKTABLE_INVALID = "ranktable_invalid", CodeInfo(500)
+    # -- anything else ---------------------------------------------------------------------------
+    INTERNAL = "internal_error", CodeInfo(500)
+
+
+CODES: dict[Code, CodeInfo] = {code: code.entry for code in Code}
+"""The table as a mapping, for callers that look an entry up by code."""
 
 
 def info(code: Code | str) -> CodeInfo:
     """The table entry for a code; an unknown string (a newer peer's code) reads as INTERNAL."""
     try:
-        return CODES[Code(code)]
+        return Code(code).entry
     except ValueError:
-        return CODES[Code.INTERNAL]
+        return Code.INTERNAL.entry
 
 
 class PDGateError(Exception):
@@ -181,15 +153,15 @@ class PDGateError(Exception):
 
     @property
     def status(self) -> int:
-        return CODES[self.code].status
+        return self.code.entry.status
 
     @property
     def retryable(self) -> bool:
-        return CODES[self.code].retryable
+        return self.code.entry.retryable
 
     @property
     def openai_type(self) -> str:
-        return CODES[self.code].openai_type
+        return self.code.entry.openai_type
 
     def __str__(self) -> str:
         return self.message
