@@ -227,8 +227,8 @@ class PDGateConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._connector_metadata
-        if isinstance(meta, PDGateConnectorMetadata) and not meta.step.is_empty():
-            self._worker.on_step(meta.step)
+        if isinstance(meta, PDGateConnectorMetadata):
+            self._worker.on_step(meta.step)  # every step: an empty one still says whether it is idle
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole-request pulls complete before the request is scheduled
@@ -267,7 +267,9 @@ class PDGateConnector(KVConnectorBase_V1):
         assert self._sched is not None and self._control is not None
         now = time.monotonic()
         self._pump(now)
-        step = self._sched.build(scheduler_output.finished_req_ids, now=now)
+        # A step that computes nothing lets the workers wait for a pull in flight (`StepMetadata.idle`).
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        step = self._sched.build(scheduler_output.finished_req_ids, now=now, idle=idle)
         self._publish()
         self._flush()
         return PDGateConnectorMetadata(step)

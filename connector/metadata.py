@@ -59,14 +59,20 @@ class RecvDone:
 
 @dataclass(frozen=True)
 class StepMetadata:
-    """One engine step's instructions to the workers."""
+    """One engine step's instructions to the workers.
+
+    `idle`: no request computes in this step (the engine only steps to poll KV transfers), so a worker may
+    block in `get_finished` until a pull in flight ends (`worker.py` says for how long and why).
+    """
 
     pulls: tuple[RecvPlan, ...] = ()
     recv_done: tuple[RecvDone, ...] = ()
     holds: tuple[str, ...] = ()  # prefill request ids whose blocks are now held for a decode
     frees: tuple[str, ...] = ()  # held prefill request ids to report as finished sending
+    idle: bool = False
 
     def is_empty(self) -> bool:
+        """Nothing to act on (an idle step with nothing else is still empty)."""
         return not (self.pulls or self.recv_done or self.holds or self.frees)
 
 

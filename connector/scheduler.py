@@ -100,11 +100,12 @@ class SchedulerHalf:
             return False, None
         return self._prefill.request_finished(request, block_ids, now=now)
 
-    def build(self, finished_req_ids: Iterable[str], *, now: float) -> StepMetadata:
-        """Drain everything the workers must act on this step (vLLM's `build_connector_meta`)."""
+    def build(self, finished_req_ids: Iterable[str], *, now: float, idle: bool = False) -> StepMetadata:
+        """Drain everything the workers must act on this step (vLLM's `build_connector_meta`); `idle`: no
+        request computes in this step (`StepMetadata.idle`)."""
         holds, frees = self._prefill.take_step(finished_req_ids, now=now)
         pulls, recv_done = self._decode.take_step(now)
-        return StepMetadata(pulls, recv_done, holds, frees)
+        return StepMetadata(pulls, recv_done, holds, frees, idle=idle)
 
     def on_worker_output(self, outcomes: Sequence[PullOutcome], *, now: float) -> None:
         """Per-rank pull outcomes (aggregated over the workers by vLLM, possibly over several steps)."""

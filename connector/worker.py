@@ -47,6 +47,14 @@ _POLL_MIN_S = 0.0001
 _POLL_MAX_S = 0.002
 _HOLD_POLL_S = 0.0005  # prefill holding blocks: the target side must progress emulated READs
 _IDLE_POLL_S = 0.1
+# An idle engine step (`StepMetadata.idle`: no request computes, the engine only polls KV transfers) lets
+# `get_finished` block this long for a pull in flight to end, instead of returning at once. Without it the
+# engine spins through empty steps (vLLM sleeps 1 ms after each) while the pull runs, a finished pull
+# waits for the next step to be seen, and the request's first forward comes one step later still: at one
+# request at a time that was ~3 ms of a decode's time to first token, and the spinning took CPU from the
+# transfer thread and the prefill. Blocking costs nothing when no request computes; a request that
+# arrives meanwhile waits at most this long to be scheduled.
+_IDLE_WAIT_S = 0.005
 _START_TIMEOUT_S = 120.0
 
 
@@ -303,6 +311,7 @@ class WorkerHalf:
         self._frees: set[str] = set()
         self._outcomes: list[PullOutcome] = []
         self._load_errors: set[int] = set()
+        self._idle = False  # this step computes nothing (`StepMetadata.idle`): get_finished may wait
 
     # ---- set-up -----------------------------------------------------------------------------------
 
@@ -332,6 +341,7 @@ class WorkerHalf:
     # ---- per step ---------------------------------------------------------------------------------
 
     def on_step(self, step: StepMetadata) -> None:
+        self._idle = step.idle
         for plan in step.pulls:
             if self._thread is None or self.tp_rank >= len(plan.sources):
                 why = "no KV caches registered" if self._thread is None else f"no source for tp rank {self.tp_rank}"
@@ -374,7 +384,11 @@ class WorkerHalf:
                 self._thread.inbox.put(_Holding(len(self._holding)))
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        self._drain()
+        """Requests finished sending and receiving. In an idle step with a pull in flight, first wait up to
+        `_IDLE_WAIT_S` for a pull to end, so that it is reported in this very step."""
+        wait = _IDLE_WAIT_S if self._idle and self._inflight else 0.0
+        self._idle = False  # once per step
+        self._drain(wait)
         recving: set[str] = set()
         for req_id, done in list(self._completions.items()):
             if req_id in self._inflight:
@@ -404,14 +418,17 @@ class WorkerHalf:
             self._thread.stop()
             self._thread = None
 
-    def _drain(self) -> None:
+    def _drain(self, wait_s: float = 0.0) -> None:
+        """Take the transfer thread's outcomes; with `wait_s`, block up to that long for the first one."""
         if self._thread is None:
             return
+        outbox = self._thread.outbox
         while True:
             try:
-                oc = self._thread.outbox.get_nowait()
+                oc = outbox.get(timeout=wait_s) if wait_s > 0 else outbox.get_nowait()
             except queue.Empty:
                 return
+            wait_s = 0.0
             if self._inflight.get(oc.req_id) == oc.transfer_id:
                 del self._inflight[oc.req_id]
                 trusted = self._trusted.pop(oc.req_id, None)

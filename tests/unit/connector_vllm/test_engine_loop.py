@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from pdgate.connector import worker
 from pdgate.connector.connector import PDGateConnector
 from pdgate.metaserver.client import MetaClient
 from pdgate.metaserver.contract import RouterClaim, with_claim
@@ -262,12 +263,13 @@ def _first_forward(d: Engine, rid: str, timeout: float = 20.0) -> int:
 
 
 def test_under_the_routers_claim_the_first_forward_follows_the_pull_by_one_step(
-    engines: tuple[Engine, Engine], metaserver: UvicornThread
+    engines: tuple[Engine, Engine], metaserver: UvicornThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What the router does (claims for the decode it picked, passes the claim in kv_transfer_params),
     then vLLM's own scheduler: the decode sends no claim, the worker reports the pull finished in the
-    step its outcome surfaces, and the request's first forward is the very next step (no step through
-    the scheduler half). DONE is recorded afterwards, and the prefill frees."""
+    step that started it (a step that computes nothing waits for its pull), and the request's first
+    forward is the very next step (no step through the scheduler half). DONE is recorded afterwards, and
+    the prefill frees."""
     p, d = engines
     url = metaserver.url
     run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="prefill registration")
@@ -278,10 +280,14 @@ def test_under_the_routers_claim_the_first_forward_follows_the_pull_by_one_step(
     assert h.deadline is not None
     claimed = with_claim(params, RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at))
 
+    # The decode computes nothing else, so the step that starts the pull waits for it (worker.py); the
+    # bound is set long so that the pull's end (a first NIXL contact here), not a timer, ends the wait.
+    monkeypatch.setattr(worker, "_IDLE_WAIT_S", 60.0)
     d.sched.add_request(make_request("d1", 70, claimed, max_tokens=4))
+    allocated = d.steps + 1
     first = _first_forward(d, "d1")
-    assert d.finished_recving["d1"] == d.outcome_steps["d1"]  # reported in the step its pull ended
-    assert first == d.finished_recving["d1"] + 1  # and computed in the next one
+    assert d.finished_recving["d1"] == d.outcome_steps["d1"] == allocated  # reported in the step that pulled
+    assert first == allocated + 1  # and computed in the next one
     run_until(lambda: "d1" in d.outputs, [p, d], what="decode")
     run_until(lambda: state(url, tid) is HandoffState.DONE, [p, d], what="DONE, off the path")
     run_until(lambda: "p1" not in p.sched.requests, [p, d], what="prefill blocks freed")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from pdgate.connector import worker
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.connector import PDGateConnector, PDGateConnectorMetadata, PDGateHandshake, PDGateWorkerMeta
 from pdgate.connector.errors import ConfigError
@@ -163,6 +164,56 @@ def test_a_pull_under_the_routers_claim_is_reported_in_the_step_it_ends(pair: Pa
     for name in LAYERS:
         assert same(pair.d_kv[name][10:12], pair.p_kv[name][3:5])
     assert pair.d.get_finished() == (None, None)  # reported once
+
+
+def _trusted_pull(pair: Pair, *, idle: bool) -> StepMetadata:
+    """One pull under the router's claim, in a step that computes nothing (`idle`) or one that does."""
+    plan = RecvPlan("d1", "t1", 9, (3, 4), (10, 11), (pair.p_addr,), trusted_until=time.time() + 60)
+    return StepMetadata(pulls=(plan,), idle=idle)
+
+
+def test_an_idle_step_waits_for_its_pull_and_reports_it_in_that_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step in which no request computes (`StepMetadata.idle`: the engine only steps to poll the load)
+    lets get_finished wait for the pull in flight, so the very step that started the pull reports it; before,
+    get_finished returned at once and the report came steps later, the engine spinning through empty ones.
+    The bound is set long here so that the pull's end, not a timer, ends the wait."""
+    monkeypatch.setattr(worker, "_IDLE_WAIT_S", 60.0)
+    pair = Pair(make_d=lambda: MemoryTransport(complete_after_polls=20))
+    try:
+        pair.d.on_step(_trusted_pull(pair, idle=True))
+        assert pair.d.get_finished() == (None, {"d1"})  # one call: the step that started the pull
+        (oc,) = pair.d.take_outcomes()
+        assert oc.ok and oc.reported
+        for name in LAYERS:
+            assert same(pair.d_kv[name][10:12], pair.p_kv[name][3:5])
+    finally:
+        pair.close()
+
+
+def test_a_step_that_computes_does_not_wait_for_a_pull(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With requests computing, get_finished never blocks the batch on a pull (it would hang here: the
+    pull never ends and the idle bound is a minute)."""
+    monkeypatch.setattr(worker, "_IDLE_WAIT_S", 60.0)
+    pair = Pair(make_d=lambda: MemoryTransport(complete_after_polls=10**9))
+    try:
+        pair.d.on_step(_trusted_pull(pair, idle=False))
+        assert pair.d.get_finished() == (None, None)
+    finally:
+        pair.close()
+
+
+def test_an_idle_wait_is_bounded_and_spent_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull that outlasts the bound is reported in a later step; the wait is spent once per step, so a
+    second get_finished in the same step (none in vLLM, but nothing relies on it) returns at once."""
+    monkeypatch.setattr(worker, "_IDLE_WAIT_S", 0.01)
+    pair = Pair(make_d=lambda: MemoryTransport(complete_after_polls=10**9, pull_timeout_s=60.0))
+    try:
+        pair.d.on_step(_trusted_pull(pair, idle=True))
+        assert pair.d.get_finished() == (None, None)
+        monkeypatch.setattr(worker, "_IDLE_WAIT_S", 60.0)
+        assert pair.d.get_finished() == (None, None)  # not idle any more: no second wait in the step
+    finally:
+        pair.close()
 
 
 def test_a_failed_pull_under_the_routers_claim_reports_its_blocks_at_once(pair: Pair) -> None:
