@@ -35,11 +35,7 @@ first forward in the next step; DONE goes out afterwards, off the path. A pull t
 is confirmed by DONE first, like any late pull; a claim made for another instance, or a location hint
 that cannot be used, takes the ordinary path (our Claim of a record the router claimed for us renews it).
 
-Siblings (vLLM's n > 1): the decode fans one request into n child requests carrying the same params.
-They share the handoff (`_Share`): one claim (the first sibling's, or the router's), each sibling pulls
-the prefill's blocks into its own, and DONE (or the abort) goes out once the last one settled (pulled
-or failed), so the prefill holds its blocks until every sibling read them. `siblings` in the params
-says how many to wait for; without it, a sibling that arrives while the others still load joins them.
+Siblings (vLLM's n > 1) share one claim and one end (DONE after the last one settled): `siblings.py`.
 
 Pure bookkeeping like the rest of the scheduler half: `now` is an argument, I/O leaves as commands.
 """
@@ -58,9 +54,10 @@ from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.errors import LocationError
 from pdgate.connector.location import EngineFacts, plan_for, plan_from_location
 from pdgate.connector.logs import about
-from pdgate.connector.messages import Abort, Claim, Claimed, ClaimFailed, Done, DoneResult
+from pdgate.connector.messages import Abort, Claim, Claimed, ClaimFailed, DoneResult
 from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan
 from pdgate.connector.outbox import Outbox
+from pdgate.connector.siblings import Siblings
 from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
 from pdgate.metaserver.models import Handoff
 
@@ -97,26 +94,13 @@ class _Recv:
     claimed: bool = False
     claim_lease_s: float = 0.0
     by_router: bool = False  # claimed by the router for us: the workers report the pull themselves
-    settled: bool = False  # counted in its `_Share` (pulled, or failed)
+    settled: bool = False  # counted in its `siblings.Share` (pulled, or failed)
     # Monotonic stamps of each phase, for the one log line per transfer. `started_at` is also when the
     # claim was sent (the ledger's claim time is later), the base of the claim-lease bound.
     started_at: float = 0.0
     claimed_at: float | None = None
     pull_started_at: float | None = None
     pulled_at: float | None = None
-
-
-@dataclass
-class _Share:
-    """What the sibling requests of one handoff share (module docstring): the claim and the end."""
-
-    expected: int  # siblings announced (`siblings` in the params, else 1)
-    joined: int = 0
-    settled: int = 0
-    ok: int = 0
-    abort: str | None = None  # why to abort at the end, when no sibling pulled
-    handoff: Handoff | None = None  # the claimed record, for a sibling joining after the claim answered
-    claim_failed: ClaimFailed | None = None
 
 
 def read_decode_params(params: Mapping[str, Any]) -> KVTransferParams:
@@ -136,7 +120,7 @@ class DecodeSide:
         self._out = out
         self._recv: dict[str, _Recv] = {}  # req_id -> pull in progress
         self._recv_by_transfer: dict[str, list[str]] = {}  # transfer_id -> req ids loading it
-        self._shares: dict[str, _Share] = {}  # transfer_id -> its siblings' share, until DONE/abort is sent
+        self._siblings = Siblings(out)  # what the requests loading one handoff share, until DONE/abort
         self._consumed: set[str] = set()  # req ids whose handoff was set up or released
         self._new_pulls: list[RecvPlan] = []
         self._new_done: list[RecvDone] = []
@@ -188,20 +172,17 @@ class DecodeSide:
             self._fail_unstarted(req_id, local)
             return
         transfer_id = kv.require_transfer_id()
-        share = self._shares.get(transfer_id)
-        first = share is None
-        if share is None:
-            if transfer_id in self._recv_by_transfer:  # its DONE already went out: too late to join
-                logger.error(
-                    "transfer %s: a decode request (%s) carries it after its siblings finished; failing it",
-                    transfer_id,
-                    req_id,
-                    extra=about(transfer_id),
-                )
-                self._fail_unstarted(req_id, local)
-                return
-            share = self._shares[transfer_id] = _Share(expected=kv.siblings or 1)
-        share.joined += 1
+        if self._siblings.get(transfer_id) is None and transfer_id in self._recv_by_transfer:
+            # Its siblings' DONE already went out: too late to join.
+            logger.error(
+                "transfer %s: a decode request (%s) carries it after its siblings finished; failing it",
+                transfer_id,
+                req_id,
+                extra=about(transfer_id),
+            )
+            self._fail_unstarted(req_id, local)
+            return
+        share, first = self._siblings.join(transfer_id, kv.siblings or 1)
         deadline = now + self._cfg.ready_wait_s + self._cfg.pull_timeout_s + self._cfg.free_margin_s
         rec = _Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, started_at=now)
         self._recv[req_id] = rec
@@ -274,11 +255,7 @@ class DecodeSide:
             self._out.bump("bad_params")
             return
         self._out.bump("recv_released")
-        share = self._shares.get(transfer_id)
-        if share is not None:  # its siblings still load: it settles as one that read nothing
-            share.joined += 1
-            share.settled += 1
-            self._end_if_last(transfer_id, share)
+        if self._siblings.leave_unscheduled(transfer_id):  # its siblings still load
             return
         self._out.send(Abort(transfer_id, "decode request ended before its KV was pulled"))
 
@@ -313,7 +290,7 @@ class DecodeSide:
     # ---- control-thread results ---------------------------------------------------------------------
 
     def on_claimed(self, result: Claimed, now: float) -> None:
-        share = self._shares.get(result.transfer_id)
+        share = self._siblings.get(result.transfer_id)
         if share is not None:
             share.handoff = result.handoff
         for rec in self._members(result.transfer_id):
@@ -322,7 +299,7 @@ class DecodeSide:
 
     def on_claim_failed(self, result: ClaimFailed) -> None:
         self._out.bump("claims_failed")
-        share = self._shares.get(result.transfer_id)
+        share = self._siblings.get(result.transfer_id)
         if share is not None:
             share.claim_failed = result
         for rec in self._members(result.transfer_id):
@@ -400,27 +377,11 @@ class DecodeSide:
 
     def _settle(self, rec: _Recv, *, ok: bool, abort: str | None = None) -> None:
         """`rec` pulled (`ok`) or failed; once every sibling did, DONE (any pulled) or the abort goes out."""
-        share = self._shares.get(rec.transfer_id)
-        if rec.settled or share is None:
-            if abort is not None and not ok:  # its DONE went out and failed: give the handoff up
-                self._out.send(Abort(rec.transfer_id, abort))
+        if not rec.settled and self._siblings.settle(rec.transfer_id, ok=ok, abort=abort):
+            rec.settled = True
             return
-        rec.settled = True
-        share.settled += 1
-        if ok:
-            share.ok += 1
-        elif abort is not None and share.abort is None:
-            share.abort = abort
-        self._end_if_last(rec.transfer_id, share)
-
-    def _end_if_last(self, transfer_id: str, share: _Share) -> None:
-        if share.settled < max(share.expected, share.joined):
-            return
-        del self._shares[transfer_id]
-        if share.ok:
-            self._out.send(Done(transfer_id))
-        elif share.abort is not None:
-            self._out.send(Abort(transfer_id, share.abort))
+        if abort is not None and not ok:  # its DONE went out and failed: give the handoff up
+            self._out.send(Abort(rec.transfer_id, abort))
 
     def claim_latency_ms(self) -> list[float]:
         """The claim latency of the latest loads (ms, oldest first), for the stats snapshot."""

@@ -1,0 +1,90 @@
+"""The decode side's sibling bookkeeping: requests that load one handoff together, and when it ends.
+
+vLLM's decode fans a request with n > 1 into n child requests carrying the same `kv_transfer_params`.
+They share the handoff (`Share`): one claim (the first sibling's, or the router's), each sibling pulls
+the prefill's blocks into its own, and DONE (or the abort) goes out once the last one settled (pulled
+or failed), so the prefill holds its blocks until every sibling read them. `siblings` in the params
+says how many to wait for; without it, a sibling that arrives while the others still load joins them.
+A request without siblings is a share of one.
+
+Pure bookkeeping for `scheduler_decode.DecodeSide`, which owns the per-request state; this module owns
+only what the siblings share and the rule for the end. Engine-core thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdgate.connector.messages import Abort, ClaimFailed, Done
+from pdgate.connector.outbox import Outbox
+from pdgate.metaserver.models import Handoff
+
+__all__ = ["Share", "Siblings"]
+
+
+@dataclass
+class Share:
+    """What the sibling requests of one handoff share: the claim and the end."""
+
+    expected: int  # siblings announced (`siblings` in the params, else 1)
+    joined: int = 0
+    settled: int = 0
+    ok: int = 0
+    abort: str | None = None  # why to abort at the end, when no sibling pulled
+    handoff: Handoff | None = None  # the claimed record, for a sibling joining after the claim answered
+    claim_failed: ClaimFailed | None = None
+
+
+class Siblings:
+    """The shares of the handoffs being loaded, by transfer id, until their DONE or abort went out."""
+
+    def __init__(self, out: Outbox) -> None:
+        self._out = out
+        self._shares: dict[str, Share] = {}
+
+    def get(self, transfer_id: str) -> Share | None:
+        return self._shares.get(transfer_id)
+
+    def join(self, transfer_id: str, expected: int) -> tuple[Share, bool]:
+        """One more sibling loads `transfer_id`; (its share, whether it is the first)."""
+        share = self._shares.get(transfer_id)
+        first = share is None
+        if share is None:
+            share = self._shares[transfer_id] = Share(expected=expected)
+        share.joined += 1
+        return share, first
+
+    def settle(self, transfer_id: str, *, ok: bool, abort: str | None = None) -> bool:
+        """One sibling pulled (`ok`) or failed (`abort`: why to abort if none pulled); False when the
+        handoff has no share any more (its DONE or abort went out already)."""
+        share = self._shares.get(transfer_id)
+        if share is None:
+            return False
+        share.settled += 1
+        if ok:
+            share.ok += 1
+        elif abort is not None and share.abort is None:
+            share.abort = abort
+        self._end_if_last(transfer_id, share)
+        return True
+
+    def leave_unscheduled(self, transfer_id: str) -> bool:
+        """A sibling ended before it was scheduled: it settles as one that read nothing. False when the
+        handoff has no share (no sibling is loading it)."""
+        share = self._shares.get(transfer_id)
+        if share is None:
+            return False
+        share.joined += 1
+        share.settled += 1
+        self._end_if_last(transfer_id, share)
+        return True
+
+    def _end_if_last(self, transfer_id: str, share: Share) -> None:
+        """Once every sibling settled: DONE if any pulled (the prefill may free), else the abort."""
+        if share.settled < max(share.expected, share.joined):
+            return
+        del self._shares[transfer_id]
+        if share.ok:
+            self._out.send(Done(transfer_id))
+        elif share.abort is not None:
+            self._out.send(Abort(transfer_id, share.abort))
