@@ -40,7 +40,7 @@ from pdgate.connector.logs import setup_logging
 from pdgate.connector.messages import FeedStatus, Register, UpdateLoad, WriteStats
 from pdgate.connector.metadata import PullOutcome, StepMetadata
 from pdgate.connector.registration import build_registration, kv_layout_tag
-from pdgate.connector.scheduler import SchedulerHalf
+from pdgate.connector.scheduler import SchedulerHalf, idle_step
 from pdgate.connector.stats import PDGatePromMetrics, PDGateStats
 from pdgate.connector.transport.factory import make_transport
 from pdgate.connector.worker import WorkerHalf
@@ -157,6 +157,7 @@ class PDGateConnector(KVConnectorBase_V1):
         self._control: ControlThread | ControlProcess | None = None
         self._worker: WorkerHalf | None = None
         self._published_version = -1
+        self._dp_size = parallel.data_parallel_size
         self._published_load: tuple[int, int, float] | None = None
         self._stats_seen: dict[str, int] = {}
         block_size, kv_dtype, kv_layout = _kv_facts(vllm_config, kv_cache_config)
@@ -267,8 +268,7 @@ class PDGateConnector(KVConnectorBase_V1):
         assert self._sched is not None and self._control is not None
         now = time.monotonic()
         self._pump(now)
-        # A step that computes nothing lets the workers wait for a pull in flight (`StepMetadata.idle`).
-        idle = scheduler_output.total_num_scheduled_tokens == 0
+        idle = idle_step(scheduler_output.total_num_scheduled_tokens, self._dp_size)
         step = self._sched.build(scheduler_output.finished_req_ids, now=now, idle=idle)
         self._publish()
         self._flush()

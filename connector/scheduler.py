@@ -41,7 +41,15 @@ from pdgate.connector.scheduler_decode import DecodeSide
 from pdgate.connector.scheduler_prefill import PrefillSide
 from pdgate.metaserver.models import InstanceLoad, TransportAddress
 
-__all__ = ["SchedulerHalf"]
+__all__ = ["SchedulerHalf", "idle_step"]
+
+
+def idle_step(num_scheduled_tokens: int, dp_size: int) -> bool:
+    """Whether the workers may block in this step's `get_finished` for a pull (`StepMetadata.idle`):
+    nothing is computed in it, and no other engine steps in lockstep with this one. Under data
+    parallelism an engine with nothing to compute still runs dummy batches for its peers' collectives,
+    so a wait there would hold every rank up."""
+    return num_scheduled_tokens == 0 and dp_size == 1
 
 
 def _wants_remote_prefill(request: Any) -> bool:

@@ -18,7 +18,7 @@ from pdgate.connector.messages import (
     DoneResult,
 )
 from pdgate.connector.metadata import PullOutcome, RecvDone
-from pdgate.connector.scheduler import SchedulerHalf
+from pdgate.connector.scheduler import SchedulerHalf, idle_step
 from pdgate.metaserver.models import KVLocation
 from vllm.v1.request import RequestStatus
 
@@ -529,3 +529,18 @@ def test_load_counts_requests_and_waiting_loads() -> None:
     h.update_state_after_alloc(make_request("d1", 40, d_params()), make_blocks([1, 2]), 40, now=0.0)
     load = h.load(0.25)
     assert (load.running, load.waiting, load.kv_usage) == (2, 1, 0.25)
+
+
+# ---- the idle step (workers may wait for a pull in it) -------------------------------------------
+
+
+def test_only_a_step_that_computes_nothing_outside_data_parallelism_is_idle() -> None:
+    assert idle_step(0, dp_size=1)
+    assert not idle_step(1, dp_size=1)  # a batch computes: never hold it up for a pull
+    assert not idle_step(0, dp_size=2)  # its peers step in lockstep (dummy batches): a wait holds them up
+
+
+def test_the_step_metadata_says_whether_the_step_is_idle() -> None:
+    h = half()
+    assert h.build([], now=0.0, idle=True).idle
+    assert not h.build([], now=0.0).idle
