@@ -8,7 +8,15 @@ Processes (all real, over loopback): a metaserver (`python -m pdgate.metaserver`
   embedded   `pdgate-router --prefill .. --decode ..` with the metaserver in-process: its CPU also
              covers serving the engines' ledger calls (READY, claim, DONE: 3 HTTP calls per request)
   toy        a proxy written like vLLM's toy_proxy_server.py (FastAPI + httpx, P then D), for scale
+  vllm-router    the Rust vllm-router from PyPI (`--vllm-pd-disaggregation`, round robin): P then D with
+                 vLLM's kv_transfer_params; the sims skip the ledger for it (no transfer_id)
+  sglang-router  the Rust SGLang router from PyPI (`--pd-disaggregation`, round robin): SGLang's protocol,
+                 P and D at once with bootstrap fields; the sims answer both as plain completions
+                 (bench/peers_env.py installs both into the git-ignored .venv-peers)
 and `direct`: no proxy, the client itself creates the handoff, calls P, then D (same engine work).
+A pdgate mode with an `@base` suffix (`embedded@base`) is the same mode run from the package tree given
+by `--baseline DIR` (PYTHONPATH=DIR: e.g. the commit before a change, `git archive` into DIR/pdgate/):
+before and after measured in one run, alternating, on the same sims.
 A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router started with `--workers N`
 (one port, N processes, `pdgate.router.workers`); its CPU is the sum over the parent and its workers, and
 its req/s against the plain mode is the scaling of `--workers` (issue 12 asks for >= 1.8x with 2 on 2 cores).
@@ -16,12 +24,15 @@ With `--pin`, proxies are pinned to CPU 0 with taskset and everything else to th
 default: on a shared 2-vCPU VM that added milliseconds of latency at concurrency 1).
 The load generator is a keep-alive HTTP/1.1 client on uvloop (pdgate.router.http_pool.HttpPool).
 
-Router CPU per request = (utime + stime of the proxy process, from /proc/<pid>/stat, after - before) /
-requests. Scenarios: non-streaming (16 tokens) at concurrency 1, 32, 256, 1024 and streaming (32 tokens)
-at 64. `--libs` first measures the candidate HTTP clients, ASGI stacks and JSON libraries alone.
+Router CPU per request = (on-CPU time of the proxy process's threads and its children's, from
+/proc/<pid>/task/*/schedstat in ns, after - before) / requests. Scenarios: non-streaming (16 tokens) at
+concurrency 1, 32, 256, 1024 and 4096, and streaming (32 tokens) at 64. A table then sets each pdgate mode
+against the best Rust peer of the same run (`versus_peers`: ratios of CPU per request and of p99).
+`--libs` first measures the candidate HTTP clients, ASGI stacks and JSON libraries alone.
 Prints tables and writes bench/results/router.json.
 
-    .venv/bin/python bench/router.py [--quick] [--libs] [--pin] [--only 1 32] [--modes router direct ...]
+    .venv-vllm/bin/python bench/router.py [--quick] [--libs] [--pin] [--only 1 32] [--modes router direct ...]
+        [--baseline DIR --modes embedded embedded@base] [--profile bench/results/router-profile-after.txt]
 """
 
 from __future__ import annotations
@@ -41,8 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orjson
 
+from bench.peers_env import PEER_MODES, peer_command
 from bench.router_libs import measure_libs
-from bench.router_procs import LOGS, PY, ROOT, Procs, cpus, tree_cpu_seconds
+from bench.router_procs import LOGS, PY, ROOT, Procs, cpus, start_profile, summarize_profile, tree_cpu_seconds
 from tests.support.ports import free_port
 from tests.support.servers import wait_http
 
@@ -215,7 +227,7 @@ def load(url: str, concurrency: int, total: int, stream: bool, tokens: int, dire
 # -- the stack --------------------------------------------------------------------------------
 
 
-def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
+def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> dict[str, Any]:
     meta_port = free_port()
     meta_url = f"http://127.0.0.1:{meta_port}"
     other = f"1-{cpus() - 1}" if cpus() > 1 else "0"
@@ -242,7 +254,11 @@ def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
     for mode_name in modes:
         if mode_name == "direct":
             continue
-        mode, _, n_workers = mode_name.partition("_w")
+        plain, _, variant = mode_name.partition("@")
+        env = {"PYTHONPATH": baseline} if variant == "base" and baseline else None
+        if variant and env is None:
+            raise SystemExit(f"mode {mode_name} needs --baseline DIR")
+        mode, _, n_workers = plain.partition("_w")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         base = [PY, "-m", "pdgate.router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -259,11 +275,14 @@ def start_stack(procs: Procs, modes: list[str]) -> dict[str, Any]:
             cmd = [*base, *static]
         elif mode == "toy":
             cmd = [PY, "-c", TOY_PROXY, str(port), ",".join(sims["prefill"]), ",".join(sims["decode"])]
+        elif mode in PEER_MODES:
+            cmd = peer_command(mode, port, free_port(), sims["prefill"], sims["decode"])
         else:
             raise SystemExit(f"unknown mode {mode}")
         if n_workers:
             cmd += ["--workers", n_workers]
-        proc = procs.start(f"proxy-{mode_name}", cmd, "0" if not n_workers else f"0-{min(cpus(), int(n_workers)) - 1}")
+        cpu = "0" if not n_workers else f"0-{min(cpus(), int(n_workers)) - 1}"
+        proc = procs.start(f"proxy-{mode_name}", cmd, cpu, env)
         wait_http(url + ("/health" if mode != "toy" else "/docs"), timeout=60)
         out["proxies"][mode_name] = (url, proc)
     from pdgate.router.pool import static_instance_id
@@ -277,6 +296,7 @@ SCENARIOS_FULL = [
     ("nonstream", 32, 3000, False, 16),
     ("nonstream", 256, 3000, False, 16),
     ("nonstream", 1024, 4096, False, 16),
+    ("nonstream", 4096, 8192, False, 16),
     ("stream32", 64, 2000, True, 32),
 ]
 SCENARIOS_QUICK = [
@@ -284,6 +304,7 @@ SCENARIOS_QUICK = [
     ("nonstream", 32, 1000, False, 16),
     ("nonstream", 256, 1000, False, 16),
     ("nonstream", 1024, 2048, False, 16),
+    ("nonstream", 4096, 4096, False, 16),
     ("stream32", 64, 600, True, 32),
 ]
 
@@ -291,8 +312,8 @@ SCENARIOS_QUICK = [
 def run_scenarios(
     stack: dict[str, Any], modes: list[str], quick: bool, only: list[int] | None = None
 ) -> list[dict[str, Any]]:
-    """Each scenario for each mode. At concurrency 1 the modes alternate in short rounds, so a change in
-    the machine's background load hits them alike (the added-latency comparison depends on it)."""
+    """Each scenario for each mode. Up to concurrency 256 the modes alternate in short rounds, so a change
+    in the machine's background load hits them alike (the comparisons depend on it)."""
     rows = []
     scenarios = SCENARIOS_QUICK if quick else SCENARIOS_FULL
     direct = {
@@ -315,7 +336,7 @@ def run_scenarios(
         active = [m for m in modes if not (m == "toy" and (conc > 32 or stream))]  # toy: a CPU reference only
         for mode in active:
             measure(mode, min(conc, 32), min(200, total), stream, tokens)  # warm-up
-        rounds = 5 if conc == 1 else 1
+        rounds = 5 if conc == 1 else 3 if conc <= 256 else 1
         acc: dict[str, dict[str, Any]] = {
             m: {"lat": [], "ttft": [], "errors": [], "elapsed": 0.0, "cpu": 0.0} for m in active
         }
@@ -351,7 +372,7 @@ def run_scenarios(
 
 
 HEAD = (
-    f"{'scenario':<10} {'mode':<9} {'conc':>5} {'reqs':>6} {'err':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+    f"{'scenario':<10} {'mode':<13} {'conc':>5} {'reqs':>6} {'err':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
     f"{'TTFT ms':>8} {'CPU us/req':>10}"
 )
 
@@ -359,7 +380,7 @@ HEAD = (
 def print_row(r: dict[str, Any]) -> None:
     cpu = f"{r['cpu_us_per_req']:.0f}" if r["cpu_us_per_req"] is not None else "-"
     print(
-        f"{r['scenario']:<10} {r['mode']:<9} {r['concurrency']:>5} {r['requests']:>6} {r['errors']:>4} "
+        f"{r['scenario']:<10} {r['mode']:<13} {r['concurrency']:>5} {r['requests']:>6} {r['errors']:>4} "
         f"{r['req_s']:>8.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['ttft_p50_ms']:>8.2f} {cpu:>10}",
         flush=True,
     )
@@ -387,14 +408,79 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def versus_peers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each pdgate mode against the best Rust peer measured in the same run, scenario by scenario: the
+    ratio of CPU per request and of p99 (below 1: pdgate is cheaper/faster), and req/s side by side."""
+    out = []
+    keys = sorted({(r["scenario"], r["concurrency"]) for r in rows}, key=lambda k: (k[0] != "nonstream", k[1]))
+    for scenario, conc in keys:
+        here = [r for r in rows if (r["scenario"], r["concurrency"]) == (scenario, conc)]
+        peers = [r for r in here if r["mode"] in PEER_MODES and r["cpu_us_per_req"]]
+        if not peers:
+            continue
+        best_cpu = min(peers, key=lambda r: r["cpu_us_per_req"])
+        best_p99 = min(peers, key=lambda r: r["p99_ms"])
+        for r in here:
+            if r["mode"] in PEER_MODES or r["mode"] == "direct" or not r["cpu_us_per_req"]:
+                continue
+            out.append(
+                {
+                    "scenario": scenario,
+                    "concurrency": conc,
+                    "mode": r["mode"],
+                    "cpu_ratio": r["cpu_us_per_req"] / best_cpu["cpu_us_per_req"],
+                    "best_cpu_peer": best_cpu["mode"],
+                    "p99_ratio": r["p99_ms"] / best_p99["p99_ms"],
+                    "best_p99_peer": best_p99["mode"],
+                    "req_s": r["req_s"],
+                    "peer_req_s": {p["mode"]: p["req_s"] for p in peers},
+                    "errors": r["errors"],
+                    "peer_errors": {p["mode"]: p["errors"] for p in peers},
+                }
+            )
+    return out
+
+
+def print_versus(vs: list[dict[str, Any]]) -> None:
+    print("\n== pdgate vs the best Rust peer of the same run (ratio < 1: pdgate cheaper / faster) ==")
+    print(f"{'scenario':<10} {'conc':>5} {'mode':<13} {'CPU ratio':>9} {'p99 ratio':>9} {'req/s':>7}  peers req/s")
+    for v in vs:
+        peer = " ".join(f"{m}={x:.0f}" for m, x in v["peer_req_s"].items())
+        print(
+            f"{v['scenario']:<10} {v['concurrency']:>5} {v['mode']:<13} {v['cpu_ratio']:>9.2f} "
+            f"{v['p99_ratio']:>9.2f} {v['req_s']:>7.0f}  {peer}"
+        )
+
+
+def profile(stack: dict[str, Any], mode: str, out: Path) -> None:
+    """py-spy on `mode`'s proxy under non-streaming load at concurrency 32: the frames that cost the CPU."""
+    url, proc = stack["proxies"][mode]
+    load(url, 32, 500, False, 16)  # warm-up
+    raw = LOGS / f"{out.stem}.raw"  # kept with the logs: the summary is what is committed
+    spy = start_profile(proc.pid, 8, raw)
+    time.sleep(0.5)
+    c0, n, errors = tree_cpu_seconds(proc.pid), 0, 0
+    while spy.poll() is None:  # load for as long as py-spy samples
+        res = load(url, 32, 2000, False, 16)
+        n, errors = n + len(res["lat"]), errors + len(res["errors"])
+    cpu = tree_cpu_seconds(proc.pid) - c0
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    head = f"py-spy record --format raw --rate 250, {mode} at c=32 non-streaming, 16 tokens ({when} UTC)\n"
+    head += f"{n} requests, {errors} errors, {cpu / max(n, 1) * 1e6:.0f} us CPU/request (py-spy running)\n"
+    out.write_text(head + summarize_profile(raw))
+    print(out.read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests per scenario")
     ap.add_argument("--libs", action="store_true", help="also measure HTTP clients, ASGI stacks, JSON libraries")
-    ap.add_argument("--modes", nargs="+", default=["router", "direct", "isolated", "embedded", "toy"])
+    ap.add_argument("--modes", nargs="+", default=["router", "direct", "isolated", "embedded", "toy", *PEER_MODES])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router.json"))
     ap.add_argument("--pin", action="store_true", help="taskset: proxies on CPU 0, everything else on the others")
     ap.add_argument("--only", nargs="+", type=int, help="run only the scenarios with these concurrencies")
+    ap.add_argument("--baseline", metavar="DIR", help="package tree (DIR/pdgate/...) for the modes named MODE@base")
+    ap.add_argument("--profile", metavar="FILE", help="py-spy the first mode at c=32 non-streaming; summary to FILE")
     args = ap.parse_args()
     pin: bool = args.pin
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -409,10 +495,13 @@ def main() -> None:
     libs = measure_libs() if args.libs else None
     procs = Procs(pin)
     try:
-        stack = start_stack(procs, args.modes)
+        stack = start_stack(procs, args.modes, args.baseline)
         if pin and cpus() > 1:  # the load generator stays off the proxies' CPU
             os.sched_setaffinity(0, set(range(1, cpus())))
         print(f"\n== router benchmark ({'quick' if args.quick else 'full'}), logs in {LOGS} ==")
+        if args.profile:
+            profile(stack, args.modes[0], Path(args.profile))
+            return
         print(HEAD)
         rows = run_scenarios(stack, args.modes, args.quick, args.only)
     finally:
@@ -423,7 +512,10 @@ def main() -> None:
     for k, item in v.items():
         verdict = "met" if item["met"] else "NOT met"
         print(f"{k:<34} measured {item['measured']:>10.2f}  target {item['target']:>6}  {verdict}")
-    out = {"info": info, "libs": libs, "rows": rows, "targets": v}
+    vs = versus_peers(rows)
+    if vs:
+        print_versus(vs)
+    out = {"info": info, "libs": libs, "rows": rows, "targets": v, "versus_peers": vs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2, default=str))
     print(f"\nwrote {args.out}")
