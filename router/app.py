@@ -50,6 +50,7 @@ from pdgate.router.model_cards import ModelCards
 from pdgate.router.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
 from pdgate.router.policies import make_policy
 from pdgate.router.pool import LiveInstance, Pool
+from pdgate.router.protocol import watching_protocol
 from pdgate.router.proxy import Proxy
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_error
@@ -79,14 +80,15 @@ def render_openai(code: Code, detail: str) -> tuple[bytes, bytes]:
 
 def serving_protocol(s: RouterSettings) -> type[Any]:
     """uvicorn's HTTP protocol for the router (`uvicorn.Config(http=...)`): slow clients are cut off,
-    an over-long Content-Length gets 413 before its body is read, connections are counted."""
+    an over-long Content-Length gets 413 before its body is read, connections are counted, and a proxied
+    request hears of its client's disconnect from the protocol itself (`protocol`)."""
     limits = ServerLimits(
         header_timeout_s=s.header_timeout_s,
         body_timeout_s=s.body_timeout_s,
         max_body_bytes=s.max_body_bytes,
         max_connections=s.max_connections,
     )
-    return guarded_protocol(limits, render_openai)
+    return watching_protocol(guarded_protocol(limits, render_openai), PROXY_PATHS)
 
 
 def embedded_meta_settings(s: RouterSettings) -> MetaSettings:

@@ -33,7 +33,7 @@ from pdgate.metaserver.client import MetaAPI, MetaConflict, MetaError, MetaGone,
 from pdgate.metaserver.contract import RouterClaim, with_claim
 from pdgate.metaserver.models import HandoffCreate, HandoffState
 from pdgate.router.asgi import Send
-from pdgate.router.bodies import decode_body, decode_params, kv_params_from_prefill, prefill_body, prefill_params
+from pdgate.router.bodies import SplicedBody, decode_params, kv_params_from_prefill, prefill_params, with_fields
 from pdgate.router.errors import (
     META_FAILURES,
     UPSTREAM_FAILURES,
@@ -130,8 +130,7 @@ class Dispatcher:
     # -- prefill --------------------------------------------------------------------------------
 
     async def prefill(self, req: ProxiedRequest, model: str) -> None:
-        """Prefill on some instance; on return `req.prefill`, `req.live`, `req.decode_kv` and (unclaimed)
-        `req.decode_payload` are set."""
+        """Prefill on some instance; on return `req.prefill`, `req.live` and `req.decode_kv` are set."""
 
         async def pick(tried: Sequence[str]) -> LiveInstance | None:
             cands = self._pool.prefill_candidates(model, self._clock(), tried)
@@ -180,7 +179,9 @@ class Dispatcher:
 
     async def _prefill_once(self, req: ProxiedRequest, p: LiveInstance) -> None:
         where = f"prefill {p.id}"
-        payload = prefill_body(req.body, prefill_params(req.tid, req.kv_key, self._engine_meta))
+        if req.spliced is None:  # once per request: retries and the decode splice onto the same encoding
+            req.spliced = SplicedBody(req.body)
+        payload = req.spliced.prefill(prefill_params(req.tid, req.kv_key, self._engine_meta))
         t = perf_counter()
         try:
             with self._pool.lease(p, req.facts.prompt_tokens, self._clock) as lease:
@@ -201,7 +202,7 @@ class Dispatcher:
                     try:
                         req.prefill_answer, kv = kv_params_from_prefill(data)
                         req.decode_kv = decode_params(kv, req.tid, req.kv_key, self._engine_meta)
-                        req.decode_payload = decode_body(req.body, req.decode_kv)  # unclaimed; fails here
+                        req.decode_kv_json = orjson.dumps(req.decode_kv)  # encoded once; fails here, not later
                         # Only a prefill that names the handoff records READY in the ledger (pdgate's
                         # connector, the simulator); vLLM's stock NixlConnector does not: no claim then.
                         req.ledger_prefill = kv.get("transfer_id") == req.tid
@@ -319,8 +320,11 @@ class Dispatcher:
         claim = await self._claim_for(req, d)
         n = req.body.get("n")
         siblings = n if type(n) is int and n > 1 else 1  # vLLM's decode fans it into n requests on one handoff
-        if claim is not None or siblings > 1 or req.last_decode is not None:  # encodes: the prefill's payload did
-            req.decode_payload = decode_body(req.body, with_claim(req.decode_kv, claim, siblings=siblings))
+        # `decode_request` left no router keys in `decode_kv`, so the claim's fields are spliced onto its
+        # encoding, as the params are onto the body's: neither is encoded again per attempt.
+        kv_json = with_fields(req.decode_kv_json, with_claim({}, claim, siblings=siblings))
+        assert req.spliced is not None
+        payload = req.spliced.decode(orjson.Fragment(kv_json))
         req.last_decode = d.id
         with self._pool.lease(d, facts.prompt_tokens + facts.max_tokens, self._clock) as lease:
             resp: UpstreamResponse | None = None
@@ -332,7 +336,7 @@ class Dispatcher:
                         "POST",
                         d.view.url + req.endpoint,
                         self._headers(req, d),
-                        req.decode_payload,
+                        payload,
                         timeout=self._d_timeout,
                     )
                     v = verdict(resp.status)

@@ -32,6 +32,7 @@ __all__ = [
     "CHAT",
     "COMPLETIONS",
     "RequestFacts",
+    "SplicedBody",
     "decode_body",
     "decode_params",
     "kv_params_from_prefill",
@@ -40,6 +41,7 @@ __all__ = [
     "prefill_params",
     "request_facts",
     "split_prompts",
+    "with_fields",
 ]
 
 COMPLETIONS = "/v1/completions"
@@ -140,20 +142,68 @@ def prefill_params(transfer_id: str, kv_key: int, metaserver: str | None) -> dic
     return prefill_request(transfer_id, kv_key=kv_key, metaserver=metaserver)
 
 
+# The fields either hop rewrites or drops. Everything else in the client's body is the same on both hops,
+# so `SplicedBody` encodes it once and each hop's payload is that encoding with the hop's own fields
+# spliced in: a long prompt is serialized once per request, not once per hop and attempt.
+_HOP_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "n",
+    "best_of",
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+    "prompt_logprobs",
+    "kv_transfer_params",
+)
+
+
+class SplicedBody:
+    """The client's body encoded once without `_HOP_FIELDS`; `prefill`/`decode` splice each hop's fields
+    onto it. Same JSON object as encoding the rewritten dict whole (`prefill_body`, `decode_body`); only
+    the order of the keys differs."""
+
+    __slots__ = ("_base", "_kept")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self._kept = {k: body[k] for k in _HOP_FIELDS if k in body}
+        rest = {k: v for k, v in body.items() if k not in self._kept} if self._kept else body
+        encoded = orjson.dumps(rest)
+        self._base = encoded[:-1] + b"," if len(encoded) > 2 else b"{"
+
+    def _with(self, fields: dict[str, Any]) -> bytes:
+        return self._base + orjson.dumps(fields)[1:]
+
+    def prefill(self, kv_params: dict[str, Any]) -> bytes:
+        kept = self._kept
+        fields: dict[str, Any] = {"max_tokens": 1, "stream": False}
+        if "max_completion_tokens" in kept:
+            fields["max_completion_tokens"] = 1
+        if "n" in kept:
+            fields["n"] = 1
+        if "prompt_logprobs" in kept:
+            fields["prompt_logprobs"] = kept["prompt_logprobs"]
+        fields["kv_transfer_params"] = kv_params
+        return self._with(fields)
+
+    def decode(self, kv_params: dict[str, Any] | orjson.Fragment) -> bytes:
+        """The decode copy; `kv_params` may come already encoded (an `orjson.Fragment`, see `with_fields`)."""
+        fields = {k: v for k, v in self._kept.items() if k != "prompt_logprobs" and k != "kv_transfer_params"}
+        fields["kv_transfer_params"] = kv_params
+        return self._with(fields)
+
+
+def with_fields(encoded: bytes, fields: dict[str, Any]) -> bytes:
+    """The JSON object `encoded` (a non-empty object, as `orjson.dumps` wrote it) with `fields` added,
+    whose keys it must not hold already: what a claim adds to the decode's params, without encoding
+    them again."""
+    return encoded[:-1] + b"," + orjson.dumps(fields)[1:] if fields else encoded
+
+
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
-    p = dict(body)
-    p["max_tokens"] = 1
-    if "max_completion_tokens" in p:
-        p["max_completion_tokens"] = 1
-    p["stream"] = False
-    if "n" in p:
-        p["n"] = 1
-    p.pop("best_of", None)
-    p.pop("stream_options", None)
-    p.pop("min_tokens", None)
-    p.pop("min_completion_tokens", None)
-    p["kv_transfer_params"] = kv_params
-    return orjson.dumps(p)
+    """The prefill copy of `body` (see the module docstring); the request path uses `SplicedBody`."""
+    return SplicedBody(body).prefill(kv_params)
 
 
 def kv_params_from_prefill(raw: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -180,7 +230,5 @@ def decode_params(
 
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> bytes:
-    d = dict(body)
-    d.pop("prompt_logprobs", None)  # the prefill's answer carries them (see the module doc)
-    d["kv_transfer_params"] = kv_params
-    return orjson.dumps(d)
+    """The decode copy of `body`: no `prompt_logprobs` (see the module docstring), the prefill's params."""
+    return SplicedBody(body).decode(kv_params)

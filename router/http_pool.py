@@ -148,6 +148,7 @@ class HttpPool:
         self._idle: dict[OriginKey, list[Http1Connection]] = {}
         self._urls: dict[str, tuple[Origin, bytes]] = {}
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _parse(self, url: str) -> tuple[Origin, bytes]:
         hit = self._urls.get(url)
@@ -184,7 +185,7 @@ class HttpPool:
         idle.append(conn)
 
     async def _connect(self, origin: Origin) -> Http1Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         where = f"{origin.host}:{origin.port}"
         try:
             ssl = (self._ssl or _ssl.create_default_context()) if origin.scheme == "https" else None
@@ -211,7 +212,9 @@ class HttpPool:
             raise ConnectFailed("the HTTP pool is closed")
         origin, target = self._parse(url)
         payload = request_bytes(method, origin, target, headers, body)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:  # one pool per event loop; asking for it per request costs a getpid syscall
+            loop = self._loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             conn = self._acquire(origin.key, loop.time())
             reused = conn is not None

@@ -17,12 +17,12 @@ The flow, in order:
 Steps 2-6 are `attempts.Dispatcher`; the request's state is one `request_flow.ProxiedRequest`. With
 `--otlp-traces-endpoint` the request is one span with a child span per phase (`tracing`).
 An engine's 4xx is the client's error: relayed verbatim, not retried. Everything else that goes wrong is
-a typed `PDError`. A client that disconnects cancels the request's task (the watcher on `receive`):
+a typed `PDError`. A client that disconnects cancels the request's task (`protocol.Watch`):
 upstream connections are aborted (so the engines abort), and the handoff is aborted in the background
 so the prefill frees its blocks at once instead of waiting for a lease.
 
-Hot path: raw ASGI, one background future per request (the disconnect watcher), no per-request
-allocation of policy or pool objects.
+Hot path: raw ASGI, no background task per request under the router's own server (the disconnect comes
+from its protocol: `protocol`), no per-request allocation of policy or pool objects.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 from pdgate.metaserver.client import MetaAPI
 from pdgate.router.access import ClientKeys
 from pdgate.router.answers import PatchingSend, PrefillFacts, decode_recomputes, prefill_facts
-from pdgate.router.asgi import Message, Receive, Scope, Send
+from pdgate.router.asgi import Receive, Scope, Send
 from pdgate.router.attempts import Dispatcher
 from pdgate.router.bodies import CHAT, COMPLETIONS, parse_json, request_facts, split_prompts
 from pdgate.router.errors import (
@@ -60,6 +60,7 @@ from pdgate.router.metrics import RouterMetrics
 from pdgate.router.model_cards import ModelCards
 from pdgate.router.policies import Policy
 from pdgate.router.pool import Pool
+from pdgate.router.protocol import Watch
 from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_error
@@ -153,8 +154,7 @@ class Proxy:
         self.inflight += 1
         token = log_transfer_id.set(tid)
         task = asyncio.current_task()
-        watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(partial(_on_receive, req, task))
+        watch = Watch(scope, receive, partial(_on_disconnect, req, task))
         outcome = "ok"
         try:
             outcome = await self._serve(req, raw, send, start)
@@ -175,8 +175,7 @@ class Proxy:
         finally:
             self.inflight -= 1
             req.finished = True
-            if not watcher.done():
-                watcher.cancel()
+            watch.stop()
             if req.live is not None:
                 self._dispatch.abort(req, req.abort_reason)
             self._count(endpoint, outcome)
@@ -251,13 +250,19 @@ class Proxy:
 
     async def _one(self, req: ProxiedRequest, model: str, send: Send) -> str:
         """Prefill, then decode, of one prompt; the decode's answer gets what the prefill's answer adds."""
+        traced = self._tracing is not None  # without tracing, no phase context managers on the hot path
         try:
-            with self._phase(req, "prefill"):
+            if traced:
+                with self._phase(req, "prefill"):
+                    await self._dispatch.prefill(req, model)
+            else:
                 await self._dispatch.prefill(req, model)
             chat = req.endpoint == CHAT
             facts = prefill_facts(req.prefill_answer, chat)
             if decode_recomputes(req.body, chat):
                 facts = PrefillFacts(None, facts.prompt_logprobs)
+            if not traced:
+                return await self._dispatch.decode(req, PatchingSend(send, facts, chat))
             with self._phase(req, "decode"):
                 return await self._dispatch.decode(req, PatchingSend(send, facts, chat))
         except RouterError as exc:
@@ -266,10 +271,8 @@ class Proxy:
 
     @contextlib.contextmanager
     def _phase(self, req: ProxiedRequest, name: str) -> Iterator[None]:
-        """With tracing, a child span of the request's, whose trace context the engine requests carry."""
-        if self._tracing is None:
-            yield
-            return
+        """A child span of the request's, whose trace context the engine requests carry (with tracing only)."""
+        assert self._tracing is not None
         kept = [(k, v) for k, v in req.extra if k not in TRACE_HEADERS]
         with self._tracing.phase(name) as (span, headers):
             req.extra = kept + headers
@@ -297,11 +300,9 @@ class Proxy:
         await self._dispatch.drain_background(timeout)
 
 
-def _on_receive(req: ProxiedRequest, task: asyncio.Task[Any] | None, fut: asyncio.Future[Message]) -> None:
-    """Disconnect watcher: a client that goes away before the response ended cancels the request."""
-    if fut.cancelled() or fut.exception() is not None:
-        return
-    if fut.result().get("type") == "http.disconnect" and not req.finished and task is not None:
+def _on_disconnect(req: ProxiedRequest, task: asyncio.Task[Any] | None) -> None:
+    """A client that goes away before the response ended cancels the request (`protocol.Watch`)."""
+    if not req.finished and task is not None:
         req.disconnected = True
         task.cancel()
 

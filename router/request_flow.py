@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdgate.router.bodies import RequestFacts
+from pdgate.router.bodies import RequestFacts, SplicedBody
 from pdgate.router.pool import LiveInstance
 
 __all__ = ["MAX_ANSWER", "ProxiedRequest", "mint_transfer_id", "snippet"]
@@ -26,12 +26,13 @@ def mint_transfer_id() -> str:
 class ProxiedRequest:
     """One client request on its way through prefill and decode.
 
-    `live` is the transfer id of a handoff this request created and still owns: whoever ends the request
-    aborts it (with `abort_reason`) unless a decode finished it. `decode_kv` is the decode's
-    `kv_transfer_params` before the router's claim (added per decode attempt); `last_decode` is the decode
-    of the attempt before, which the router gave up on, so its claim may be taken back for the next one.
-    `started` says the response's status line went out, after which nothing is retried and errors are
-    reported in the stream.
+        `live` is the transfer id of a handoff this request created and still owns: whoever ends the request
+        aborts it (with `abort_reason`) unless a decode finished it. `decode_kv` is the decode's
+        `kv_transfer_params` before the router's claim (added per decode attempt); `spliced` is the body encoded
+    once, onto which each hop's payload splices its own fields (`bodies.SplicedBody`); `last_decode` is the decode
+        of the attempt before, which the router gave up on, so its claim may be taken back for the next one.
+        `started` says the response's status line went out, after which nothing is retried and errors are
+        reported in the stream.
     """
 
     __slots__ = (
@@ -39,7 +40,7 @@ class ProxiedRequest:
         "body",
         "client_auth",
         "decode_kv",
-        "decode_payload",
+        "decode_kv_json",
         "disconnected",
         "endpoint",
         "extra",
@@ -53,6 +54,7 @@ class ProxiedRequest:
         "prefill",
         "prefill_answer",
         "rid",
+        "spliced",
         "started",
         "tid",
     )
@@ -72,7 +74,8 @@ class ProxiedRequest:
         self.prefill: LiveInstance | None = None
         self.prefill_answer: dict[str, Any] | None = None  # the prefill's answer, parsed (what it adds)
         self.decode_kv: dict[str, Any] = {}
-        self.decode_payload = b""
+        self.decode_kv_json = b"{}"  # `decode_kv` encoded, checked at the prefill (`attempts`)
+        self.spliced: SplicedBody | None = None  # the body encoded once for both hops (set at the first prefill)
         self.last_decode: str | None = None
         self.ledger_prefill = False  # the prefill's answer named the handoff: it records READY, claim it
         self.abort_reason = "failed"

@@ -2,8 +2,8 @@
 
 `Sim` is one `pdgate-sim` process (its CLI, on a free loopback port); tests change its faults with
 `sim.script(...)` and read its counters with `sim.stats()`. `Deployment` is a router (in a uvicorn
-thread, built from settings, running the embedded metaserver unless told otherwise) plus sims that
-register with it. Readiness is always polled, never slept for.
+thread with the router's own HTTP protocol, built from settings, running the embedded metaserver unless
+told otherwise) plus sims that register with it. Readiness is always polled, never slept for.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from pdgate.metaserver.settings import MetaSettings
-from pdgate.router.app import RouterApp, create_app
+from pdgate.router.app import RouterApp, create_app, serving_protocol
 from pdgate.router.settings import RouterSettings
 
 from tests.support.ports import free_port, wait_until
@@ -117,7 +117,8 @@ class Deployment:
         }
         self.settings = RouterSettings(**{**defaults, **settings})
         self.app: RouterApp = create_app(self.settings, meta_settings=meta_settings)
-        self.server = UvicornThread(self.app, port=port)
+        # The router's own HTTP protocol, as `pdgate-router` serves: one write per answer, disconnect hooks.
+        self.server = UvicornThread(self.app, port=port, http=serving_protocol(self.settings))
         self.url = self.server.url
         self.sims: list[Sim] = []
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from pdgate.metaserver.contract import RouterClaim, with_claim
 from pdgate.router.bodies import (
     CHAT,
     COMPLETIONS,
+    SplicedBody,
     decode_body,
     decode_params,
     kv_params_from_prefill,
@@ -15,6 +17,7 @@ from pdgate.router.bodies import (
     prefill_params,
     request_facts,
     split_prompts,
+    with_fields,
 )
 from pdgate.router.errors import BadRequest, PrefillFailed
 
@@ -129,3 +132,59 @@ def test_bad_field_types_are_refused(body: dict) -> None:
 def test_body_must_be_a_json_object(raw: bytes) -> None:
     with pytest.raises(BadRequest):
         parse_json(raw)
+
+
+def _rewritten(body: dict[str, object], prefill: bool, kv: dict[str, object]) -> dict[str, object]:
+    """The hop's body as a dict rewrite would make it: the reference the spliced encoding must equal."""
+    out = dict(body)
+    if prefill:
+        out["max_tokens"] = 1
+        if "max_completion_tokens" in out:
+            out["max_completion_tokens"] = 1
+        out["stream"] = False
+        if "n" in out:
+            out["n"] = 1
+        for gone in ("best_of", "stream_options", "min_tokens", "min_completion_tokens"):
+            out.pop(gone, None)
+    else:
+        out.pop("prompt_logprobs", None)
+    out["kv_transfer_params"] = kv
+    return out
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"prompt": "x"},
+        {"model": "m", "messages": [{"role": "user", "content": 'hé \u2028 "q"'}], "max_completion_tokens": 7},
+        {
+            "model": "m",
+            "prompt": [1, 2, 3],
+            "max_tokens": 9,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "n": 2,
+            "best_of": 3,
+            "min_tokens": 1,
+            "prompt_logprobs": 2,
+            "kv_transfer_params": {"from": "client"},
+            "temperature": 0.5,
+        },
+    ],
+)
+def test_spliced_body_is_the_same_json_as_rewriting_the_dict(body: dict[str, object]) -> None:
+    spliced = SplicedBody(body)
+    kv = {"transfer_id": "pd-1", "remote_block_ids": [[1, 2]]}
+    assert orjson.loads(spliced.prefill(kv)) == _rewritten(body, True, kv)
+    assert orjson.loads(spliced.decode(kv)) == _rewritten(body, False, kv)
+    assert orjson.loads(spliced.decode(orjson.Fragment(orjson.dumps(kv)))) == _rewritten(body, False, kv)
+    assert body == dict(body)  # the client's body is left as it came
+
+
+def test_with_fields_adds_a_claim_to_encoded_params_as_with_claim_does() -> None:
+    kv = decode_params({"remote_engine_id": "p1", "remote_block_ids": [[3]]}, "pd-1", 7, "http://m")
+    claim = RouterClaim("d1", 123.5, 30.0)
+    spliced = with_fields(orjson.dumps(kv), with_claim({}, claim, siblings=3))
+    assert orjson.loads(spliced) == with_claim(kv, claim, siblings=3)
+    assert with_fields(orjson.dumps(kv), with_claim({}, None)) == orjson.dumps(kv)
