@@ -281,6 +281,13 @@ class LocalStack:
 
     def _next_cpu(self) -> str:
         cpus = _cpus()
+        if max(self.config.n_prefill + self.config.n_decode, self._cpu_cursor + 1) > len(cpus):
+            # More engines than cores: two engines pinned to one core starve each other. Measured on a
+            # 2-core host (1P2D, docs/NIXL.md): while the prefill held KV it stepped without pause and its
+            # worker busy-waited (vLLM's shm queue spins sched_yield); decode-1, pinned to the same core,
+            # got no CPU time at all for ~40 s, until the handoffs' READY lease expired. Unpinned, the
+            # kernel moves a starved thread to the other core.
+            return "nobind"
         cpu = cpus[self._cpu_cursor % len(cpus)]
         self._cpu_cursor += 1
         return str(cpu)
