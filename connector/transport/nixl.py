@@ -361,6 +361,8 @@ class NixlTransport(Transport):
             metadata = base64.b64decode(md_b64, validate=True)
         except ValueError:
             raise InvalidPull(f"agent_metadata of {name} is not valid base64") from None
+        logger.info("NIXL %s: loading peer %s", self.name, name)
+        t0 = time.monotonic()
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except Exception as exc:
@@ -381,7 +383,9 @@ class NixlTransport(Transport):
             raise _map_nixl_error(exc, f"preparing descriptors of peer {name}") from exc
         peer = _Peer(name, digest, tuple(regions), offsets, dlist)
         self._peers[name] = peer
-        logger.info("NIXL %s: peer %s added (%d block descriptors)", self.name, name, len(rows))
+        logger.info(
+            "NIXL %s: peer %s added (%d block descriptors) in %.3fs", self.name, name, len(rows), time.monotonic() - t0
+        )
         return peer
 
     def _finish(self, transfer_id: str, state: str, now: float) -> None:
