@@ -3,8 +3,9 @@
 Run as a script: it fills an interleaved K/V buffer with seeded random bytes, registers it
 with a :class:`NixlTransport`, prints ``{"pid", "address"}`` as one JSON line
 (prefixed with ``PREFIX``), then keeps
-calling ``poll()`` (the prefill side must make progress) and prints ``{"served": [...]}``
-whenever a puller's notification arrives. It exits when stdin reaches EOF.
+calling ``poll()`` every ``--poll-interval`` seconds (the prefill side must make progress) and
+prints ``{"served": [...]}`` whenever a puller's notification arrives. It exits when stdin reaches
+EOF, after a last poll (a notification that came during the last sleep is reported too).
 
 The layout helpers are imported by the test to compute the bytes it expects.
 """
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, required=True)
     ap.add_argument("--block-len", type=int, required=True)
     ap.add_argument("--seed", type=int, required=True)
+    # Seconds between polls. The default is a prefill holding KV (`pdgate.connector.worker`); a test may
+    # pass the idle cadence instead, to show a puller's first contact needs no faster progress.
+    ap.add_argument("--poll-interval", type=float, default=0.0005)
     args = ap.parse_args()
 
     buf = prefill_buffer(args.num_blocks, args.block_len, args.seed)
@@ -72,7 +76,11 @@ def main() -> None:
         served = transport.drain_served()
         if served:
             emit({"served": served})
-        time.sleep(0.0005)
+        time.sleep(args.poll_interval)
+    transport.poll()
+    served = transport.drain_served()
+    if served:
+        emit({"served": served})
     transport.close()
 
 

@@ -28,6 +28,7 @@ from pdgate.connector.transport.base import (
     PullTimeout,
 )
 from pdgate.connector.transport.nixl import NixlTransport
+from pdgate.connector.worker import _IDLE_POLL_S
 
 from tests.integration.nixl_peer import PREFIX, REGION_NAMES, prefill_block, prefill_buffer
 
@@ -44,8 +45,9 @@ def test_nixl_is_installed() -> None:
 class Peer:
     """A running prefill process and the address it published."""
 
-    def __init__(self, seed: int, env: dict[str, str]) -> None:
+    def __init__(self, seed: int, env: dict[str, str], poll_interval_s: float | None = None) -> None:
         self.seed = seed
+        extra = [] if poll_interval_s is None else ["--poll-interval", str(poll_interval_s)]
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -56,6 +58,7 @@ class Peer:
                 str(BLOCK_LEN),
                 "--seed",
                 str(seed),
+                *extra,
             ],
             cwd=REPO,
             env=env,
@@ -109,8 +112,8 @@ def ucx_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def start_peer(ucx_env: dict[str, str]) -> Iterator[Callable[..., Peer]]:
     peers: list[Peer] = []
 
-    def start(seed: int, **extra_env: str) -> Peer:
-        peer = Peer(seed, {**ucx_env, **extra_env})
+    def start(seed: int, poll_interval_s: float | None = None, **extra_env: str) -> Peer:
+        peer = Peer(seed, {**ucx_env, **extra_env}, poll_interval_s)
         peers.append(peer)
         return peer
 
@@ -171,6 +174,33 @@ def test_scattered_pull_moves_exact_bytes_and_notifies_prefill(start_peer, decod
     assert res2.ok, res2.error
     assert_pulled(peer, bufs, np.concatenate([src, src2]), np.concatenate([dst, dst2]))
     assert sorted(peer.served()) == ["xfer-1", "xfer-2"]
+
+
+def test_second_pullers_first_pull_completes_with_the_prefill_polled_at_idle_cadence(start_peer, decode) -> None:
+    # 1P2D: the second decode's first contact (metadata load, UCX wireup, an emulated READ that the
+    # target must progress) while the prefill's transfer thread polls only at its idle cadence, as it
+    # does between handoffs. Both decodes get their exact bytes; the prefill is told of both reads.
+    first, first_bufs = decode
+    peer = start_peer(seed=18, poll_interval_s=_IDLE_POLL_S)
+    first.start_pull(PullRequest("d0-first", 9, peer.address, [5, 6, 7], [1, 2, 3]))
+    res, _ = wait_for(first, "d0-first", 30.0)
+    assert res.ok, res.error
+    assert_pulled(peer, first_bufs, np.array([5, 6, 7]), np.array([1, 2, 3]))
+
+    bufs = [np.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in REGION_NAMES]
+    second = NixlTransport(pull_timeout_s=30.0)
+    try:
+        second.register(
+            [KVRegion.dense(n, b.ctypes.data, BLOCK_LEN, NUM_BLOCKS) for n, b in zip(REGION_NAMES, bufs, strict=True)]
+        )
+        src, dst = np.array([200, 9, 77, 78]), np.array([0, 40, 41, 255])
+        second.start_pull(PullRequest("d1-first", 10, peer.address, src.tolist(), dst.tolist()))
+        res2, _ = wait_for(second, "d1-first", 30.0)
+        assert res2.ok, res2.error
+        assert_pulled(peer, bufs, src, dst)
+        assert sorted(peer.served()) == ["d0-first", "d1-first"]
+    finally:
+        second.close()
 
 
 def test_pull_from_killed_peer_fails_cleanly_within_bound(start_peer, decode) -> None:
