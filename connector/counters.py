@@ -31,6 +31,8 @@ COUNTERS: dict[str, str] = {
     "invalid_blocks": "local blocks reported to vLLM as failed loads",
     "claims_failed": "claims that did not succeed",
     "claims_by_router": "decode loads that pulled under the router's claim, with no claim round trip of their own",
+    "claims_untrusted": "router claims named for this decode but not sealed with this connector's token's key "
+    "(forged, altered, or a router under another token): the decode claimed through the metaserver itself",
     "done_refused": "DONEs the ledger refused while the KV was still held (a lapsed claim); zero when healthy",
     "done_after_end": "DONEs that came after the handoff had ended (e.g. the router aborted it for a client that left)",
     "recv_released": "handoffs a decode released without pulling (local cache, ended before scheduled)",

@@ -26,8 +26,10 @@ Why the pulled data may be used without waiting for DONE (or for the claim befor
   claimed record yields the very same plan.
 
 The router's claim: when the router claimed the handoff for this very instance before sending the
-request (`KVTransferParams.trusted_until`, see `pdgate.metaserver.contract`), there is no Claim round trip
-at all. The record was CLAIMED for us at the ledger's time t_c, before the request left the router, so the
+request, and sealed the claim with the key both derive from the metaserver's admin token
+(`KVTransferParams.trusted_until`, `pdgate.metaserver.claim_seal`: a client reaching vLLM directly cannot
+forge one and point us at another request's blocks), there is no Claim round trip at all. The record
+was CLAIMED for us at the ledger's time t_c, before the request left the router, so the
 argument above holds from t_c: a pull that finished before `trusted_until` (half the claim lease after
 t_c, on the wall clock) read held blocks. The RecvPlan carries that bound, and each worker reports such a
 pull finished in the very step it completes (`PullOutcome.reported`), so vLLM schedules the request's
@@ -58,6 +60,7 @@ from pdgate.connector.messages import Abort, Claim, Claimed, ClaimFailed, DoneRe
 from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan
 from pdgate.connector.outbox import Outbox
 from pdgate.connector.siblings import Siblings
+from pdgate.metaserver import claim_seal
 from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
 from pdgate.metaserver.models import Handoff
 
@@ -118,6 +121,7 @@ class DecodeSide:
         self._cfg = cfg
         self._facts = facts
         self._out = out
+        self._claim_key = claim_seal.claim_key(cfg.metaserver_token)  # None: no router claim is trusted
         self._recv: dict[str, _Recv] = {}  # req_id -> pull in progress
         self._recv_by_transfer: dict[str, list[str]] = {}  # transfer_id -> req ids loading it
         self._siblings = Siblings(out)  # what the requests loading one handoff share, until DONE/abort
@@ -187,7 +191,9 @@ class DecodeSide:
         rec = _Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, started_at=now)
         self._recv[req_id] = rec
         self._recv_by_transfer.setdefault(transfer_id, []).append(req_id)
-        trusted_until = kv.trusted_until(self._facts.instance_id)
+        trusted_until = kv.trusted_until(self._facts.instance_id, self._claim_key)
+        if trusted_until is None and kv.claimed_by is not None:
+            self._out.bump("claims_untrusted")  # unsealed, forged, or under another token: we claim ourselves
         location = kv.location()
         if location is not None and kv.kv_key is not None:
             try:

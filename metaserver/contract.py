@@ -29,8 +29,9 @@ router's are plain functions on dicts because it runs them on every request and 
 
 The router's claim (`RouterClaim`, the `claimed_by`/`claim_deadline`/`claim_lease_s` fields): the router
 claims the handoff in the ledger for the decode it picked before it sends the request, and says so here.
-A decode that finds a claim made for its own instance id (`trusted_until`) skips its own claim round
-trip and pulls at once; a pull it saw finish before `trusted_until` read blocks the prefill still held
+A decode that finds a claim made for its own instance id, sealed by the router (`claim_seal`, see
+`pdgate.metaserver.claim_seal`: a client cannot forge one), skips its own claim round trip and pulls at
+once (`trusted_until`); a pull it saw finish before `trusted_until` read blocks the prefill still held
 (the record was CLAIMED for it, so neither expiry nor another decode's DONE could free them). Only the
 router writes these fields: `decode_request` drops any the prefill's answer carries, and the router
 replaces the client's `kv_transfer_params` whole. Every reader goes through
@@ -44,6 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast
 
+from pdgate.metaserver import claim_seal
 from pdgate.metaserver.models import MAX_KV_KEY, KVLocation, TransportKind, is_valid_id
 from pydantic import ValidationError
 
@@ -207,10 +209,17 @@ _TYPED = frozenset(
         "claimed_by",
         "claim_deadline",
         "claim_lease_s",
+        "claim_seal",
         "siblings",
     }
 )
-_ROUTER_KEYS = ("claimed_by", "claim_deadline", "claim_lease_s", "siblings")  # only the router writes these
+_ROUTER_KEYS = (
+    "claimed_by",
+    "claim_deadline",
+    "claim_lease_s",
+    "claim_seal",
+    "siblings",
+)  # only the router writes these
 _MAX_TOKENS = 2**40
 _MAX_EPOCH = 2.0**40
 _MAX_SIBLINGS = 1024
@@ -244,6 +253,7 @@ class KVTransferParams:
     claimed_by: str | None = None
     claim_deadline: float | None = None
     claim_lease_s: float | None = None
+    claim_seal: str | None = None  # the router's HMAC over its claim (`pdgate.metaserver.claim_seal`)
     siblings: int | None = None  # vLLM's n: the decode requests that share this handoff (one DONE after all)
     extra: Mapping[str, Any] = field(default_factory=dict)  # untyped keys, passed on verbatim
 
@@ -277,6 +287,8 @@ class KVTransferParams:
             out["claim_deadline"] = self.claim_deadline
         if self.claim_lease_s is not None:
             out["claim_lease_s"] = self.claim_lease_s
+        if self.claim_seal is not None:
+            out["claim_seal"] = self.claim_seal
         if self.siblings is not None:
             out["siblings"] = self.siblings
         for key, value in self.extra.items():
@@ -309,6 +321,7 @@ class KVTransferParams:
             claimed_by=_id(params, "claimed_by"),
             claim_deadline=_float(params, "claim_deadline", 0.0, _MAX_EPOCH),
             claim_lease_s=_float(params, "claim_lease_s", 0.0, 3600.0),
+            claim_seal=_text(params, "claim_seal"),
             siblings=_int(params, "siblings", 1, _MAX_SIBLINGS),
             extra={k: v for k, v in params.items() if k not in _TYPED},
         )
@@ -332,11 +345,24 @@ class KVTransferParams:
             )
         return blocks[0]
 
-    def trusted_until(self, instance_id: str) -> float | None:
+    def trusted_until(self, instance_id: str, key: bytes | None) -> float | None:
         """When the router claimed this handoff for `instance_id`: the wall-clock time (epoch s) before which
         a finished pull read blocks the prefill still held, half the claim's lease after the ledger
-        granted it (the other half is room for clocks that differ). None: no such claim, claim yourself."""
+        granted it (the other half is room for clocks that differ). None: no such claim, no key to check
+        its seal with, or a seal that does not match (a forged or altered claim): claim yourself."""
         if self.claimed_by != instance_id or self.claim_deadline is None or not self.claim_lease_s:
+            return None
+        if key is None or self.transfer_id is None:
+            return None
+        if not claim_seal.seal_matches(
+            key,
+            self.claim_seal,
+            transfer_id=self.transfer_id,
+            claimed_by=instance_id,
+            deadline=self.claim_deadline,
+            lease_s=self.claim_lease_s,
+            location=self.remote_location,
+        ):
             return None
         return self.claim_deadline - self.claim_lease_s / 2
 
@@ -365,11 +391,29 @@ def prefill_request(transfer_id: str, *, kv_key: int | None, metaserver: str | N
 
 
 class RouterClaim(NamedTuple):
-    """The claim the router made for one decode: who, and the lease the ledger granted (its clock)."""
+    """The claim the router made for one decode: who, the lease the ledger granted (its clock), and the
+    router's seal over it (`sealed`); an unsealed claim is written but no decode trusts it."""
 
     decode_instance_id: str
     deadline: float  # epoch s at which the claim lapses
     lease_s: float
+    seal: str | None = None
+
+    def sealed(self, key: bytes | None, *, transfer_id: str, location: Mapping[str, Any] | None) -> RouterClaim:
+        """This claim with the seal a decode checks; `location` is the `remote_location` the decode will
+        get (the prefill's answer, verbatim). Without a key (no admin token) it stays unsealed."""
+        if key is None:
+            return self
+        return self._replace(
+            seal=claim_seal.seal(
+                key,
+                transfer_id=transfer_id,
+                claimed_by=self.decode_instance_id,
+                deadline=self.deadline,
+                lease_s=self.lease_s,
+                location=location,
+            )
+        )
 
 
 def decode_request(
@@ -406,6 +450,8 @@ def with_claim(params: Mapping[str, Any], claim: RouterClaim | None, *, siblings
         out["claimed_by"] = claim.decode_instance_id
         out["claim_deadline"] = claim.deadline
         out["claim_lease_s"] = claim.lease_s
+        if claim.seal is not None:
+            out["claim_seal"] = claim.seal
     if siblings > 1:
         out["siblings"] = siblings
     return out

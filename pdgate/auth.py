@@ -26,6 +26,7 @@ __all__ = [
     "SecretFileError",
     "bearer",
     "credential_matches",
+    "derive_key",
     "is_loopback",
     "matches_any",
     "read_secret_file",
@@ -51,6 +52,15 @@ def matches_any(given: str | None, expected: Iterable[str]) -> bool:
     for key in expected:
         found |= credential_matches(given, key)
     return found
+
+
+def derive_key(secret: str, purpose: str) -> bytes:
+    """A key for one purpose, derived from a configured secret (HMAC-SHA256 of the purpose under it).
+
+    Why derive: a token sent as a bearer credential must not also be the MAC key of something else, and
+    two purposes must not share a key; deriving keeps one secret to configure and rotate.
+    """
+    return hmac.new(secret.encode("utf-8"), purpose.encode("utf-8"), "sha256").digest()
 
 
 def bearer(authorization: str | None) -> str | None:

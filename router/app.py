@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request, Response
+from pdgate.metaserver import claim_seal
 from pdgate.metaserver.client import MetaAPI
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.access import AdminCheck, ClientKeys
@@ -235,6 +236,11 @@ def create_app(
     options = {"load_factor": s.prefix_load_factor}
     engine_auth = [(b"authorization", f"Bearer {s.upstream_api_key}".encode())] if s.upstream_api_key else []
     cards = ModelCards(pool, lambda: holder["upstream"], clock, s.health_timeout_s, lambda: engine_auth)
+    embedded = meta is None and s.embedded
+    msettings = meta_settings or (embedded_meta_settings(s) if embedded else None)
+    # The token of the ledger's write routes: the admin check's, and what the router's claims are sealed
+    # with (pdgate.metaserver.claim_seal; the decodes' connectors hold the same token).
+    ledger_token = msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token
     proxy = Proxy(
         s,
         pool=pool,
@@ -248,13 +254,12 @@ def create_app(
         clock=clock,
         cards=cards,
         tracing=tracing,
+        claim_key=claim_seal.claim_key(ledger_token),
     )
     passthrough = Passthrough(s, pool, lambda: holder["upstream"], clock)
     metrics.inflight.set_function(lambda: proxy.inflight)
     discovery = Discovery(s, pool, lambda: holder["meta"], lambda: holder["upstream"], metrics, clock)
-    embedded = meta is None and s.embedded
-    msettings = meta_settings or (embedded_meta_settings(s) if embedded else None)
-    admin = AdminCheck(msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token)
+    admin = AdminCheck(ledger_token)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

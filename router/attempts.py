@@ -85,8 +85,10 @@ class Dispatcher:
         engine_metaserver: str | None,
         rng: Random,
         clock: Callable[[], float],
+        claim_key: bytes | None = None,
     ) -> None:
         s = settings
+        self._claim_key = claim_key  # seals each claim for its decode (pdgate.metaserver.claim_seal)
         self._pool = pool
         self._meta = meta
         self._upstream = upstream
@@ -312,7 +314,8 @@ class Dispatcher:
                 return None
         if h.deadline is None:
             return None
-        return RouterClaim(d.id, h.deadline, max(h.deadline - h.updated_at, 0.0))
+        claim = RouterClaim(d.id, h.deadline, max(h.deadline - h.updated_at, 0.0))
+        return claim.sealed(self._claim_key, transfer_id=req.tid, location=req.decode_kv.get("remote_location"))
 
     async def _decode_once(self, req: ProxiedRequest, d: LiveInstance, send: Send) -> str:
         where = f"decode {d.id}"

@@ -93,6 +93,7 @@ class Proxy:
         clock: Callable[[], float],
         cards: ModelCards,
         tracing: Tracing | None = None,
+        claim_key: bytes | None = None,
     ) -> None:
         s = settings
         self._pool = pool
@@ -110,6 +111,7 @@ class Proxy:
             engine_metaserver=engine_metaserver,
             rng=rng,
             clock=clock,
+            claim_key=claim_key,
         )
         self._client_keys = ClientKeys(s.api_key)
         self._forward_auth = s.forward_client_auth

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any
 
+from pdgate.metaserver import claim_seal
 from pdgate.metaserver.client import MetaConflict, MetaError, MetaGone, MetaNotFound
 from pdgate.metaserver.contract import KVTransferParams
 from pdgate.metaserver.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation, Role
@@ -47,6 +48,7 @@ class Ledger:
         self.registered: set[int] = set()
         self._clients: dict[str, PooledMetaClient] = {}
         self._next_block = 0
+        self.claim_key = claim_seal.claim_key(self.s.admin_token)  # as the connector: no token, no trust
 
     def record_id(self, rank: int) -> str:
         return self.base_id if self.s.dp_size == 1 else f"{self.base_id}.dp{rank}"
@@ -191,7 +193,7 @@ class Ledger:
             return
         meta = self.meta(meta_url)
         me = self.record_id(rank)
-        if kv.trusted_until(me) is not None:
+        if kv.trusted_until(me, self.claim_key) is not None:  # sealed by the router for this decode
             self.stats.inc("router_claims")
             try:
                 h = await meta.done(tid, me)

@@ -20,12 +20,16 @@ from pdgate.metaserver.settings import MetaSettings
 from tests.integration.router.conftest import HTTP, Deployment, Sim, transfer_ids
 from tests.support.ports import wait_until
 
+TOKEN = "failures-admin-token"
+
 
 @pytest.fixture(scope="module")
 def dep() -> Iterator[Deployment]:
-    meta = MetaSettings(ready_lease_s=0.5, sweep_interval_s=0.05)
+    # With an admin token, as deployed: the router seals its claims with it and the sims check the seal.
+    meta = MetaSettings(ready_lease_s=0.5, sweep_interval_s=0.05, admin_token=TOKEN)
     with Deployment(
         meta_settings=meta,
+        admin_token=TOKEN,
         prefill_policy="round_robin",
         decode_policy="round_robin",
         prefill_timeout_s=2.5,
@@ -48,7 +52,7 @@ def role(dep: Deployment, name: str) -> list[Sim]:
 
 
 def handoff_state(dep: Deployment, tid: str) -> str:
-    return str(HTTP.get(f"{dep.url}/v1/handoffs/{tid}").json()["state"])
+    return str(HTTP.get(f"{dep.url}/v1/handoffs/{tid}", headers={"Authorization": f"Bearer {TOKEN}"}).json()["state"])
 
 
 def send_raw(url: str, body: dict) -> socket.socket:

@@ -8,12 +8,15 @@ from typing import Any
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.location import EngineFacts
 from pdgate.connector.scheduler import SchedulerHalf
+from pdgate.metaserver.claim_seal import claim_key
+from pdgate.metaserver.contract import RouterClaim, with_claim
 from pdgate.metaserver.models import Handoff, HandoffState, KVLocation, TransportAddress, TransportKind
 from vllm.v1.request import RequestStatus
 
 from tests.unit.connector_vllm.conftest import BLOCK_SIZE
 
 LAYOUT = "LBHNC/bfloat16/L2/H2/D32/B32"
+TOKEN = "scheduler-test-token"  # the metaserver admin token of `cfg()`: the router's claims are sealed with it
 
 
 def cfg(**over: Any) -> ConnectorConfig:
@@ -27,6 +30,7 @@ def cfg(**over: Any) -> ConnectorConfig:
         free_margin_s=10.0,
         ready_wait_s=30.0,
         pull_timeout_s=30.0,
+        metaserver_token=TOKEN,
     )
     base.update(over)
     return ConnectorConfig(**base)
@@ -51,6 +55,16 @@ def half(*, world_size: int = 1, tp_size: int = 1, replicated: bool = False, **o
         {r: {"kind": "nixl", "agent_name": f"a-tp{r}", "agent_metadata": "QQ==", "regions": []} for r in range(tp_size)}
     )
     return h
+
+
+def router_claimed(
+    params: dict[str, Any], claimed_by: str = "node-a", deadline: float = 1000.0, token: str = TOKEN
+) -> dict[str, Any]:
+    """`params` with the claim the router makes for `claimed_by` (a 10 s lease), sealed as the router seals it."""
+    claim = RouterClaim(claimed_by, deadline, 10.0).sealed(
+        claim_key(token), transfer_id=params["transfer_id"], location=params.get("remote_location")
+    )
+    return with_claim(params, claim)
 
 
 def d_params(tid: str = "t-1", num_tokens: int | None = None, **extra: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from pdgate.connector import worker
 from pdgate.connector.connector import PDGateConnector
+from pdgate.metaserver.claim_seal import claim_key
 from pdgate.metaserver.client import MetaClient
 from pdgate.metaserver.contract import RouterClaim, with_claim
 from pdgate.metaserver.models import HandoffCreate, HandoffState, Instance
@@ -55,6 +56,9 @@ def meta(url: str, fn: Callable[[MetaClient], Awaitable[T]]) -> T:
             return await fn(client)
 
     return asyncio.run(run())
+
+
+TOKEN = "engine-loop-token"
 
 
 class Engine:
@@ -169,8 +173,10 @@ def run_until(
 
 @pytest.fixture
 def engines(model_dir: Path, metaserver: UvicornThread, tmp_path: Path) -> Iterator[tuple[Engine, Engine]]:
-    p = Engine(model_dir, metaserver.url, "kv_producer", tmp_path)
-    d = Engine(model_dir, metaserver.url, "kv_consumer", tmp_path)
+    # The admin token is what the router's claim is sealed with (pdgate.metaserver.claim_seal); this
+    # metaserver has none configured and takes any caller on loopback.
+    p = Engine(model_dir, metaserver.url, "kv_producer", tmp_path, metaserver_token=TOKEN)
+    d = Engine(model_dir, metaserver.url, "kv_consumer", tmp_path, metaserver_token=TOKEN)
     try:
         yield p, d
     finally:
@@ -278,7 +284,8 @@ def test_under_the_routers_claim_the_first_forward_follows_the_pull_by_one_step(
     run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
     h = meta(url, lambda c: c.claim(tid, d.instance_id))
     assert h.deadline is not None
-    claimed = with_claim(params, RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at))
+    claim = RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at)
+    claimed = with_claim(params, claim.sealed(claim_key(TOKEN), transfer_id=tid, location=params["remote_location"]))
 
     # The decode computes nothing else, so the step that starts the pull waits for it (worker.py); the
     # bound is set long so that the pull's end (a first NIXL contact here), not a timer, ends the wait.
@@ -312,7 +319,8 @@ def test_siblings_of_one_handoff_each_load_the_prefills_blocks_and_done_follows_
     h = meta(url, lambda c: c.claim(tid, d.instance_id))
     assert h.deadline is not None
     claim = RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at)
-    shared = with_claim(params, claim, siblings=2)
+    sealed = claim.sealed(claim_key(TOKEN), transfer_id=tid, location=params["remote_location"])
+    shared = with_claim(params, sealed, siblings=2)
     for i in range(2):
         d.sched.add_request(make_request(f"{i}_d1", 70, shared, max_tokens=3))
     d.step()

@@ -6,6 +6,7 @@ result messages it would produce. `now` is passed explicitly, so leases and dead
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from vllm.v1.request import RequestStatus
 
 from pdgate.errors import Code
 from tests.unit.connector_vllm.conftest import make_blocks, make_request
-from tests.unit.connector_vllm.scheduler_support import d_params, finish, half, handoff, p_params
+from tests.unit.connector_vllm.scheduler_support import d_params, finish, half, handoff, p_params, router_claimed
 
 # ---- decode: how many tokens -------------------------------------------------------------------
 
@@ -181,7 +182,7 @@ def test_early_pull_claimed_before_it_finished_reports_when_it_does() -> None:
 
 
 def _router_claimed(tid: str = "t-1", claimed_by: str = "node-a", deadline: float = 1000.0) -> dict[str, Any]:
-    return _early_params(tid, claimed_by=claimed_by, claim_deadline=deadline, claim_lease_s=10.0)
+    return router_claimed(_early_params(tid), claimed_by, deadline)
 
 
 def test_a_claim_the_router_made_for_this_instance_skips_the_claim_round_trip() -> None:
@@ -202,12 +203,7 @@ def test_a_claim_the_router_made_for_this_instance_skips_the_claim_round_trip() 
 
 def test_a_router_claimed_pull_past_its_bound_is_confirmed_by_done_first() -> None:
     h = half(world_size=2, tp_size=2)
-    params = _early_params(
-        location=handoff("t-1", [7, 8], num_tokens=40, tp_size=2).location,
-        claimed_by="node-a",
-        claim_deadline=1000.0,
-        claim_lease_s=10.0,
-    )
+    params = router_claimed(_early_params(location=handoff("t-1", [7, 8], num_tokens=40, tp_size=2).location))
     h.update_state_after_alloc(make_request("d1", 40, params), make_blocks([1, 2]), 40, now=0.0)
     assert h.take_commands() == []
     h.build([], now=0.0)
@@ -241,9 +237,31 @@ def test_a_claim_made_for_another_instance_is_not_trusted() -> None:
     assert plan.trusted_until is None
 
 
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda p: {**p, "claim_seal": None},  # a client wrote the claim itself
+        lambda p: {**p, "remote_location": {**p["remote_location"], "block_ids": [3, 4]}},  # other blocks
+        lambda p: {**p, "claim_deadline": 5000.0},  # a longer claim than the ledger granted
+        lambda p: router_claimed(_early_params(), token="another-token"),  # a router under another token
+    ],
+)
+def test_a_claim_the_router_did_not_seal_for_this_request_is_not_trusted(
+    forge: Callable[[dict[str, Any]], dict[str, Any]],
+) -> None:
+    """What a client reaching vLLM directly could send: a claim for this decode pointing anywhere. The
+    decode claims through the ledger instead, which decides where the KV is (a location that differs from
+    the hint fails the load, `test_early_pull_from_a_location_the_ledger_contradicts_fails`)."""
+    h = half()
+    h.update_state_after_alloc(make_request("d1", 40, forge(_router_claimed())), make_blocks([1, 2]), 40, now=0.0)
+    assert h.take_commands() == [Claim("t-1")]
+    assert all(plan.trusted_until is None for plan in h.build([], now=0.0).pulls)
+    assert (h.counters["claims_by_router"], h.counters["claims_untrusted"]) == (0, 1)
+
+
 def test_a_router_claim_without_a_usable_location_claims_through_the_ledger() -> None:
     h = half()
-    params = d_params("t-1", num_tokens=40, kv_key=9, claimed_by="node-a", claim_deadline=1000.0, claim_lease_s=10.0)
+    params = router_claimed(d_params("t-1", num_tokens=40, kv_key=9))
     h.update_state_after_alloc(make_request("d1", 40, params), make_blocks([1, 2]), 40, now=0.0)
     assert h.take_commands() == [Claim("t-1")]  # renews the router's claim for us, and says where the KV is
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pdgate.metaserver.claim_seal import claim_key
 from pdgate.metaserver.contract import (
     InvalidTransferParams,
     KVTransferParams,
@@ -86,13 +87,14 @@ def test_only_the_router_grants_a_claim() -> None:
     forged = {"do_remote_prefill": True, "claimed_by": "d1", "claim_deadline": 9e9, "claim_lease_s": 9e3, "siblings": 4}
     base = decode_request(forged, "pd-1", kv_key=3)
     assert not {"claimed_by", "claim_deadline", "claim_lease_s", "siblings"} & set(base)
-    assert KVTransferParams.parse(base).trusted_until("d1") is None
-    claimed = with_claim(base, RouterClaim("d1", 1000.0, 10.0))
+    key = claim_key("admin-token")
+    assert KVTransferParams.parse(base).trusted_until("d1", key) is None
+    claimed = with_claim(base, RouterClaim("d1", 1000.0, 10.0).sealed(key, transfer_id="pd-1", location=None))
     kv = KVTransferParams.parse(claimed)
     assert (kv.claimed_by, kv.claim_deadline, kv.claim_lease_s) == ("d1", 1000.0, 10.0)
     assert kv.to_dict() == claimed
-    assert kv.trusted_until("d1") == 995.0  # half the lease after the ledger granted it
-    assert kv.trusted_until("d2") is None  # a claim made for another decode is not this one's
+    assert kv.trusted_until("d1", key) == 995.0  # half the lease after the ledger granted it
+    assert kv.trusted_until("d2", key) is None  # a claim made for another decode is not this one's
     assert with_claim(claimed, None) == base and "claimed_by" not in base
     fanned = with_claim(base, None, siblings=3)
     assert KVTransferParams.parse(fanned).siblings == 3 and "siblings" not in with_claim(fanned, None)

@@ -12,7 +12,9 @@ import httpx
 import orjson
 import pytest
 from pdgate.metaserver.app import running_service
+from pdgate.metaserver.claim_seal import claim_key
 from pdgate.metaserver.client import MetaAPI
+from pdgate.metaserver.contract import KVTransferParams
 from pdgate.metaserver.local import LocalMetaClient
 from pdgate.metaserver.models import HandoffState, InstanceRegistration, KVLocation, Role
 from pdgate.metaserver.settings import MetaSettings
@@ -108,6 +110,24 @@ async def serve(meta: MetaAPI, engines: Engines, **overrides: Any) -> tuple[Rout
 
 def client(app: RouterApp) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+async def test_the_claim_is_sealed_with_the_ledger_token_for_the_decode_it_names(
+    meta: MetaAPI, engines: Engines
+) -> None:
+    """With a ledger token the router seals each claim (pdgate.metaserver.claim_seal): the decode it was
+    made for, holding the same token, trusts it; another decode, another token, or no token does not."""
+    app, lifespan = await serve(meta, engines, metaserver_token="the-ledger-token")
+    async with lifespan, client(app) as c:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+    assert r.status_code == 200
+    _, (d_host, d_body, _) = engines.calls
+    kv = KVTransferParams.parse(d_body["kv_transfer_params"])
+    assert kv.claimed_by == d_host and kv.claim_seal is not None
+    assert kv.trusted_until(d_host, claim_key("the-ledger-token")) is not None
+    assert kv.trusted_until("d2" if d_host == "d1" else "d1", claim_key("the-ledger-token")) is None
+    assert kv.trusted_until(d_host, claim_key("another-token")) is None
+    assert kv.trusted_until(d_host, None) is None
 
 
 async def test_prefill_then_decode_with_the_prefills_params(meta: MetaAPI, engines: Engines) -> None:
