@@ -51,6 +51,11 @@ class Http1Connection(asyncio.Protocol):
             self.error = ConnectionClosed("connection already closed")
 
     @property
+    def closing(self) -> bool:
+        """The connection is closed or closing: writing to its transport would raise (uvloop: RuntimeError)."""
+        return self.closed or self.transport is None or self.transport.is_closing()
+
+    @property
     def drained(self) -> bool:
         """The answer was read to its end: the connection may serve another request."""
         return self.complete and self.keep_alive and not self.closed and not self._chunks

@@ -167,7 +167,7 @@ class HttpPool:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self._keepalive_s:
+            if not conn.closing and now - conn.idle_since < self._keepalive_s:
                 return conn
             conn.abort()
         return None
@@ -222,8 +222,10 @@ class HttpPool:
                 conn = await self._connect(origin)
             conn.begin()
             assert conn.transport is not None
-            conn.transport.write(payload)
             try:
+                if conn.closing:  # closed by the peer (a refusal, an idle timeout) before the request went out
+                    raise ConnectionClosed("connection closed before the request was sent")
+                conn.transport.write(payload)
                 while not conn.head_done:
                     await conn.wait(timeout)
             except ConnectionClosed:

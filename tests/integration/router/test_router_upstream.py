@@ -181,3 +181,49 @@ async def test_an_engine_that_switches_protocols_is_a_protocol_failure(pool: Htt
     async with server:
         with pytest.raises(ProtocolFailure, match="switched protocols"):
             await pool.request("GET", url + "/", [], b"", timeout=2)
+
+
+def test_a_connection_refused_before_the_request_went_out_is_a_typed_failure() -> None:
+    """A server that answers 503 and closes as soon as it accepts (the metaserver past `max_connections`):
+    the pool must report a typed `ConnectionClosed`, never write to the closed transport (uvloop, the
+    router's loop, raises RuntimeError there; at 4,096 streams the router reported
+    `metaserver unreachable: RuntimeError`)."""
+    import uvloop
+
+    class Refuse(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:  # uvloop's transport is no asyncio.Transport
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            transport.close()
+
+    async def scenario() -> set[str]:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Refuse, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = HttpPool(connect_timeout=2)
+        connect = pool._connect
+
+        async def late_connect(origin: Any) -> Any:
+            # The refusal and the close arrive before the pool writes, as when the event loop is busy.
+            conn = await connect(origin)
+            for _ in range(100):
+                if conn.closed:
+                    break
+                await asyncio.sleep(0.01)
+            return conn
+
+        pool._connect = late_connect  # type: ignore[method-assign]
+        seen: set[str] = set()
+        try:
+            for _ in range(5):
+                try:
+                    resp = await pool.request("POST", f"http://127.0.0.1:{port}/v1/handoffs", JSON, b"{}", timeout=10)
+                    seen.add(f"status {resp.status}")
+                    resp.close()
+                except ConnectionClosed:
+                    seen.add("ConnectionClosed")
+        finally:
+            await pool.aclose()
+            server.close()
+        return seen
+
+    assert uvloop.run(scenario()) == {"ConnectionClosed"}
