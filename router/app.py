@@ -294,7 +294,11 @@ def create_app(
                 meta_pool = HttpPool(connect_timeout=s.connect_timeout_s)
                 stack.push_async_callback(meta_pool.aclose)
                 client = PooledMetaClient(
-                    s.metaserver, pool=meta_pool, admin_token=s.metaserver_token, timeout=s.metaserver_timeout_s
+                    s.metaserver,
+                    pool=meta_pool,
+                    admin_token=s.metaserver_token,
+                    timeout=s.metaserver_timeout_s,
+                    max_connections=s.metaserver_connections,
                 )
                 stack.push_async_callback(client.aclose)
                 holder["meta"] = client

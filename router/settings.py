@@ -54,6 +54,14 @@ class RouterSettings(BaseSettings):
         None, description="file whose first line is --metaserver-token (mode 600)"
     )
     metaserver_timeout_s: float = Field(5.0, gt=0, description="timeout of one call to --metaserver")
+    metaserver_connections: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="most connections open to --metaserver at once; further ledger calls wait their turn "
+        "(within --metaserver-timeout-s): one connection per in-flight request would pass the metaserver's "
+        "own connection cap at a few thousand streams",
+    )
     advertise_metaserver: str | None = Field(
         None,
         description="metaserver URL the engines can reach, sent to them in kv_transfer_params "
