@@ -158,7 +158,7 @@ async def run_load(
     from pdgate.router.meta import PooledMetaClient
 
     pool = HttpPool(connect_timeout=10)
-    meta = PooledMetaClient(direct["metaserver"], pool=pool, timeout=60) if direct else None
+    meta = PooledMetaClient(direct["metaserver"], pool=pool, admin_token=ADMIN_TOKEN, timeout=60) if direct else None
     headers = [(b"content-type", b"application/json")]
     lat: list[float] = []
     ttft: list[float] = []
@@ -227,7 +227,19 @@ def load(url: str, concurrency: int, total: int, stream: bool, tokens: int, dire
 # -- the stack --------------------------------------------------------------------------------
 
 
+# Every pdgate process runs with an admin token, as a deployment does: the router seals its claims with
+# it and the sims check the seal (without one a decode trusts no claim and claims again itself).
+ADMIN_TOKEN = "bench-router-admin-token"
+TOKEN_ENV = {
+    "PDGATE_METASERVER_ADMIN_TOKEN": ADMIN_TOKEN,  # the metaserver, and the router's embedded one
+    "PDGATE_ROUTER_ADMIN_TOKEN": ADMIN_TOKEN,
+    "PDGATE_ROUTER_METASERVER_TOKEN": ADMIN_TOKEN,  # the router -> a separate metaserver
+    "PDGATE_SIM_ADMIN_TOKEN": ADMIN_TOKEN,
+}
+
+
 def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> dict[str, Any]:
+    os.environ.update(TOKEN_ENV)  # inherited by every process started below
     meta_port = free_port()
     meta_url = f"http://127.0.0.1:{meta_port}"
     other = f"1-{cpus() - 1}" if cpus() > 1 else "0"
