@@ -192,7 +192,7 @@ class DecodeSide:
         self._recv[req_id] = rec
         self._recv_by_transfer.setdefault(transfer_id, []).append(req_id)
         trusted_until = kv.trusted_until(self._facts.instance_id, self._claim_key)
-        if trusted_until is None and kv.claimed_by is not None:
+        if trusted_until is None and kv.claimed_by == self._facts.instance_id:
             self._out.bump("claims_untrusted")  # unsealed, forged, or under another token: we claim ourselves
         location = kv.location()
         if location is not None and kv.kv_key is not None:

@@ -26,13 +26,13 @@ def mint_transfer_id() -> str:
 class ProxiedRequest:
     """One client request on its way through prefill and decode.
 
-        `live` is the transfer id of a handoff this request created and still owns: whoever ends the request
-        aborts it (with `abort_reason`) unless a decode finished it. `decode_kv` is the decode's
-        `kv_transfer_params` before the router's claim (added per decode attempt); `spliced` is the body encoded
-    once, onto which each hop's payload splices its own fields (`bodies.SplicedBody`); `last_decode` is the decode
-        of the attempt before, which the router gave up on, so its claim may be taken back for the next one.
-        `started` says the response's status line went out, after which nothing is retried and errors are
-        reported in the stream.
+    `live` is the transfer id of a handoff this request created and still owns: whoever ends the request
+    aborts it (with `abort_reason`) unless a decode finished it. `decode_kv` is the decode's
+    `kv_transfer_params` before the router's claim (added per decode attempt); `spliced` is the body
+    encoded once, onto which each hop's payload splices its own fields (`bodies.SplicedBody`);
+    `last_decode` is the decode of the attempt before, which the router gave up on, so its claim may be
+    taken back for the next one. `started` says the response's status line went out, after which nothing
+    is retried and errors are reported in the stream.
     """
 
     __slots__ = (

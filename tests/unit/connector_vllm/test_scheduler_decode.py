@@ -235,6 +235,7 @@ def test_a_claim_made_for_another_instance_is_not_trusted() -> None:
     assert h.take_commands() == [Claim("t-1")]
     (plan,) = h.build([], now=0.0).pulls
     assert plan.trusted_until is None
+    assert h.counters["claims_untrusted"] == 0  # not a claim for us: nothing suspicious about it
 
 
 @pytest.mark.parametrize(

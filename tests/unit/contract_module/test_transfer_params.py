@@ -104,6 +104,8 @@ def test_only_the_router_grants_a_claim() -> None:
     ("params", "field"),
     [
         ({"transfer_id": ""}, "transfer_id"),
+        ({"claim_seal": 5}, "claim_seal"),
+        ({"claim_seal": ["a" * 64]}, "claim_seal"),
         ({"transfer_id": "has space"}, "transfer_id"),
         ({"transfer_id": 5}, "transfer_id"),
         ({"kv_key": 0}, "kv_key"),
