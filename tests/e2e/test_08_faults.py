@@ -35,7 +35,7 @@ from tests.e2e.pdclient import observe, openai_client, prompt_ids, wait_for
 pytestmark = pytest.mark.e2e
 
 CODES = {c.value for c in Code}
-LONG = 400  # tokens per stream: long enough to be in flight when the decode dies
+LONG = 1200  # tokens per stream: long enough to be in flight when the decode dies
 READY_LEASE_S = 30.0  # the embedded metaserver's default READY lease
 
 
@@ -116,22 +116,28 @@ def test_sigkill_decode_under_load(stack_1p2d: LocalStack) -> None:
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(_stream, client, 800 + i, LONG) for i in range(8)]
         # Kill a decode while it is generating for some of the clients.
+        # The kill follows the very read that saw the victim busy: a second read taken after a pause
+        # once found the streams already finished (CI, stop 18), and a kill of an idle decode proves
+        # nothing about in-flight streams.
         deadline = time.monotonic() + 120
-        victim = None
-        while victim is None and time.monotonic() < deadline:
-            busy = [d for d in decodes if observe(d)["running"] > 0]
+        victim, running_at_kill = None, 0.0
+        while time.monotonic() < deadline:
+            running = [(observe(d)["running"], d) for d in decodes]
+            busy = [(n, d) for n, d in running if n > 0]
             if len(busy) == len(decodes) or (busy and time.monotonic() > deadline - 100):
-                victim = busy[0]
-            time.sleep(0.2)
+                running_at_kill, victim = max(busy, key=lambda nd: nd[0])
+                victim.proc.signal_group(signal.SIGKILL)  # the API server and its EngineCore, at once
+                break
+            time.sleep(0.05)
         assert victim is not None, "no decode ever had a request running"
-        running_at_kill = observe(victim)["running"]
-        victim.proc.signal_group(signal.SIGKILL)  # the API server and its EngineCore, at once
         _log(f"killed {victim.instance_id} with {running_at_kill:.0f} requests running")
         results = [f.result(timeout=300) for f in futures]
 
     untyped = [r for r in results if r["kind"] == "untyped"]
     assert not untyped, results
     assert running_at_kill > 0
+    # The kill landed on streams in flight: at least one client saw it, as a typed error.
+    assert any(r["kind"] == "typed" for r in results), results
     _log(f"outcomes: {[r['kind'] + (':' + r['code'] if r['code'] else '') for r in results]}")
 
     # Every block the prefill held is freed within the handoff lease (plus a sweep and a feed round).
