@@ -88,33 +88,67 @@ class _Policy:
     render: Render
 
 
+# What the connection's one deadline is for.
+_NOTHING, _IDLE, _HEADERS, _BODY = 0, 1, 2, 3
+
+
 class _Guarded(HttpToolsProtocol):
+    """The guard. Its timers are one deadline per connection (`_time`): a request that arrives whole costs
+    a few clock reads and no timer. Why: arming and cancelling a timer per phase (headers, body, and
+    uvicorn's keep-alive) was three timers per request, measured at about a fifth of what serving a small
+    request costs (bench/router_libs.py, `guardonly` against `raw`)."""
+
     policy: ClassVar[_Policy]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
-        self._timing_body = False
+        self._timer_at = 0.0  # when `_timer` fires
+        self._phase = _NOTHING
+        self._deadline = 0.0
         self._refused = False
 
-    # -- timers ------------------------------------------------------------------------------
-    def _arm(self, seconds: float, body: bool) -> None:
-        self._disarm()
-        self._timing_body = body
-        self._timer = self.loop.call_later(seconds, self._expired)
+    # -- the deadline ---------------------------------------------------------------------------
+    def _time(self, phase: int, seconds: float) -> None:
+        """`phase` ends in `seconds`. The one timer moves only when this deadline is earlier than it fires;
+        when it fires early it looks again (`_fire`)."""
+        deadline = self.loop.time() + seconds
+        self._phase = phase
+        self._deadline = deadline
+        timer = self._timer
+        if timer is None or deadline < self._timer_at:
+            if timer is not None:
+                timer.cancel()
+            self._timer_at = deadline
+            self._timer = self.loop.call_at(deadline, self._fire)
 
     def _disarm(self) -> None:
+        self._phase = _NOTHING
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _expired(self) -> None:
+    def _fire(self) -> None:
         self._timer = None
+        phase = self._phase
+        if phase == _NOTHING:
+            return
+        if self.loop.time() < self._deadline:  # the deadline moved on since the timer was set
+            self._timer_at = self._deadline
+            self._timer = self.loop.call_at(self._deadline, self._fire)
+            return
+        self._phase = _NOTHING
+        self._expired(phase)
+
+    def _expired(self, phase: int) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        if self._timing_body:
+        if phase == _IDLE:  # uvicorn's keep-alive timeout: an idle connection is closed
+            self.transport.close()
+            return
+        if phase == _BODY:
             if self.flow is not None and self.flow.read_paused:  # the application is behind, not the client
-                self._arm(self.policy.limits.body_timeout_s, body=True)
+                self._time(_BODY, self.policy.limits.body_timeout_s)
                 return
             detail = f"request body stalled for {self.policy.limits.body_timeout_s:g} s"
             cycle = self.cycle
@@ -129,7 +163,7 @@ class _Guarded(HttpToolsProtocol):
             return
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined request waits for the answer in progress (uvicorn stopped reading): not its fault.
-            self._arm(self.policy.limits.header_timeout_s, body=False)
+            self._time(_HEADERS, self.policy.limits.header_timeout_s)
             return
         detail = f"request headers not received within {self.policy.limits.header_timeout_s:g} s"
         self._refuse(Code.REQUEST_TIMEOUT, detail)
@@ -155,7 +189,7 @@ class _Guarded(HttpToolsProtocol):
             detail = f"this server holds at most {self.policy.limits.max_connections} connections; retry shortly"
             self._refuse(Code.SERVER_BUSY, detail, [b"retry-after: 1\r\n"])
             return
-        self._arm(self.policy.limits.header_timeout_s, body=False)
+        self._time(_HEADERS, self.policy.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -164,19 +198,21 @@ class _Guarded(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if self._phase == _IDLE:  # a keep-alive connection's next request: timed from its first byte
+            self._time(_HEADERS, self.policy.limits.header_timeout_s)
         super().data_received(data)
 
     def on_message_begin(self) -> None:
         if self._refused:
             return
         super().on_message_begin()
-        if self._timer is None:  # a keep-alive connection's next request; the first one is timed from connect
-            self._arm(self.policy.limits.header_timeout_s, body=False)
+        if self._phase == _NOTHING:  # a request pipelined behind one in progress
+            self._time(_HEADERS, self.policy.limits.header_timeout_s)
 
     def on_headers_complete(self) -> None:
         if self._refused:
             return
-        self._disarm()
+        self._phase = _NOTHING
         declared = self._declared_length()
         if declared is not None and declared > self.policy.limits.max_body_bytes:
             detail = f"body of {declared} bytes is over the limit of {self.policy.limits.max_body_bytes} bytes"
@@ -184,21 +220,33 @@ class _Guarded(HttpToolsProtocol):
             return
         super().on_headers_complete()
         if (declared or self._chunked()) and not self.transport.is_closing():
-            self._arm(self.policy.limits.body_timeout_s, body=True)
+            self._time(_BODY, self.policy.limits.body_timeout_s)
 
     def on_body(self, body: bytes) -> None:
         if self._refused:
             return
         super().on_body(body)
-        if self._timing_body and self._timer is not None:
-            self._arm(self.policy.limits.body_timeout_s, body=True)
+        if self._phase == _BODY:
+            self._time(_BODY, self.policy.limits.body_timeout_s)
 
     def on_message_complete(self) -> None:
         if self._refused:
             return
-        if self._timing_body:
-            self._disarm()
+        if self._phase == _BODY:
+            self._phase = _NOTHING
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with its keep-alive timer replaced by the connection's deadline (`_time`)."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self._phase == _NOTHING and not self._refused:  # (a next request already begun keeps its clock)
+            self._time(_IDLE, self.timeout_keep_alive)
 
     # -- helpers ------------------------------------------------------------------------------
     def _declared_length(self) -> int | None:
