@@ -42,6 +42,7 @@ from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.breaker import BreakerConfig
 from pdgate.router.discovery import Discovery
 from pdgate.router.errors import MethodNotAllowed, RouterError, Unauthorized, error_body
+from pdgate.router.fastlane import with_fast_lane
 from pdgate.router.health import health_body
 from pdgate.router.http_pool import HttpPool
 from pdgate.router.loops import is_own_address
@@ -72,6 +73,7 @@ log = logging.getLogger("pdgate.router")
 PROXY_PATHS = frozenset({COMPLETIONS, CHAT})
 _META_PREFIXES = ("/v1/instances", "/v1/handoffs")
 _REGISTER = "/v1/instances"
+_LEDGER_LANE = b"/v1/handoffs"
 
 
 def render_openai(code: Code, detail: str) -> tuple[bytes, bytes]:
@@ -79,17 +81,38 @@ def render_openai(code: Code, detail: str) -> tuple[bytes, bytes]:
     return b"application/json", error_body(detail, info(code).openai_type, code.value)
 
 
-def serving_protocol(s: RouterSettings) -> type[Any]:
+def serving_protocol(s: RouterSettings, *, fast_lane: bool = True) -> type[Any]:
     """uvicorn's HTTP protocol for the router (`uvicorn.Config(http=...)`): slow clients are cut off,
     an over-long Content-Length gets 413 before its body is read, connections are counted, and a proxied
-    request hears of its client's disconnect from the protocol itself (`protocol`)."""
+    request hears of its client's disconnect from the protocol itself (`protocol`). With `fast_lane` (the
+    default; off only to compare), the proxy routes and the embedded metaserver's ledger routes run on
+    the lean cycle of `fastlane` instead of uvicorn's."""
     limits = ServerLimits(
         header_timeout_s=s.header_timeout_s,
         body_timeout_s=s.body_timeout_s,
         max_body_bytes=s.max_body_bytes,
         max_connections=s.max_connections,
     )
-    return watching_protocol(guarded_protocol(limits, render_openai), PROXY_PATHS)
+    guarded = guarded_protocol(limits, render_openai)
+    if fast_lane:
+        guarded = with_fast_lane(guarded, _ledger_lane if s.embedded else _proxy_lane)
+    return watching_protocol(guarded, PROXY_PATHS)
+
+
+_PROXY_LANE = frozenset(p.encode() for p in PROXY_PATHS)
+
+
+def _proxy_lane(method: bytes, url: bytes) -> bool:
+    """The requests `fastlane` serves: POSTs to the proxy routes."""
+    return method == b"POST" and url in _PROXY_LANE
+
+
+def _ledger_lane(method: bytes, url: bytes) -> bool:
+    """With the embedded metaserver, also the engines' ledger calls (READY is a PUT, claim and DONE POSTs;
+    the router's own create and claim are in-process calls)."""
+    if url.startswith(_LEDGER_LANE):
+        return method == b"POST" or method == b"PUT"
+    return method == b"POST" and url in _PROXY_LANE
 
 
 def embedded_meta_settings(s: RouterSettings) -> MetaSettings:
