@@ -13,11 +13,14 @@ from typing import Any
 
 import orjson
 
-from bench.router_procs import PY, Procs, cpu_seconds
+from bench.router_procs import PY, Procs, tree_cpu_seconds
 from tests.support.ports import free_port
 from tests.support.servers import wait_http
 
-__all__ = ["measure_libs"]
+__all__ = ["SERVER_KINDS", "measure_libs", "server_cpu"]
+
+# raw ASGI under uvicorn's protocol; under the router's protocol without and with the fast lane; frameworks
+SERVER_KINDS = ("raw", "guarded", "lane", "starlette", "fastapi")
 
 
 LIB_SERVER = """
@@ -52,8 +55,13 @@ elif kind == "fastapi":
     @app.post("/v1/completions")
     async def h(request: Request):
         orjson.loads(await request.body()); return Response(BODY, media_type="application/json")
+http = "auto"
+if kind in ("guarded", "lane"):  # the router's own protocol, without and with its fast lane (router/fastlane.py)
+    from pdgate.router.app import serving_protocol
+    from pdgate.router.settings import RouterSettings
+    http = serving_protocol(RouterSettings(), fast_lane=kind == "lane")
 import uvicorn
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, http=http)
 """
 
 
@@ -128,6 +136,20 @@ def json_costs() -> dict[str, float]:
     return out
 
 
+def server_cpu(procs: Procs, kind: str, n: int = 4000) -> float:
+    """The server process's CPU per request (one of SERVER_KINDS) under the native client at c=32."""
+    import uvloop
+
+    port = free_port()
+    proc = procs.start(f"lib-{kind}", [PY, "-c", LIB_SERVER, kind, str(port)], "0")
+    surl = f"http://127.0.0.1:{port}/v1/completions"
+    wait_http(surl, timeout=20, status=None)
+    uvloop.run(client_cpu("native", surl, 300, 32))
+    c0 = tree_cpu_seconds(proc.pid)
+    uvloop.run(client_cpu("native", surl, n, 32))
+    return (tree_cpu_seconds(proc.pid) - c0) / (n + 100) * 1e6  # client_cpu's 100 warm-up requests too
+
+
 def measure_libs() -> dict[str, Any]:
     import uvloop
 
@@ -150,15 +172,8 @@ def measure_libs() -> dict[str, Any]:
             us = uvloop.run(client_cpu(kind, url, 1000 if kind == "httpx" else 4000, 32))
             results["client_us"][kind] = us
             print(f"client {kind:<8} {us:8.0f} us/request")
-        for kind in ("raw", "starlette", "fastapi"):
-            port = free_port()
-            proc = procs.start(f"lib-{kind}", [PY, "-c", LIB_SERVER, kind, str(port)], "0")
-            surl = f"http://127.0.0.1:{port}/v1/completions"
-            wait_http(surl, timeout=20, status=None)
-            uvloop.run(client_cpu("native", surl, 300, 32))
-            c0 = cpu_seconds(proc.pid)
-            uvloop.run(client_cpu("native", surl, 4000, 32))
-            us = (cpu_seconds(proc.pid) - c0) / 4300 * 1e6
+        for kind in SERVER_KINDS:
+            us = server_cpu(procs, kind)
             results["server_us"][kind] = us
             print(f"server {kind:<9} {us:8.0f} us/request (uvicorn + uvloop + httptools)")
         for name, us in results["json_us"].items():

@@ -75,9 +75,10 @@ class Procs:
     def start(self, name: str, cmd: list[str], cpu: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (LOGS / f"{name}.log").open("wb")
         full_env = {**os.environ, **env} if env else None
-        proc = subprocess.Popen(
-            pinned(cmd, cpu, self.pin), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env
-        )
+        # A baseline tree (PYTHONPATH=DIR) must also be the working directory: `python -m` puts the working
+        # directory first on sys.path, and the repository root's own `pdgate/` would shadow DIR's.
+        cwd = env["PYTHONPATH"] if env and "PYTHONPATH" in env else ROOT
+        proc = subprocess.Popen(pinned(cmd, cpu, self.pin), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=full_env)
         self.procs.append(proc)
         return proc
 
