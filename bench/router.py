@@ -77,6 +77,9 @@ def inst(i, role):
     return {"id": i, "role": role, "url": url, "model": "sim-model", "lease_s": 10, "registered_at": 0,
             "last_heartbeat": time.time() + 1e6}
 INSTANCES = orjson.dumps({"instances": [inst("p1", "prefill"), inst("d1", "decode")]})
+# As vLLM and pdgate-sim answer: without a card the router looks for one on every request (model_cards).
+MODELS = orjson.dumps({"object": "list", "data": [{"id": "sim-model", "object": "model", "created": 0,
+                                                   "owned_by": "canned", "max_model_len": 4096}]})
 async def app(scope, receive, send):
     if scope["type"] != "http":
         while True:
@@ -93,6 +96,8 @@ async def app(scope, receive, send):
                             "prefill_instance_id": "p1", "created_at": 0.0, "updated_at": 0.0, "lease_s": 60.0})
     elif path == "/v1/instances":
         out = INSTANCES
+    elif path == "/v1/models":
+        out = MODELS
     elif path == "/v1/completions":
         b = orjson.loads(body)
         if b["kv_transfer_params"].get("do_remote_decode"):
