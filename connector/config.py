@@ -168,6 +168,12 @@ class ConnectorConfig:
     corrupt_pulled_bytes: bool = _key(
         "bool", "TEST ONLY: XOR the pulled bytes on D (negative control). CPU KV caches only.", default=False
     )
+    sync_load_when_idle: bool = _key(
+        "bool",
+        "D with no other request loads a KV under the router's claim synchronously: the pull runs in the step "
+        "that computes the request's first token, one engine step earlier.",
+        default=True,
+    )
     control_process: bool = _key(
         "bool",
         "Run the ledger I/O in a child process instead of a thread of the engine's (off its GIL). Experimental.",

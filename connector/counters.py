@@ -21,7 +21,9 @@ COUNTERS: dict[str, str] = {
     "ready_recorded": "READY records written",
     "ready_failed": "READY records refused or not written",
     "prefill_not_kept": "do_remote_decode requests that ended without KV to keep (abort, error, no blocks)",
-    "recv_started": "decode requests that started an asynchronous KV load",
+    "recv_started": "decode requests that started a KV load",
+    "recv_sync": "decode KV loads done synchronously, in the step that computes the first token (an idle "
+    "engine under the router's claim)",
     "recv_ok": "decode requests whose KV was pulled and confirmed",
     "recv_failed": "decode requests whose KV load failed (reported as load errors)",
     "tokens_loaded": "prompt tokens loaded from prefills instead of computed",

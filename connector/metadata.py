@@ -33,6 +33,13 @@ class RecvPlan:
     pull finishes before it reports the request finished itself, in that same step (`PullOutcome.reported`),
     without waiting for the scheduler half's `RecvDone` a step later; a failed pull likewise, with its
     blocks as load errors. Past it, the scheduler half confirms with DONE first, as for any late pull.
+
+    `sync`: a synchronous load (vLLM's `load_kv_async=False`, scheduled only under the router's claim on
+    an engine with no other request): vLLM computes the request's last prompt token in this very step, so
+    the worker blocks in `start_load_kv`, before the forward, until the pull ended. Such a request is
+    never reported as finished receiving; a failed or late pull reports its blocks as load errors in the
+    same step, and vLLM drops that step's token for the request and fails or recomputes it
+    (`kv_load_failure_policy`).
     """
 
     req_id: str
@@ -42,6 +49,7 @@ class RecvPlan:
     local_block_ids: tuple[int, ...]
     sources: tuple[Mapping[str, Any], ...]
     trusted_until: float | None = None
+    sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,12 +57,14 @@ class RecvDone:
     """Report `req_id` as finished receiving; when not `ok`, its `local_block_ids` failed to load.
 
     `ranks`: the TP ranks that must report it (None: all); a rank that reported a trusted pull by itself
-    is left out, since vLLM counts one report per rank."""
+    is left out, since vLLM counts one report per rank. `sync`: the request was loaded synchronously
+    (`RecvPlan.sync`), so vLLM expects no report: a failure only marks its blocks as load errors."""
 
     req_id: str
     ok: bool
     local_block_ids: tuple[int, ...] = ()
     ranks: frozenset[int] | None = None
+    sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ class PullOutcome:
     nblocks: int = 0
     elapsed_s: float = 0.0
     reported: bool = False  # the worker reported the request finished itself (a trusted pull)
+    waited_s: float = 0.0  # a synchronous load: how long the worker's step waited for it (submit -> end)
 
 
 # Keys of a transport address that map onto `TransportAddress` fields; the whole dict also travels

@@ -85,10 +85,12 @@ class SchedulerHalf:
         self._live_requests += 1
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Side-effect free: how many prompt tokens this request will load asynchronously."""
+        """How many prompt tokens this request will load, and whether asynchronously (`DecodeSide`)."""
         if not _wants_remote_prefill(request):
             return 0, False
-        return self._decode.get_num_new_matched_tokens(request, num_computed_tokens)
+        # This request is the engine's only one (vLLM told us of it before asking), and no other loads.
+        alone = self._live_requests <= 1 and self._decode.loading == 0
+        return self._decode.get_num_new_matched_tokens(request, num_computed_tokens, alone=alone)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, *, now: float) -> None:
         if _wants_remote_prefill(request):
@@ -102,7 +104,7 @@ class SchedulerHalf:
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            self._decode.request_finished(request)
+            self._decode.request_finished(request, now=now)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None

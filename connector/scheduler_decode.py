@@ -37,6 +37,11 @@ first forward in the next step; DONE goes out afterwards, off the path. A pull t
 is confirmed by DONE first, like any late pull; a claim made for another instance, or a location hint
 that cannot be used, takes the ordinary path (our Claim of a record the router claimed for us renews it).
 
+The synchronous load of an idle engine (`decode_load.py` says when and why) pulls in the step that
+computes the first token. The rules above still hold: the pull must end within the router's claim, or
+the load fails (its blocks as load errors in that same step, so vLLM drops the token and fails or
+recomputes the request); DONE goes out once the pull is known, off the path.
+
 Siblings (vLLM's n > 1) share one claim and one end (DONE after the last one settled): `siblings.py`.
 
 Pure bookkeeping like the rest of the scheduler half: `now` is an argument, I/O leaves as commands.
@@ -47,12 +52,13 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdgate.connector.blocks import tokens_to_load
 from pdgate.connector.config import ConnectorConfig
+from pdgate.connector.decode_load import blocks_to_fill, may_load_sync, read_decode_params
 from pdgate.connector.errors import LocationError
 from pdgate.connector.location import EngineFacts, plan_for, plan_from_location
 from pdgate.connector.logs import about
@@ -70,6 +76,10 @@ __all__ = ["DecodeSide"]
 
 logger = logging.getLogger(__name__)
 
+# A synchronous load is heard of in the step that computed its first token; its DONE (and log line) wait
+# this long, a step or two, because the control thread sending DONE takes the engine core's GIL from the
+# thread that sends that token out (measured: ~2 ms more from the step's end to the API server).
+_SETTLE_AFTER_S = 0.003
 _CLAIM_SAMPLES = 4096  # the latest claim latencies kept for the stats snapshot
 
 # A claim that failed for one of these left nothing to abort: the record is terminal or unknown.
@@ -97,6 +107,7 @@ class _Recv:
     claimed: bool = False
     claim_lease_s: float = 0.0
     by_router: bool = False  # claimed by the router for us: the workers report the pull themselves
+    sync: bool = False  # loaded synchronously, in the step that computes its first token (module doc)
     settled: bool = False  # counted in its `siblings.Share` (pulled, or failed)
     # Monotonic stamps of each phase, for the one log line per transfer. `started_at` is also when the
     # claim was sent (the ledger's claim time is later), the base of the claim-lease bound.
@@ -104,14 +115,6 @@ class _Recv:
     claimed_at: float | None = None
     pull_started_at: float | None = None
     pulled_at: float | None = None
-
-
-def read_decode_params(params: Mapping[str, Any]) -> KVTransferParams:
-    """A decode's `kv_transfer_params`, with what it cannot work without (the handoff id, one KV group)."""
-    kv = KVTransferParams.parse(params)
-    kv.require_transfer_id()
-    kv.block_ids()
-    return kv
 
 
 class DecodeSide:
@@ -128,23 +131,45 @@ class DecodeSide:
         self._consumed: set[str] = set()  # req ids whose handoff was set up or released
         self._new_pulls: list[RecvPlan] = []
         self._new_done: list[RecvDone] = []
+        # req id -> its local (block-aligned) hit, for the requests last answered "load synchronously"
+        self._sync: dict[str, int] = {}
+        self._settle_next: list[_Recv] = []  # synchronous loads pulled, to settle at the next step
         # Claim latency (ms) of the latest loads, from allocation to the claim in hand (0 for the router's).
         self._claim_ms: deque[float] = deque(maxlen=_CLAIM_SAMPLES)
 
     # ---- vLLM hooks ---------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Side-effect free: how many prompt tokens this request will load asynchronously."""
-        if request.request_id in self._consumed:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int, *, alone: bool = False
+    ) -> tuple[int, bool]:
+        """How many prompt tokens this request will load, and whether asynchronously. `alone`: the engine
+        has no other request, so a synchronous load holds nobody up (module doc). The only state it
+        keeps is that last answer per request, for `update_state_after_alloc`."""
+        req_id = request.request_id
+        self._sync.pop(req_id, None)
+        if req_id in self._consumed:
             return 0, False
         try:
-            remote_num_tokens = read_decode_params(request.kv_transfer_params).remote_num_tokens
+            kv: KVTransferParams | None = read_decode_params(request.kv_transfer_params)
         except InvalidTransferParams:
             # Still take the async path: the load then fails visibly (load errors) instead of the
             # request silently being prefilled here.
-            remote_num_tokens = None
+            kv = None
+        remote_num_tokens = kv.remote_num_tokens if kv is not None else None
         count = tokens_to_load(request.num_prompt_tokens, remote_num_tokens, num_computed_tokens)
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        whole = num_computed_tokens + count == request.num_prompt_tokens
+        if alone and count > 1 and kv is not None and self._may_load_sync(kv, whole):
+            # vLLM computes the last prompt token itself in the allocation step: load all but that one.
+            self._sync[req_id] = num_computed_tokens
+            return count - 1, False
+        return count, True
+
+    def _may_load_sync(self, kv: KVTransferParams, whole_prompt: bool) -> bool:
+        return may_load_sync(
+            self._cfg, kv, instance_id=self._facts.instance_id, claim_key=self._claim_key, whole_prompt=whole_prompt
+        )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, *, now: float) -> None:
         req_id = request.request_id
@@ -158,6 +183,7 @@ class DecodeSide:
             self._out.bump("bad_params")
             logger.error("request %s: %s", req_id, exc)
             kv = None
+        local_hit = self._sync.pop(req_id, None)
         if num_external_tokens <= 0:
             # Nothing to load (e.g. the prefix was cached here): release the prefill's blocks now.
             if kv is not None:
@@ -165,15 +191,11 @@ class DecodeSide:
                 self._out.send(Abort(kv.require_transfer_id(), "decode did not need the KV (local prefix cache hit)"))
             return
         group = blocks.blocks[0] if blocks.blocks else ()
-        hit = 0
-        for block in group:
-            if block.block_hash is None or block.is_null:
-                break
-            hit += 1
-        local = tuple(b.block_id for b in group if b.block_hash is None and not b.is_null)
+        sync = local_hit is not None
+        hit, local = blocks_to_fill(group, num_external_tokens, self._facts.block_size, local_hit)
         self._out.bump("recv_started")
         if kv is None:
-            self._fail_unstarted(req_id, local)
+            self._fail_unstarted(req_id, local, sync=sync)
             return
         transfer_id = kv.require_transfer_id()
         if self._siblings.get(transfer_id) is None and transfer_id in self._recv_by_transfer:
@@ -184,11 +206,11 @@ class DecodeSide:
                 req_id,
                 extra=about(transfer_id),
             )
-            self._fail_unstarted(req_id, local)
+            self._fail_unstarted(req_id, local, sync=sync)
             return
         share, first = self._siblings.join(transfer_id, kv.siblings or 1)
         deadline = now + self._cfg.ready_wait_s + self._cfg.pull_timeout_s + self._cfg.free_margin_s
-        rec = _Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, started_at=now)
+        rec = _Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, sync=sync, started_at=now)
         self._recv[req_id] = rec
         self._recv_by_transfer.setdefault(transfer_id, []).append(req_id)
         trusted_until = kv.trusted_until(self._facts.instance_id, self._claim_key)
@@ -207,8 +229,11 @@ class DecodeSide:
                     hit_blocks=hit,
                 )
                 if trusted_until is not None:
-                    rec.early = replace(rec.early, trusted_until=trusted_until)
+                    rec.early = replace(rec.early, trusted_until=trusted_until, sync=sync)
             except LocationError as exc:
+                if sync:  # vLLM computes it in this step: no claim can come in time, the load fails now
+                    self._fail(rec, exc.code, exc.message, abort=True)
+                    return
                 # Only a hint: the claimed record decides (and fails the load if it is this same location).
                 logger.debug(
                     "transfer %s: no early pull (%s): %s",
@@ -228,6 +253,12 @@ class DecodeSide:
             assert kv.claim_lease_s is not None
             rec.claim_lease_s = kv.claim_lease_s
             self._out.bump("claims_by_router")
+            if sync:
+                self._out.bump("recv_sync")
+        elif sync:
+            # Checked in get_num_new_matched_tokens; only a claim that stopped verifying since lands here.
+            self._fail(rec, Code.LOCATION_MISMATCH, "no usable router claim for a synchronous load", abort=True)
+            return
         elif first:
             self._out.send(Claim(transfer_id))
         elif share.claim_failed is not None:  # a sibling's claim already failed
@@ -247,8 +278,9 @@ class DecodeSide:
             extra=about(transfer_id),
         )
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Any, *, now: float) -> None:
         req_id = request.request_id
+        self._settle_sync(now, req_id)  # its only step may have been its last (max_tokens 1)
         if req_id in self._consumed:
             # Set up (or released) already; an in-flight pull finishes on its own and vLLM keeps the
             # blocks until it is reported.
@@ -286,7 +318,12 @@ class DecodeSide:
                 self._fail(rec, code, f"tp rank {first.tp_rank}: {first.message}", abort=True)
             else:
                 rec.pulled_at = now
-                if rec.by_router:
+                if rec.sync:
+                    # Heard of in the step that computed its first token: DONE (and the log line) wait a
+                    # little (`_SETTLE_AFTER_S`), off that token's way out of the engine core.
+                    rec.state = _State.PULLED
+                    self._settle_next.append(rec)
+                elif rec.by_router:
                     self._pulled_under_router_claim(rec, now)
                 elif rec.claimed:
                     self._pulled_and_claimed(rec, now)
@@ -330,13 +367,26 @@ class DecodeSide:
     # ---- per step -----------------------------------------------------------------------------------
 
     def take_step(self, now: float) -> tuple[tuple[RecvPlan, ...], tuple[RecvDone, ...]]:
-        """Fail the loads past their deadline, then hand over the new pulls and the finished loads."""
+        """Settle the synchronous loads of the step before, fail the loads past their deadline, then hand
+        over the new pulls and the finished loads."""
+        self._settle_sync(now)
         for rec in list(self._recv.values()):
             if now >= rec.deadline:
                 self._fail(rec, Code.KV_LOAD_TIMEOUT, f"KV load still {rec.state.value} at its deadline", abort=True)
         pulls, done = tuple(self._new_pulls), tuple(self._new_done)
         self._new_pulls, self._new_done = [], []
         return pulls, done
+
+    def _settle_sync(self, now: float, req_id: str | None = None) -> None:
+        """The synchronous loads pulled `_SETTLE_AFTER_S` ago or more (or `req_id`'s, which ended): DONE
+        goes out now."""
+        keep = []
+        for rec in self._settle_next:
+            if rec.req_id == req_id or (req_id is None and now - (rec.pulled_at or 0.0) >= _SETTLE_AFTER_S):
+                self._pulled_under_router_claim(rec, now)
+            else:
+                keep.append(rec)
+        self._settle_next = keep
 
     @property
     def loading(self) -> int:
@@ -427,17 +477,24 @@ class DecodeSide:
         pull_from = rec.pull_started_at if rec.pull_started_at is not None else claimed
         pull_s = max((o.elapsed_s for o in rec.outcomes.values()), default=0.0)
         self._claim_ms.append((claimed - rec.started_at) * 1e3)
+        if rec.sync:
+            # Heard of after the forward it fed: the pull's share of the path is what the step waited.
+            waited = max((o.waited_s for o in rec.outcomes.values()), default=0.0)
+            total, pull, confirm = waited, waited, 0.0
+        else:
+            total, pull = now - rec.started_at, max(pulled - pull_from, 0.0)
+            confirm = max(now - max(claimed, pulled), 0.0)
         logger.info(
             "transfer %s: %s loaded %d tokens in %.1f ms (claim %.1f, pull %.1f [transport %.1f], confirm %.1f)%s",
             rec.transfer_id,
             rec.req_id,
             rec.num_tokens,
-            (now - rec.started_at) * 1e3,
+            total * 1e3,
             (claimed - rec.started_at) * 1e3,
-            max(pulled - pull_from, 0.0) * 1e3,
+            pull * 1e3,
             pull_s * 1e3,
-            max(now - max(claimed, pulled), 0.0) * 1e3,
-            " under the router's claim" if rec.by_router else "",
+            confirm * 1e3,
+            (" under the router's claim" if rec.by_router else "") + (", synchronously" if rec.sync else ""),
             extra=about(rec.transfer_id),
         )
         self._drop(rec)
@@ -459,12 +516,12 @@ class DecodeSide:
         self._drop(rec)
         ranks = self._unreported(rec)
         if ranks is None or ranks:
-            self._new_done.append(RecvDone(rec.req_id, False, rec.local_block_ids, ranks=ranks))
+            self._new_done.append(RecvDone(rec.req_id, False, rec.local_block_ids, ranks=ranks, sync=rec.sync))
         self._count_failure(len(rec.local_block_ids))
         self._settle(rec, ok=False, abort=f"decode KV load failed: {code.value}: {message}"[:1000] if abort else None)
 
-    def _fail_unstarted(self, req_id: str, local: tuple[int, ...]) -> None:
-        self._new_done.append(RecvDone(req_id, False, local))
+    def _fail_unstarted(self, req_id: str, local: tuple[int, ...], *, sync: bool = False) -> None:
+        self._new_done.append(RecvDone(req_id, False, local, sync=sync))
         self._count_failure(len(local))
 
     def _drop(self, rec: _Recv) -> None:

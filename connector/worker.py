@@ -12,6 +12,9 @@ Per step (`StepMetadata` from the scheduler half):
                (`RecvPlan.trusted_until`) that ends before that bound, or fails, is reported finished
                receiving by this worker in the step it ends (`PullOutcome.reported`), as NIXL's worker
                does: no round trip through the scheduler half, so no extra engine step.
+               A synchronous pull (`RecvPlan.sync`) is waited for right here, in `start_load_kv` before
+               the forward that reads it, and is never reported as finished receiving (vLLM expects no
+               report); a failed or late one only reports its blocks as load errors, in the same step.
   recv_done -> reported as finished receiving once no pull of ours is still writing into the blocks;
                a failed one also reports its blocks through `get_block_ids_with_load_errors`.
   holds     -> the prefill keeps blocks for a decode: the thread polls the transport often, because
@@ -188,6 +191,9 @@ class _TransferThread:
         self.inbox.put(_Stop())
         self._thread.join(timeout)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         try:
             transport = self._factory()
@@ -307,6 +313,8 @@ class WorkerHalf:
         self._completions: dict[str, RecvDone] = {}
         # req_id -> (trusted_until, local blocks) of a pull under the router's claim, still in flight
         self._trusted: dict[str, tuple[float, tuple[int, ...]]] = {}
+        # req_id -> when it was handed to the transfer thread, for the synchronous pulls of this step
+        self._sync_started: dict[str, float] = {}
         self._holding: set[str] = set()
         self._frees: set[str] = set()
         self._outcomes: list[PullOutcome] = []
@@ -346,7 +354,9 @@ class WorkerHalf:
             if self._thread is None or self.tp_rank >= len(plan.sources):
                 why = "no KV caches registered" if self._thread is None else f"no source for tp rank {self.tp_rank}"
                 trusted = plan.trusted_until is not None
-                if trusted:  # report it failed now, as for any failed pull under the router's claim
+                if plan.sync:  # no report of a synchronous load: its blocks fail in this step
+                    self._load_errors.update(plan.local_block_ids)
+                elif trusted:  # report it failed now, as for any failed pull under the router's claim
                     self._completions[plan.req_id] = RecvDone(plan.req_id, False, plan.local_block_ids)
                 self._outcomes.append(
                     PullOutcome(
@@ -363,6 +373,8 @@ class WorkerHalf:
             self._inflight[plan.req_id] = plan.transfer_id
             if plan.trusted_until is not None:
                 self._trusted[plan.req_id] = (plan.trusted_until, plan.local_block_ids)
+            if plan.sync:
+                self._sync_started[plan.req_id] = time.perf_counter()
             self._thread.inbox.put(
                 _Pull(
                     plan.req_id,
@@ -374,7 +386,12 @@ class WorkerHalf:
                 )
             )
         for done in step.recv_done:
-            if done.ranks is None or self.tp_rank in done.ranks:
+            if done.ranks is not None and self.tp_rank not in done.ranks:
+                continue
+            if done.sync:  # vLLM expects no report of a synchronous load: only its failed blocks
+                if not done.ok:
+                    self._load_errors.update(done.local_block_ids)
+            else:
                 self._completions[done.req_id] = done
         if step.holds or step.frees:
             self._holding.update(step.holds)
@@ -382,6 +399,30 @@ class WorkerHalf:
             self._frees.update(step.frees)
             if self._thread is not None:
                 self._thread.inbox.put(_Holding(len(self._holding)))
+        if self._sync_started:
+            self._await_sync()
+
+    def _await_sync(self) -> None:
+        """Block until every synchronous pull of this step ended. The transport ends each pull by its own
+        deadline (`pull_timeout_s`), so this returns; it never returns while one may still write into
+        blocks that vLLM is about to read (or, after a failure, to free), unless the transfer thread died."""
+        thread = self._thread
+        assert thread is not None
+        while self._sync_started:
+            if not thread.alive():
+                for req_id in list(self._sync_started):
+                    self._sync_outcome_lost(req_id, "the transfer thread stopped")
+                return
+            self._drain(wait_s=0.5)
+
+    def _sync_outcome_lost(self, req_id: str, why: str) -> None:
+        transfer_id = self._inflight.pop(req_id, "")
+        _, local = self._trusted.pop(req_id, (0.0, ()))
+        self._sync_started.pop(req_id, None)
+        self._load_errors.update(local)
+        self._outcomes.append(
+            PullOutcome(req_id, transfer_id, self.tp_rank, False, Code.TRANSPORT_CLOSED, why, reported=True)
+        )
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests finished sending and receiving. In an idle step with a pull in flight, first wait up to
@@ -432,9 +473,26 @@ class WorkerHalf:
             if self._inflight.get(oc.req_id) == oc.transfer_id:
                 del self._inflight[oc.req_id]
                 trusted = self._trusted.pop(oc.req_id, None)
-                if trusted is not None:
+                started = self._sync_started.pop(oc.req_id, None)
+                if started is not None and trusted is not None:
+                    oc = self._report_sync(oc, time.perf_counter() - started, *trusted)
+                elif trusted is not None:
                     oc = self._report_trusted(oc, *trusted)
             self._outcomes.append(oc)
+
+    def _report_sync(self, oc: PullOutcome, waited_s: float, until: float, local: tuple[int, ...]) -> PullOutcome:
+        """A synchronous pull ended: nothing to report to vLLM when it succeeded within the router's claim;
+        otherwise its blocks are load errors of this step (a late one cannot wait for DONE here)."""
+        if oc.ok and self._wall() >= until:
+            oc = replace(
+                oc,
+                ok=False,
+                code=Code.KV_LOAD_TIMEOUT,
+                message="the synchronous pull ended past the router claim's bound (no DONE can confirm it in time)",
+            )
+        if not oc.ok:
+            self._load_errors.update(local)
+        return replace(oc, reported=True, waited_s=waited_s)
 
     def _report_trusted(self, oc: PullOutcome, until: float, local: tuple[int, ...]) -> PullOutcome:
         """A pull under the router's claim ended: report it finished now (`get_finished` of this step)

@@ -172,11 +172,15 @@ def run_until(
 
 
 @pytest.fixture
-def engines(model_dir: Path, metaserver: UvicornThread, tmp_path: Path) -> Iterator[tuple[Engine, Engine]]:
+def engines(
+    model_dir: Path, metaserver: UvicornThread, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Engine, Engine]]:
     # The admin token is what the router's claim is sealed with (pdgate.metaserver.claim_seal); this
-    # metaserver has none configured and takes any caller on loopback.
+    # metaserver has none configured and takes any caller on loopback. An indirect parameter adds
+    # connector settings for the decode.
+    decode_extra: dict[str, Any] = getattr(request, "param", {})
     p = Engine(model_dir, metaserver.url, "kv_producer", tmp_path, metaserver_token=TOKEN)
-    d = Engine(model_dir, metaserver.url, "kv_consumer", tmp_path, metaserver_token=TOKEN)
+    d = Engine(model_dir, metaserver.url, "kv_consumer", tmp_path, metaserver_token=TOKEN, **decode_extra)
     try:
         yield p, d
     finally:
@@ -268,10 +272,83 @@ def _first_forward(d: Engine, rid: str, timeout: float = 20.0) -> int:
         time.sleep(0.001)
 
 
+def _routers_claim(url: str, p: Engine, d: Engine) -> tuple[str, dict[str, Any]]:
+    """A prefill's answer with the claim the router adds for decode `d` (prompt of 70 tokens)."""
+    tid, kv_key = new_handoff(url, p.instance_id)
+    params = _prefill(p, url, tid, kv_key, prompt_len=70)
+    run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
+    h = meta(url, lambda c: c.claim(tid, d.instance_id))
+    assert h.deadline is not None
+    claim = RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at)
+    return tid, with_claim(params, claim.sealed(claim_key(TOKEN), transfer_id=tid, location=params["remote_location"]))
+
+
+def test_an_idle_decode_under_the_routers_claim_pulls_in_the_step_that_computes_its_first_token(
+    engines: tuple[Engine, Engine], metaserver: UvicornThread
+) -> None:
+    """vLLM's own scheduler with the synchronous load (the decode has no other request): the step that
+    allocates the request's blocks also computes its last prompt token; the worker pulled in
+    `start_load_kv`, before that forward, so the blocks hold the prefill's bytes by then; vLLM gets no
+    finished-receiving report for it; DONE is recorded afterwards and the prefill frees."""
+    p, d = engines
+    url = metaserver.url
+    run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="prefill registration")
+    tid, claimed = _routers_claim(url, p, d)
+    p_blocks = p.block_ids("p1")
+    d.sched.add_request(make_request("d1", 70, claimed, max_tokens=4))
+    so = d.step()
+    assert so.num_scheduled_tokens == {"d1": 1}  # the first forward, in the allocation step
+    assert d.sched.requests["d1"].num_computed_tokens == 70
+    d_blocks = d.block_ids("d1")
+    for name in LAYERS:
+        assert torch.equal(d.kv[name][d_blocks], p.kv[name][p_blocks])  # landed before that forward
+    assert "d1" in d.outputs and d.outputs["d1"].new_token_ids == [7]  # its first token, from that step
+    run_until(lambda: "d1" in d.outputs and d.outputs["d1"].finish_reason is not None, [p, d], what="decode")
+    assert "d1" not in d.finished_recving  # vLLM expects no report of a synchronous load
+    run_until(lambda: state(url, tid) is HandoffState.DONE, [p, d], what="DONE, off the path")
+    run_until(lambda: "p1" not in p.sched.requests, [p, d], what="prefill blocks freed")
+    run_until(lambda: d.counters().get("recv_ok") == 1, [p, d], what="stats")
+    dc = d.counters()
+    assert (dc["recv_sync"], dc["claims_by_router"], dc["claims_failed"], dc["invalid_blocks"]) == (1, 1, 0, 0)
+    assert dc["tokens_loaded"] == 69  # the decode computed the last prompt token itself
+
+
+def test_a_synchronous_load_that_fails_fails_the_request_in_its_step(
+    engines: tuple[Engine, Engine], metaserver: UvicornThread
+) -> None:
+    """The prefill's blocks cannot be read (the router sealed a location with a block the prefill does not
+    have): the worker marks the blocks as load errors in the very step, vLLM drops that step's token and,
+    under the `fail` policy, ends the request with an error; the handoff is aborted so the prefill frees."""
+    p, d = engines
+    url = metaserver.url
+    run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="prefill registration")
+    tid, kv_key = new_handoff(url, p.instance_id)
+    params = _prefill(p, url, tid, kv_key, prompt_len=70)
+    run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
+    bad = dict(params)
+    bad["remote_location"] = dict(params["remote_location"])
+    bad["remote_location"]["block_ids"] = [[NUM_BLOCKS + 5] * len(params["remote_location"]["block_ids"][0])]
+    h = meta(url, lambda c: c.claim(tid, d.instance_id))
+    assert h.deadline is not None
+    claim = RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at)
+    claimed = with_claim(bad, claim.sealed(claim_key(TOKEN), transfer_id=tid, location=bad["remote_location"]))
+    d.sched.add_request(make_request("d1", 70, claimed, max_tokens=4))
+    so = d.step()
+    assert so.num_scheduled_tokens == {"d1": 1}
+    out = d.outputs["d1"]
+    assert out.finish_reason is not None and out.new_token_ids == []  # failed, nothing sampled reaches it
+    run_until(lambda: state(url, tid) is HandoffState.ABORTED, [p, d], what="the handoff aborted")
+    run_until(lambda: "p1" not in p.sched.requests, [p, d], what="prefill blocks freed")
+    run_until(lambda: d.counters().get("recv_failed") == 1, [p, d], what="stats")
+    assert d.counters()["recv_sync"] == 1
+
+
+@pytest.mark.parametrize("engines", [{"sync_load_when_idle": False}], indirect=True)
 def test_under_the_routers_claim_the_first_forward_follows_the_pull_by_one_step(
     engines: tuple[Engine, Engine], metaserver: UvicornThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the router does (claims for the decode it picked, passes the claim in kv_transfer_params),
+    """The asynchronous load (the synchronous one switched off, as when the decode has other requests):
+    what the router does (claims for the decode it picked, passes the claim in kv_transfer_params),
     then vLLM's own scheduler: the decode sends no claim, the worker reports the pull finished in the
     step that started it (a step that computes nothing waits for its pull), and the request's first
     forward is the very next step (no step through the scheduler half). DONE is recorded afterwards, and

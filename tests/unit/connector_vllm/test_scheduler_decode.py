@@ -20,6 +20,7 @@ from pdgate.connector.messages import (
 )
 from pdgate.connector.metadata import PullOutcome, RecvDone
 from pdgate.connector.scheduler import SchedulerHalf, idle_step
+from pdgate.metaserver.contract import with_claim
 from pdgate.metaserver.models import KVLocation
 from vllm.v1.request import RequestStatus
 
@@ -181,8 +182,10 @@ def test_early_pull_claimed_before_it_finished_reports_when_it_does() -> None:
 # ---- decode: the router's claim (no claim round trip, the workers report the pull themselves) ------
 
 
-def _router_claimed(tid: str = "t-1", claimed_by: str = "node-a", deadline: float = 1000.0) -> dict[str, Any]:
-    return router_claimed(_early_params(tid), claimed_by, deadline)
+def _router_claimed(
+    tid: str = "t-1", claimed_by: str = "node-a", deadline: float = 1000.0, location: Any = None
+) -> dict[str, Any]:
+    return router_claimed(_early_params(tid, location), claimed_by, deadline)
 
 
 def test_a_claim_the_router_made_for_this_instance_skips_the_claim_round_trip() -> None:
@@ -199,6 +202,76 @@ def test_a_claim_the_router_made_for_this_instance_skips_the_claim_round_trip() 
     c = h.counters
     assert (c["recv_ok"], c["claims_by_router"], c["tokens_loaded"]) == (1, 1, 40)
     assert h.snapshot()["claim_ms"] == {"n": 1, "p50": 0.0, "p99": 0.0, "max": 0.0}
+
+
+# ---- decode: the synchronous load of an idle engine (decode_load.py) --------------------------------------
+
+
+def test_the_only_request_under_the_routers_claim_loads_synchronously_and_done_follows_its_token() -> None:
+    h = half()
+    req = make_request("d1", 40, _router_claimed())
+    h.on_new_request(req)
+    # All but the last prompt token, not async: vLLM computes that one in the allocation step.
+    assert h.get_num_new_matched_tokens(req, 0) == (39, False)
+    # vLLM caches a synchronous load's blocks at allocation: every block carries a hash already.
+    h.update_state_after_alloc(req, make_blocks([1, 2], cached=2), 39, now=0.0)
+    assert h.take_commands() == []
+    (plan,) = h.build([], now=0.0).pulls
+    assert (plan.sync, plan.local_block_ids, plan.remote_block_ids, plan.trusted_until) == (True, (1, 2), (7, 8), 995.0)
+    # The outcome comes with the first token's step; DONE waits a few ms, off that token's way out.
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2, reported=True, waited_s=0.001)], now=0.01)
+    assert h.take_commands() == []
+    assert h.build([], now=0.011).recv_done == () and h.take_commands() == []
+    assert h.build([], now=0.02).recv_done == ()  # vLLM expects no report of a synchronous load
+    assert h.take_commands() == [Done("t-1")]
+    c = h.counters
+    assert (c["recv_sync"], c["recv_ok"], c["claims_by_router"], c["tokens_loaded"]) == (1, 1, 1, 39)
+
+
+def test_a_synchronous_load_whose_request_ends_at_once_still_sends_done() -> None:
+    """max_tokens=1: the step that pulled was the request's last, and no later step may come."""
+    h = half()
+    req = make_request("d1", 40, _router_claimed())
+    h.on_new_request(req)
+    assert h.get_num_new_matched_tokens(req, 0) == (39, False)
+    h.update_state_after_alloc(req, make_blocks([1, 2], cached=2), 39, now=0.0)
+    h.build([], now=0.0)
+    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2, reported=True)], now=0.01)
+    finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert h.request_finished(req, [1, 2], now=0.0101) == (False, None)
+    assert h.take_commands() == [Done("t-1")]
+
+
+@pytest.mark.parametrize(
+    ("why", "params", "others", "over"),
+    [
+        ("another request is live", _router_claimed(), 1, {}),
+        ("no claim from the router", _early_params(), 0, {}),
+        ("a claim for another decode", _router_claimed(claimed_by="node-b"), 0, {}),
+        ("siblings share the handoff", with_claim(_router_claimed(), None, siblings=2), 0, {}),
+        ("switched off", _router_claimed(), 0, {"sync_load_when_idle": False}),
+    ],
+)
+def test_a_load_stays_asynchronous(why: str, params: dict[str, Any], others: int, over: dict[str, Any]) -> None:
+    h = half(**over)
+    for i in range(others):
+        h.on_new_request(make_request(f"other-{i}", 8, None))
+    req = make_request("d1", 40, params)
+    h.on_new_request(req)
+    assert h.get_num_new_matched_tokens(req, 0) == (40, True), why
+
+
+def test_a_synchronous_load_that_cannot_be_planned_fails_in_its_step() -> None:
+    """The plan fails at allocation (here: fewer blocks recorded than the prompt needs): vLLM computes the
+    request in this very step, so its blocks go out as load errors now, with no finished-receiving report."""
+    h = half()
+    req = make_request("d1", 40, _router_claimed(location=handoff("t-1", [7], num_tokens=40).location))
+    h.on_new_request(req)
+    assert h.get_num_new_matched_tokens(req, 0) == (39, False)
+    h.update_state_after_alloc(req, make_blocks([1, 2], cached=2), 39, now=0.0)
+    step = h.build([], now=0.0)
+    assert step.pulls == () and step.recv_done == (RecvDone("d1", False, (1, 2), sync=True),)
+    assert Abort in {type(c) for c in h.take_commands()}
 
 
 def test_a_router_claimed_pull_past_its_bound_is_confirmed_by_done_first() -> None:

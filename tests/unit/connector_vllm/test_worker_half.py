@@ -24,6 +24,7 @@ from pdgate.connector.worker import WorkerHalf, regions_from_kv_caches
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
+from pdgate.errors import Code
 from tests.fakes.memory_transport import MemoryTransport
 from tests.unit.connector_vllm.conftest import BLOCK_SIZE, HEAD_SIZE, LAYERS, NUM_KV_HEADS, kv_cache_config, vllm_config
 
@@ -247,6 +248,63 @@ def test_a_pull_that_ends_past_the_routers_claim_waits_for_the_scheduler_half() 
         # DONE confirmed it: the scheduler half's RecvDone names this rank.
         pair.d.on_step(StepMetadata(recv_done=(RecvDone("d1", True, ranks=frozenset({0})),)))
         assert pair.d.get_finished() == (None, {"d1"})
+    finally:
+        pair.close()
+
+
+def _sync_plan(pair: Pair, remote: tuple[int, ...] = (3, 4), until: float | None = None) -> StepMetadata:
+    until = time.time() + 60 if until is None else until
+    return StepMetadata(pulls=(RecvPlan("d1", "t1", 9, remote, (10, 11), (pair.p_addr,), until, sync=True),))
+
+
+def test_a_synchronous_pull_has_landed_when_start_load_kv_returns_and_is_never_reported() -> None:
+    """vLLM computes a synchronously loaded request in the same step, right after `start_load_kv`: the
+    bytes must be there when it returns (the pull here needs 20 polls of the transfer thread), and vLLM
+    expects no finished-receiving report for it, in this step or any later one."""
+    pair = Pair(make_d=lambda: MemoryTransport(complete_after_polls=20))
+    try:
+        pair.d.on_step(_sync_plan(pair))
+        for name in LAYERS:
+            assert same(pair.d_kv[name][10:12], pair.p_kv[name][3:5])
+        assert pair.d.get_finished() == (None, None)
+        assert pair.d.take_load_errors() == set()
+        (oc,) = pair.d.take_outcomes(drain=False)
+        assert oc.ok and oc.reported and oc.waited_s > 0
+        pair.d.on_step(StepMetadata())
+        assert pair.d.get_finished() == (None, None)
+    finally:
+        pair.close()
+
+
+def test_a_failed_synchronous_pull_marks_its_blocks_as_load_errors_in_the_same_step(pair: Pair) -> None:
+    pair.d.on_step(_sync_plan(pair, remote=(3, NUM_BLOCKS + 1)))
+    assert pair.d.take_load_errors() == {10, 11}
+    assert pair.d.get_finished() == (None, None)
+    (oc,) = pair.d.take_outcomes(drain=False)
+    assert not oc.ok and oc.reported
+
+
+def test_a_synchronous_pull_that_ends_past_the_routers_claim_fails() -> None:
+    """No DONE can confirm it before the forward that reads it, so a late one is a load error, not used."""
+    pair = Pair()
+    pair.d.close()
+    pair.d = WorkerHalf(cfg(), tp_rank=0, transport_factory=MemoryTransport, wall=lambda: 2000.0)
+    pair.d.register_kv_caches(pair.d_kv)
+    try:
+        pair.d.on_step(_sync_plan(pair, until=1500.0))
+        assert pair.d.take_load_errors() == {10, 11}
+        (oc,) = pair.d.take_outcomes(drain=False)
+        assert (oc.ok, oc.code, oc.reported) == (False, Code.KV_LOAD_TIMEOUT, True)
+    finally:
+        pair.close()
+
+
+def test_a_synchronous_failure_decided_by_the_scheduler_half_only_marks_blocks() -> None:
+    pair = Pair()
+    try:
+        pair.d.on_step(StepMetadata(recv_done=(RecvDone("d1", False, (10, 11), sync=True),)))
+        assert pair.d.take_load_errors() == {10, 11}
+        assert pair.d.get_finished() == (None, None)
     finally:
         pair.close()
 
