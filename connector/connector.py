@@ -270,8 +270,8 @@ class PDGateConnector(KVConnectorBase_V1):
         self._pump(now)
         idle = idle_step(scheduler_output.total_num_scheduled_tokens, self._dp_size)
         step = self._sched.build(scheduler_output.finished_req_ids, now=now, idle=idle)
+        self._flush()  # the ledger calls first: a load report is never on a request's path
         self._publish()
-        self._flush()
         return PDGateConnectorMetadata(step)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -284,8 +284,8 @@ class PDGateConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         result = self._sched.request_finished(request, block_ids, now=time.monotonic())
+        self._flush()  # READY first: the router's claim waits for it
         self._publish()  # the engine may go idle right after its last request: publish the final load now
-        self._flush()
         return result
 
     def on_new_request(self, request: Request) -> None:
