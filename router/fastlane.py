@@ -1,12 +1,16 @@
-"""The server's fast lane: simple POSTs to the hot routes run on a lean ASGI cycle instead of uvicorn's.
+"""The server's fast lane: simple requests to the hot routes run on a lean ASGI cycle instead of uvicorn's.
 
-Why: under load, uvicorn's per-request machinery is about a third of the router's CPU (py-spy at c=32,
-bench/results/router-profile-before.txt): a `RequestResponseCycle` with its `asyncio.Event`, a wrapper
-coroutine around the app, a task started before the body has arrived, two regular expressions per
-response header, the head and the body written separately. A proxied request is always the same simple
-shape (a POST with a Content-Length body, keep-alive, no `Expect`), so for that shape the protocol
-(`with_fast_lane`, a subclass of uvicorn's httptools protocol) keeps the body itself and, once it is
-complete, starts the app on a `LaneCycle`:
+Why: per request, uvicorn builds a `RequestResponseCycle` with its `asyncio.Event`, wraps the app in a
+coroutine, runs two regular expressions per response header and writes the head and the body with two
+`transport.write` calls, which uvloop sends as two syscalls (`/proc/<pid>/io`: 5 writes per proxied
+request in bench/router.py's isolated mode, 4 with the lane). A proxied request, and an engine's ledger
+call to the embedded metaserver, is always the same simple shape (a body with a Content-Length,
+keep-alive, no `Expect`), so for that shape the protocol (`with_fast_lane`, a subclass of uvicorn's
+httptools protocol) keeps the body itself and, once it is complete, starts the app on a `LaneCycle`.
+Measured (docs/COMPARISON.md): serving one small POST costs 21.7 us of CPU under the guarded protocol
+and 20.1 us with the lane (bench/router_libs.py `server_cpu`); the router's CPU per request drops 3-7%
+without streaming (isolated and embedded modes of bench/router.py); py-spy's share for uvicorn's
+`send` and task start, 19% at c=32 embedded, is mostly the socket writes, which every server pays.
 
 - the app is the same ASGI app (`scope`, `receive`, `send`): every feature above the server (auth,
   validation, typed errors, retries, breaker, metrics, the ledger record, the disconnect hook of

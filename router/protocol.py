@@ -8,9 +8,9 @@ scope of each proxied request (`scope["extensions"]["pdgate.disconnect"]`) and c
 `connection_lost`, where the disconnect is known first. Served by anything else (tests over
 `httpx.ASGITransport`, another server), the proxy falls back to the pending `receive()` (`Watch`).
 
-Not done here, measured: writing an answer's head and body in one write. uvicorn calls `transport.write`
-twice, but uvloop already sends them in one syscall (strace of the router under load: 5 writes per
-proxied request, 2 upstream requests and 3 answers, with or without a one-write cycle).
+Writing an answer's head and body in one write is `fastlane`'s: uvloop sends each `transport.write` at
+once when its buffer is empty, so uvicorn's two writes are two syscalls (`/proc/<pid>/io` under
+bench/router.py; an earlier strace reading here had it the other way).
 """
 
 from __future__ import annotations
