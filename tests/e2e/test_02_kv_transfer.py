@@ -46,10 +46,12 @@ def test_decode_pulls_every_prompt_block_from_prefill(
     full_blocks = length // BLOCK
     assert d["recv_ok"] == 1 and d["recv_failed"] == 0 and d["pulls_failed"] == 0, d
     assert full_blocks <= d["blocks_pulled"] <= math.ceil(length / BLOCK), d
-    # vLLM's accounting: the prompt tokens came over the transfer, decode computed none of them again.
-    assert d["tokens_external_kv_transfer"] >= full_blocks * BLOCK, d
+    # vLLM's accounting: the prompt tokens came over the transfer, decode computed at most the last one
+    # (which it always recomputes to sample the first token: counted as local by a synchronous load,
+    # the connector's path for an idle decode, and as external by an asynchronous one).
+    assert d["tokens_external_kv_transfer"] >= length - 1, d
     assert d["tokens_external_kv_transfer"] + d["tokens_local_compute"] == length, d
-    assert d["tokens_local_compute"] < BLOCK, d
+    assert d["tokens_local_compute"] <= 1, d
     assert d["tokens_local_cache_hit"] == 0, d
     assert p["ready_recorded"] == 1 and p["sends_held"] == 1, p
     # The ledger: this request's KV was recorded by this prefill and claimed and finished by this decode.
