@@ -329,8 +329,9 @@ SCENARIOS_QUICK = [
 def run_scenarios(
     stack: dict[str, Any], modes: list[str], quick: bool, only: list[int] | None = None
 ) -> list[dict[str, Any]]:
-    """Each scenario for each mode. Up to concurrency 256 the modes alternate in short rounds, so a change
-    in the machine's background load hits them alike (the comparisons depend on it)."""
+    """Each scenario for each mode. Up to concurrency 256 the modes alternate in short rounds (in the
+    order given, then reversed), so a change in the machine's background load hits them alike (the
+    comparisons depend on it)."""
     rows = []
     scenarios = SCENARIOS_QUICK if quick else SCENARIOS_FULL
     direct = {
@@ -357,8 +358,10 @@ def run_scenarios(
         acc: dict[str, dict[str, Any]] = {
             m: {"lat": [], "ttft": [], "errors": [], "elapsed": 0.0, "cpu": 0.0} for m in active
         }
-        for _ in range(rounds):
-            for mode in active:
+        for n in range(rounds):
+            # Forward, then backward: the mode measured first in a round had the worse p99 in every run of
+            # a lane A/B (docs/COMPARISON.md), so no mode keeps that place.
+            for mode in active if n % 2 == 0 else active[::-1]:
                 res = measure(mode, conc, total // rounds, stream, tokens)
                 a = acc[mode]
                 a["lat"] += res["lat"]
