@@ -19,15 +19,19 @@ Breakdown per configuration and length:
   to answer, ledger create, decode request to its first byte, the router's own time.
 - pdgate decode (its connector's per-transfer log line "transfer <id>: ... loaded N tokens in T ms
   (claim C, pull P [transport X], confirm F)", matched by the X-Request-Id the router answers with):
-  claim (0 under the router's claim), pull (worker hand-off + NIXL read; the read alone in brackets),
-  confirm, and "rest" = the router's decode first byte minus the whole KV load, the decode's time from
-  DONE (the load reported) to its first token plus request intake.
+  claim (0 under the router's claim), pull (the read alone in brackets), confirm, and "rest" = the
+  router's decode first byte minus the whole KV load. An idle decode under the router's claim (the
+  default, `sync_load_when_idle`) loads synchronously: its pull is what the step that computes the first
+  token waited for the read in `start_load_kv`, and "rest" is everything else of the decode (request
+  intake, scheduling, the forward, the way out). An asynchronous load's pull runs from allocation to the
+  outcome in the scheduler half (worker hand-off + NIXL read), and its "rest" adds the step after it.
 - NixlConnector decode: the NIXL read, from vLLM's `vllm:nixl_xfer_time_seconds` histogram (mean per
   length); there is no claim and no ledger on that path.
 
 Target (issue 13): pdgate PD median TTFT <= single + transfer + 5 ms. Printed per length; no assertion.
 
     .venv-vllm/bin/python bench/e2e.py [--lengths 128 512 2048] [--reps 12] [--no-nixl] [--out bench/results/e2e.json]
+    .venv-vllm/bin/python bench/e2e.py --no-nixl --connector-extra '{"sync_load_when_idle": false}'  # the async path
     .venv-vllm/bin/python bench/e2e.py --load 256     # vllm bench serve at 256 concurrent (bench/e2e_load.py)
 """
 
@@ -178,7 +182,14 @@ def run_pdgate_phase(args: argparse.Namespace, run_dir: Path, flags: ServeFlags,
         model_dir=args.model_dir, run_dir=run_dir / "single", venv=args.venv, cpu="1", flags=flags, log=_say
     )
     stack = LocalStack(
-        StackConfig(model_dir=args.model_dir, run_dir=run_dir / "pd", venv=args.venv, port=args.port), log=_say
+        StackConfig(
+            model_dir=args.model_dir,
+            run_dir=run_dir / "pd",
+            venv=args.venv,
+            port=args.port,
+            connector_extra=json.loads(args.connector_extra),
+        ),
+        log=_say,
     )
     rows = []
     try:
@@ -271,6 +282,18 @@ def run_nixl_phase(
     return {"tuning": tuning.name, "rows": rows, "pinning": pinning}
 
 
+def nixl_phase_or_failure(
+    args: argparse.Namespace, run_dir: Path, flags: ServeFlags, lengths: list[int], tuning: Tuning
+) -> dict[str, Any]:
+    """A NixlConnector phase, or what ended it: the stock pair on 2 cores sometimes stalls past its own
+    30 s KV lease and loses an engine, and the pdgate phase's numbers must not be lost with it."""
+    try:
+        return run_nixl_phase(args, run_dir, flags, lengths, tuning)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        _say(f"NixlConnector phase ({tuning.name}) failed: {exc}")
+        return {"tuning": tuning.name, "rows": [], "pinning": {}, "failed": str(exc)[:500]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdgate-bench-e2e-"))
     flags = ServeFlags(model_dir=args.model_dir)
@@ -281,7 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _say(f"skipping prompt lengths {skipped}: above the model's limit ({flags.max_model_len} - max_tokens)")
     t_start = time.monotonic()
     pdgate = run_pdgate_phase(args, run_dir, flags, lengths)
-    nixl = [] if args.no_nixl else [run_nixl_phase(args, run_dir, flags, lengths, t) for t in (AS_SHIPPED, TUNED)]
+    tunings = () if args.no_nixl else (AS_SHIPPED, TUNED)
+    nixl = [nixl_phase_or_failure(args, run_dir, flags, lengths, t) for t in tunings]
     return {
         "config": {
             "lengths": lengths,
@@ -294,6 +318,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_model_len": flags.max_model_len,
             "topology": "1P1D; NIXL over UCX on lo; pdgate: router with embedded metaserver; "
             "nixl: vLLM NixlConnector (kv_producer/kv_consumer) behind pdgate-router with static URLs",
+            "connector_extra": json.loads(args.connector_extra),
         },
         "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
         "wall_s": time.monotonic() - t_start,
@@ -315,6 +340,9 @@ def print_tables(result: dict[str, Any], out: Callable[[str], None] = print) -> 
     ]
     for n in result["nixl"]:
         name = f"vLLM NixlConnector 1P1D, {n['tuning']}, behind pdgate-router"
+        if n.get("failed"):
+            out(f"{name}: failed ({n['failed'][:200]})")
+            continue
         configs.append((name, [r["latency"] for r in n["rows"]]))
     lengths = cfg["lengths"]
     out(
@@ -374,7 +402,8 @@ LEGEND = (
     "rows vLLM's nixl_xfer_time mean). r.*: the router's phase means (prefill request, ledger create - the router "
     "creates a record for stock engines too, unused -, decode request to its first byte, the router's own time). "
     "d.claim / d.confirm: the pdgate decode's ledger steps around the pull (claim 0: the router claimed). "
-    "d.rest: decode first byte minus the KV load (DONE -> first token, plus request intake). READY's own time "
+    "d.rest: decode first byte minus the KV load (request intake, the engine's steps and forward, output; the pull "
+    "of a synchronous load - an idle decode under the router's claim - is what its step waited). READY's own time "
     "after the prefill answers is not in these logs (the prefill connector logs it at DEBUG only)."
 )
 
@@ -400,6 +429,11 @@ def main() -> None:
         "--load", type=int, default=0, help="run bench/e2e_load.py at this concurrency instead (its flags follow)"
     )
     ap.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
+    ap.add_argument(
+        "--connector-extra",
+        default="{}",
+        help="JSON of kv_connector_extra_config keys for the pdgate engines, e.g. '{\"sync_load_when_idle\": false}'",
+    )
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--venv", type=Path, default=None)
     ap.add_argument("--run-dir", type=Path, default=None)
