@@ -32,8 +32,7 @@ The pure cores (`ledger`, `registry`) raise their own `PDGateError`s, which know
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -151,13 +150,24 @@ def from_core(exc: PDGateError, about: str) -> MetaError:
     return cls(f"{about}.{exc}")
 
 
-@contextlib.contextmanager
-def core_errors(about: str) -> Iterator[None]:
-    """Re-raise the pure cores' refusals inside the block as `from_core` maps them."""
-    try:
-        yield
-    except (IllegalTransition, RegistrationInvalid) as exc:
-        raise from_core(exc, about) from None
+class core_errors:  # used like the function it was: `with core_errors(tid):`
+    """Re-raise the pure cores' refusals inside the block as `from_core` maps them.
+
+    A class, not `contextlib.contextmanager`: every ledger move runs inside one, and the generator-based
+    form cost about 1 us per block (a generator, its wrapper, two `next` calls) against ~0.3 us here.
+    """
+
+    __slots__ = ("about",)
+
+    def __init__(self, about: str) -> None:
+        self.about = about
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if isinstance(exc, (IllegalTransition, RegistrationInvalid)):
+            raise from_core(exc, self.about) from None
 
 
 _TITLES = {

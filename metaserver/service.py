@@ -34,6 +34,7 @@ from pdgate.metaserver.models import (
 )
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store.base import Moved, Store
+from prometheus_client import Counter
 
 __all__ = ["MetaService", "check_id"]
 
@@ -64,6 +65,7 @@ class MetaService:
         self.metrics = metrics or MetaMetrics()
         self.clock = clock
         self._new_transfer_id = new_transfer_id
+        self._transitions: dict[tuple[HandoffState, HandoffState], Counter] = {}  # see `_moved`
 
     # -- registry ----------------------------------------------------------------------------
     async def register(self, reg: InstanceRegistration) -> RegisterResponse:
@@ -122,10 +124,18 @@ class MetaService:
         return rec
 
     def _moved(self, moved: Moved) -> Handoff:
+        """Count and log one ledger move. Runs 3 times per request, so the per-pair counter child is kept
+        (prometheus' `labels()` costs ~3 us a call) and the debug line's arguments are built only when
+        that level is on."""
         rec = moved.handoff
-        if moved.before is not rec.state:
-            self.metrics.transitions.labels(moved.before.value, rec.state.value).inc()
-        log.debug("handoff %s -> %s", moved.before.value, rec.state.value)
+        before, after = moved.before, rec.state
+        if before is not after:
+            child = self._transitions.get((before, after))
+            if child is None:
+                child = self._transitions[(before, after)] = self.metrics.transitions.labels(before.value, after.value)
+            child.inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("handoff %s -> %s", before.value, after.value)
         return rec
 
     async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:

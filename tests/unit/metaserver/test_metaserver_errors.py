@@ -71,3 +71,13 @@ def test_every_error_is_a_typed_client_error() -> None:
     for cls, base, status in pairs:
         assert issubclass(cls, base) and cls("x").status == status
     assert errors.StoreUnavailable("x").retryable
+
+
+def test_core_errors_lets_other_exceptions_and_clean_exits_through() -> None:
+    with errors.core_errors("t1"):
+        pass
+    with pytest.raises(KeyError), errors.core_errors("t1"):
+        raise KeyError("not a core refusal")
+    with pytest.raises(errors.IllegalState) as err, errors.core_errors("t1"):
+        raise IllegalTransition(HandoffState.READY, HandoffState.DONE)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
