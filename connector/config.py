@@ -174,6 +174,12 @@ class ConnectorConfig:
         "that computes the request's first token, one engine step earlier.",
         default=True,
     )
+    sync_pull_timeout_s: float = _key(
+        "pos",
+        "The deadline of a synchronous pull (`sync_load_when_idle`): the longest a stalled prefill can hold the "
+        "idle decode's step; past it the pull fails, and vLLM fails the request (its kv_load_failure_policy).",
+        default=5.0,
+    )
     control_process: bool = _key(
         "bool",
         "Run the ledger I/O in a child process instead of a thread of the engine's (off its GIL). Experimental.",

@@ -138,6 +138,7 @@ class _Pull:
     remote: Mapping[str, Any]
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
+    timeout_s: float | None = None  # None: the transport's own deadline
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,7 @@ class _TransferThread:
             remote=job.remote,
             remote_block_ids=job.remote_block_ids,
             local_block_ids=job.local_block_ids,
+            timeout_s=job.timeout_s,
         )
         inflight[key] = job
         try:
@@ -383,6 +385,8 @@ class WorkerHalf:
                     plan.sources[self.tp_rank],
                     plan.remote_block_ids,
                     plan.local_block_ids,
+                    # A synchronous pull holds the engine's step: a stalled peer may hold it this long at most.
+                    min(self._cfg.sync_pull_timeout_s, self._cfg.pull_timeout_s) if plan.sync else None,
                 )
             )
         for done in step.recv_done:
@@ -403,8 +407,8 @@ class WorkerHalf:
             self._await_sync()
 
     def _await_sync(self) -> None:
-        """Block until every synchronous pull of this step ended. The transport ends each pull by its own
-        deadline (`pull_timeout_s`), so this returns; it never returns while one may still write into
+        """Block until every synchronous pull of this step ended. The transport ends each pull by its
+        deadline (`sync_pull_timeout_s`), so this returns; it never returns while one may still write into
         blocks that vLLM is about to read (or, after a failure, to free), unless the transfer thread died."""
         thread = self._thread
         assert thread is not None

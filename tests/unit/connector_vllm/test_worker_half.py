@@ -463,3 +463,30 @@ def test_worker_facades_pull_over_nixl(model_dir: Path) -> None:
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_stalled_synchronous_pull_holds_the_step_only_until_its_own_deadline() -> None:
+    """A prefill that never answers must not freeze an idle decode for the whole `pull_timeout_s`: the
+    synchronous pull carries `sync_pull_timeout_s` as its deadline, and the step ends with its blocks as
+    load errors (vLLM then fails the request, typed, and the router answers the client)."""
+    seen: list[float | None] = []
+
+    class Recording(MemoryTransport):
+        def start_pull(self, req: Any) -> None:
+            seen.append(req.timeout_s)
+            super().start_pull(req)
+
+    pair = Pair(make_d=lambda: Recording(complete_after_polls=10**9), sync_pull_timeout_s=0.2, pull_timeout_s=600.0)
+    try:
+        pair.d.on_step(_sync_plan(pair))
+        assert seen == [0.2]
+        assert pair.d.take_load_errors() == {10, 11}
+        (oc,) = pair.d.take_outcomes(drain=False)
+        assert (oc.ok, oc.code) == (False, PullTimeout.code)
+        pair.pull((3,), (12,), req="d2", tid="t2")  # an asynchronous pull keeps the transport's deadline
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:  # the transfer thread submits it
+            time.sleep(0.001)
+        assert seen == [0.2, None]
+    finally:
+        pair.close()
