@@ -45,6 +45,13 @@ class Echo:
                 await send({"type": "http.response.body", "body": b"%d," % i * 2000, "more_body": True})
             await send({"type": "http.response.body", "body": b"end", "more_body": False})
             return
+        if path == "/slow":  # progress every 0.1 s for 1 s: longer than the reader's timeout, never idle that long
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            for i in range(10):
+                await asyncio.sleep(0.1)
+                await send({"type": "http.response.body", "body": b"%d," % i, "more_body": True})
+            await send({"type": "http.response.body", "body": b"end", "more_body": False})
+            return
         await send({"type": "http.response.start", "status": 201, "headers": [(b"x-echo", b"yes")]})
         await send({"type": "http.response.body", "body": body})
 
@@ -104,6 +111,27 @@ async def test_timeout_and_cancellation_close_the_connection(pool: HttpPool, ech
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_for(lambda: app.disconnects == before + 2)
+
+
+async def test_the_read_timeout_counts_from_the_last_progress_not_the_first_wait(
+    pool: HttpPool, echo: tuple[str, Echo]
+) -> None:
+    """A connection keeps one timer for its waits (http1.py): each chunk must push the deadline on."""
+    url, _ = echo
+    resp = await pool.request("GET", url + "/slow", [], b"", timeout=0.6)
+    assert await resp.read(timeout=0.6) == b"0,1,2,3,4,5,6,7,8,9,end"
+
+
+async def test_a_short_timeout_after_a_long_one_on_the_same_connection_still_fires(
+    pool: HttpPool, echo: tuple[str, Echo]
+) -> None:
+    """The connection's timer, set for the first request's 60 s, must not make the second wait 60 s."""
+    url, app = echo
+    resp = await pool.request("POST", url + "/x", JSON, b"{}", timeout=60)
+    assert await resp.read(timeout=60) == b"{}"
+    with pytest.raises(ReadTimeout, match=r"no answer within 0\.2 s"):
+        await asyncio.wait_for(pool.request("POST", url + "/hang", JSON, b"{}", timeout=0.2), 20)
+    assert app.ports[-1] == app.ports[-2]  # the same keep-alive connection served both
 
 
 async def test_connect_failure_is_typed(pool: HttpPool) -> None:
