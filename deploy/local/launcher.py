@@ -166,7 +166,12 @@ def demo(stack: LocalStack) -> None:
         )
     pulled = sum(_pulled_tokens(d.url) for d in decodes) - before
     prompt = resp.usage.prompt_tokens if resp.usage else "?"
-    say(f"demo: decode loaded {pulled:.0f} of the {prompt} prompt tokens' KV from the prefill (NIXL)")
+    # An idle decode loads all but the last prompt token and computes that one itself, in the step that
+    # samples the first token (connector/decode_load.py); a busy one counts the last as loaded too.
+    say(
+        f"demo: decode loaded {pulled:.0f} of the {prompt} prompt tokens' KV from the prefill (NIXL); "
+        "the last one it may compute itself, to sample the first token"
+    )
     say(
         f"try it: curl -s {stack.url}/v1/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "{MODEL_NAME}", "prompt": "hello", "max_tokens": 8}}'"""

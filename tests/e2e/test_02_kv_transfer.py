@@ -41,8 +41,8 @@ def test_decode_pulls_every_prompt_block_from_prefill(
         timeout=30,
         what="decode's connector to count the pull",
     )
-    d = delta(observe(decode), d0)
-    p = delta(observe(prefill), p0)
+    d = delta(settled(decode), d0)
+    p = delta(settled(prefill), p0)
     full_blocks = length // BLOCK
     assert d["recv_ok"] == 1 and d["recv_failed"] == 0 and d["pulls_failed"] == 0, d
     assert full_blocks <= d["blocks_pulled"] <= math.ceil(length / BLOCK), d

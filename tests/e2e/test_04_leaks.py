@@ -63,7 +63,7 @@ def test_no_ledger_record_or_block_is_held_after_requests(pd_stack: LocalStack, 
     # The prefill frees each request's blocks once its handoff is DONE: back to the idle usage.
     wait_for(lambda: _idle(observe(prefill)), timeout=60, what="the prefill to free every held block")
     wait_for(lambda: _idle(observe(decode)), timeout=60, what="the decode to go idle")
-    p = delta(observe(prefill), p0)
+    p = delta(settled(prefill), p0)
     assert p["sends_held"] == len(tids), p
     assert p["sends_freed_done"] == len(tids), p
     assert p["sends_freed_expired"] == 0 and p["sends_freed_local_deadline"] == 0, p
@@ -107,5 +107,5 @@ def test_client_disconnect_mid_stream_aborts_decode_and_frees_blocks(pd_stack: L
     assert 3 <= d["generated"] < body["max_tokens"], f"decode did not abort the request: {d}"
     wait_for(lambda: _idle(observe(prefill)) and _idle(observe(decode)), timeout=60, what="every block freed")
     assert get_handoff(pd_stack.metaserver_url, tid, pd_stack.admin_token).state.terminal
-    p = delta(observe(prefill), p0)
+    p = delta(settled(prefill), p0)
     assert p["sends_held"] == 1 and p["sends_freed_done"] + p["sends_freed_aborted"] == 1, p

@@ -16,7 +16,7 @@ from pdgate.deploy.local.stack import LocalStack
 from pdgate.metaserver.models import HandoffState, Instance
 
 from tests.e2e.conftest import Baseline
-from tests.e2e.pdclient import complete, delta, get_handoff, observe, prompt_ids, settled, wait_for
+from tests.e2e.pdclient import complete, delta, get_handoff, prompt_ids, settled, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -69,6 +69,6 @@ def test_two_prefills_serve_and_decode_pulls_from_the_right_one(
         what="every handoff to be DONE",
     )
     for p in prefills:
-        d = delta(observe(p), before[p.instance_id])
+        d = delta(settled(p), before[p.instance_id])
         assert d["ready_recorded"] == served[p.instance_id], (p.instance_id, d)
-    assert delta(observe(decode), d0)["recv_ok"] == len(records)
+    assert delta(settled(decode), d0)["recv_ok"] == len(records)

@@ -137,7 +137,10 @@ def test_launcher_demo_answered_with_kv_from_the_prefill(launched: Launched) -> 
     assert "demo: answer in" in out, out
     pulled = re.search(r"decode loaded (\d+) of the (\d+) prompt tokens", out)
     assert pulled is not None, out
-    assert int(pulled.group(1)) == int(pulled.group(2)) > 0
+    loaded, prompt = int(pulled.group(1)), int(pulled.group(2))
+    # every prompt token but the last came over the transfer; the last the decode may compute itself
+    # (an idle decode's synchronous load does: connector/decode_load.py)
+    assert prompt > 1 and prompt - 1 <= loaded <= prompt, out
     assert "FAILED" not in out
 
 
