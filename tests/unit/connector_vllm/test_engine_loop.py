@@ -356,13 +356,7 @@ def test_under_the_routers_claim_the_first_forward_follows_the_pull_by_one_step(
     p, d = engines
     url = metaserver.url
     run_until(lambda: registered(url, p.instance_id) is not None, [p, d], what="prefill registration")
-    tid, kv_key = new_handoff(url, p.instance_id)
-    params = _prefill(p, url, tid, kv_key, prompt_len=70)
-    run_until(lambda: state(url, tid) is HandoffState.READY, [p], what="READY")
-    h = meta(url, lambda c: c.claim(tid, d.instance_id))
-    assert h.deadline is not None
-    claim = RouterClaim(d.instance_id, h.deadline, h.deadline - h.updated_at)
-    claimed = with_claim(params, claim.sealed(claim_key(TOKEN), transfer_id=tid, location=params["remote_location"]))
+    tid, claimed = _routers_claim(url, p, d)
 
     # The decode computes nothing else, so the step that starts the pull waits for it (worker.py); the
     # bound is set long so that the pull's end (a first NIXL contact here), not a timer, ends the wait.
