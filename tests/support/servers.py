@@ -70,3 +70,14 @@ class UvicornThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def receive_body(receive: Any) -> bytes:
+    """The whole request body of a test ASGI app (every `http.request` message until `more_body` is off)."""
+    body = b""
+    more = True
+    while more:
+        msg = await receive()
+        body += msg.get("body", b"")
+        more = msg.get("more_body", False)
+    return body

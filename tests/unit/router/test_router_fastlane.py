@@ -21,7 +21,7 @@ from pdgate.router.fastlane import LaneCycle, with_fast_lane
 
 from pdgate.serving import ServerLimits, guarded_protocol
 from tests.support.ports import wait_until
-from tests.support.servers import UvicornThread
+from tests.support.servers import UvicornThread, receive_body
 
 SERVERS: dict[int, UvicornThread] = {}
 BIG = bytes(range(256)) * (128 * 1024)  # 32 MiB: far more than the socket buffers hold
@@ -40,12 +40,7 @@ class App:
         if scope["type"] != "http":
             return
         self.cycles.append(type(getattr(receive, "__self__", None)).__name__)
-        body = b""
-        more = True
-        while more:
-            msg = await receive()
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
+        body = await receive_body(receive)
         self.bodies.append(body)
         case = scope["path"].strip("/")
         if case == "raise":

@@ -15,7 +15,7 @@ from pdgate.router.protocol import EXTENSION, Watch, watching_protocol
 
 from pdgate.serving import ServerLimits, guarded_protocol
 from tests.support.ports import wait_until
-from tests.support.servers import UvicornThread
+from tests.support.servers import UvicornThread, receive_body
 
 WATCHED = "/watched"
 
@@ -33,12 +33,7 @@ class App:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        more = True
-        while more:
-            msg = await receive()
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
+        body = await receive_body(receive)
         self.hooked.append(EXTENSION in (scope.get("extensions") or {}))
         task = asyncio.current_task()
         before = len(asyncio.all_tasks())
