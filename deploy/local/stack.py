@@ -238,7 +238,7 @@ class LocalStack:
             new = [self._launch("prefill") for _ in range(cfg.n_prefill)]
             new += [self._launch("decode") for _ in range(cfg.n_decode)]
             self._wait_instances(new)
-            self._wait_router_ready()
+            self.wait_router_ready()
             self.timings["engines_s"] = time.monotonic() - t
         except BaseException:
             self.stop()
@@ -368,7 +368,8 @@ class LocalStack:
             )
             self.log(f"{h.instance_id}: registered")
 
-    def _wait_router_ready(self) -> None:
+    def wait_router_ready(self) -> None:
+        """Until the router reports a compatible pair: also how a caller re-checks a stack it kept running."""
         assert self.router is not None
         others = [i.proc for i in self.instances]
         waited = wait_http(

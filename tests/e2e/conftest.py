@@ -119,6 +119,8 @@ class Stacks:
     def main(self) -> LocalStack:
         if self._main is None:
             self._main = self.start("main")
+        else:  # kept from an earlier module: make sure it still has a pair before a test relies on it
+            self._main.wait_router_ready()
         return self._main
 
     def stop_main(self) -> None:

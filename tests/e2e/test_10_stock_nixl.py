@@ -13,7 +13,8 @@ What is asserted, on real vLLM:
   or mangled NIXL's params would still give the right tokens (the decode would recompute the prompt),
   which is why the transfer itself is counted.
 
-The pair is started here and stopped at the end of the module (two engines, about a minute on 2 cores).
+The pair is started here, after the main stack is stopped, and stopped at the end of the module (two
+engines, about a minute on 2 cores); the next module to ask for the main stack starts it again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 from pdgate.deploy.local.vllm_env import VllmEnv
 
-from tests.e2e.conftest import Baseline
+from tests.e2e.conftest import Baseline, Stacks
 from tests.e2e.nixl_pair import NixlPair
 from tests.e2e.pdclient import (
     MAX_TOKENS,
@@ -46,7 +47,11 @@ XFERS = "vllm:nixl_xfer_time_seconds_count"
 
 
 @pytest.fixture(scope="module")
-def nixl_pair(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[NixlPair]:
+def nixl_pair(stacks: Stacks, e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[NixlPair]:
+    # Free the cores first. With the main stack's four engines beside NIXL's busy threads on 2 cores, the
+    # main engines' heartbeats starved past their 15 s lease, the metaserver dropped main's decode, and the
+    # next module (test_drop_in) met a router with no decode (CI, fb344d2: 19 answers of 503 pd_no_compatible_pair).
+    stacks.stop_main()
     pair = NixlPair(
         model_dir=model_dir,
         run_dir=e2e_run_dir / "stock-nixl",
