@@ -36,7 +36,7 @@ def may_load_sync(
     cfg: ConnectorConfig, kv: KVTransferParams, *, instance_id: str, claim_key: bytes | None, whole_prompt: bool
 ) -> bool:
     """Whether this load may be synchronous (module doc); `whole_prompt`: the prefill covers every prompt
-    token beyond the local hit, so vLLM computes only the last one."""
+    token beyond the local hit but the last one at most, so vLLM computes only the last one."""
     return (
         cfg.sync_load_when_idle
         and whole_prompt

@@ -159,11 +159,15 @@ class DecodeSide:
         count = tokens_to_load(request.num_prompt_tokens, remote_num_tokens, num_computed_tokens)
         if count <= 0:
             return 0, False
-        whole = num_computed_tokens + count == request.num_prompt_tokens
-        if alone and count > 1 and kv is not None and self._may_load_sync(kv, whole):
-            # vLLM computes the last prompt token itself in the allocation step: load all but that one.
+        # Synchronous when vLLM then computes just the last prompt token in the allocation step: the
+        # prefill covers the whole prompt (load all but that token) or all but its last token (a prompt
+        # that ends with the prefill's first token, `pdgate.router.first_token`: load all it covers).
+        last = request.num_prompt_tokens - 1
+        to_last = min(count, last - num_computed_tokens)
+        reaches = num_computed_tokens + count >= last
+        if alone and to_last > 0 and kv is not None and self._may_load_sync(kv, reaches):
             self._sync[req_id] = num_computed_tokens
-            return count - 1, False
+            return to_last, False
         return count, True
 
     def _may_load_sync(self, kv: KVTransferParams, whole_prompt: bool) -> bool:

@@ -45,6 +45,7 @@ class PrefillFacts:
 
     transferred: int | None  # prompt tokens whose KV the prefill computed and handed over
     prompt_logprobs: Any = None  # vLLM's prompt_logprobs list, when asked for
+    first_token: bool = False  # the prefill's first token went out first: the decode counted it as prompt
 
 
 def decode_recomputes(body: dict[str, Any], chat: bool) -> bool:
@@ -73,10 +74,17 @@ def prefill_facts(data: dict[str, Any] | None, chat: bool) -> PrefillFacts:
 
 
 def patch_usage(usage: Any, facts: PrefillFacts) -> None:
-    """Set `usage.prompt_tokens_details.cached_tokens` to the prompt tokens the decode did not compute."""
-    if not isinstance(usage, dict) or facts.transferred is None:
+    """Set `usage.prompt_tokens_details.cached_tokens` to the prompt tokens the decode did not compute; after
+    a first token from the prefill (`first_token`), move that token from the prompt's count back to the
+    completion's, where the client's request has it."""
+    if not isinstance(usage, dict):
         return
     prompt = usage.get("prompt_tokens")
+    if facts.first_token and isinstance(prompt, int) and isinstance(usage.get("completion_tokens"), int):
+        prompt = usage["prompt_tokens"] = prompt - 1
+        usage["completion_tokens"] += 1
+    if facts.transferred is None:
+        return
     transferred = min(facts.transferred, prompt) if isinstance(prompt, int) else facts.transferred
     details = usage.get("prompt_tokens_details")
     if not isinstance(details, dict):
@@ -146,7 +154,7 @@ class PatchingSend:
             else:
                 self._start = msg  # held until the body: its content-length changes
             return
-        if msg["type"] != "http.response.body" or (self._facts.transferred is None and not self._logprobs()):
+        if msg["type"] != "http.response.body" or not self._patches():
             await self._flush_start(msg.get("body", b""))
             await self._send(msg)
             return
@@ -159,8 +167,9 @@ class PatchingSend:
             return
         await self._whole(msg)
 
-    def _logprobs(self) -> bool:
-        return self._facts.prompt_logprobs is not None
+    def _patches(self) -> bool:
+        f = self._facts
+        return f.transferred is not None or f.prompt_logprobs is not None or f.first_token
 
     async def _whole(self, msg: Message) -> None:
         body = msg.get("body", b"")

@@ -183,7 +183,7 @@ class Dispatcher:
         where = f"prefill {p.id}"
         if req.spliced is None:  # once per request: retries and the decode splice onto the same encoding
             req.spliced = SplicedBody(req.body)
-        payload = req.spliced.prefill(prefill_params(req.tid, req.kv_key, self._engine_meta))
+        payload = req.spliced.prefill(prefill_params(req.tid, req.kv_key, self._engine_meta), token_ids=req.first_token)
         t = perf_counter()
         try:
             with self._pool.lease(p, req.facts.prompt_tokens, self._clock) as lease:

@@ -156,6 +156,7 @@ _HOP_FIELDS = (
     "min_completion_tokens",
     "prompt_logprobs",
     "kv_transfer_params",
+    "return_token_ids",
 )
 
 
@@ -175,9 +176,13 @@ class SplicedBody:
     def _with(self, fields: dict[str, Any]) -> bytes:
         return self._base + orjson.dumps(fields)[1:]
 
-    def prefill(self, kv_params: dict[str, Any]) -> bytes:
+    def prefill(self, kv_params: dict[str, Any], *, token_ids: bool = False) -> bytes:
+        """The prefill copy; `token_ids`: ask vLLM for the prompt's and the first token's ids
+        (`return_token_ids`), which a first token from the prefill needs (`first_token`)."""
         kept = self._kept
         fields: dict[str, Any] = {"max_tokens": 1, "stream": False}
+        if token_ids:
+            fields["return_token_ids"] = True
         if "max_completion_tokens" in kept:
             fields["max_completion_tokens"] = 1
         if "n" in kept:

@@ -55,6 +55,13 @@ class RouterMetrics:
         self.e2e = Histogram(
             "pdgate_router_e2e_seconds", "Request received to last byte sent", buckets=_SLOW, registry=r
         )
+        first_token = Counter(
+            "pdgate_router_first_token_from_prefill",
+            "Streamed completions asked to take their first token from the prefill, by whether it did",
+            ["taken"],
+            registry=r,
+        )
+        self.first_token = (first_token.labels("false"), first_token.labels("true"))  # index: taken
         self.inflight = Gauge("pdgate_router_inflight", "Requests in flight in the router", registry=r)
         self.instance_inflight = Gauge(
             "pdgate_router_instance_inflight",

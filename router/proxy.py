@@ -39,9 +39,9 @@ from typing import Any
 from pdgate.metaserver.client import MetaAPI
 from pdgate.router.access import ClientKeys
 from pdgate.router.answers import PatchingSend, PrefillFacts, decode_recomputes, prefill_facts
-from pdgate.router.asgi import Receive, Scope, Send
+from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.attempts import Dispatcher
-from pdgate.router.bodies import CHAT, COMPLETIONS, parse_json, request_facts, split_prompts
+from pdgate.router.bodies import CHAT, COMPLETIONS, SplicedBody, parse_json, request_facts, split_prompts
 from pdgate.router.errors import (
     BadRequest,
     ModelNotFound,
@@ -52,8 +52,10 @@ from pdgate.router.errors import (
     RouterError,
     Unauthorized,
     UpstreamRejected,
+    sse_error,
 )
 from pdgate.router.fanout import fan_out
+from pdgate.router.first_token import FirstToken, decode_body, eligible, first_event, read
 from pdgate.router.logs import transfer_id as log_transfer_id
 from pdgate.router.loops import HOP_HEADER, LoopDetected
 from pdgate.router.metrics import RouterMetrics
@@ -118,6 +120,8 @@ class Proxy:
         self._max_inflight = s.max_inflight
         self._max_body = s.max_body_bytes
         self._prefix_chars = s.prefix_chars
+        self._first_token = s.first_token_from_prefill
+        self._first_tokens = metrics.first_token
         self.inflight = 0
         self._outcomes: dict[tuple[str, str], Any] = {}
 
@@ -208,7 +212,7 @@ class Proxy:
             req.body = body
             req.facts = request_facts(body, req.endpoint, self._prefix_chars)
             model = self._resolve_model(req.facts.model)
-            limit = await self._cards.max_model_len(model)
+            limit = req.limit = await self._cards.max_model_len(model)
             if limit is not None:
                 check_context(body, req.endpoint, limit)
             parts = split_prompts(body) if req.endpoint == COMPLETIONS else None
@@ -230,6 +234,8 @@ class Proxy:
 
     async def _pd(self, req: ProxiedRequest, model: str, send: Send, parts: list[dict[str, Any]] | None) -> str:
         if parts is None:
+            if self._first_token:
+                req.first_token = eligible(req.body, completions=req.endpoint == COMPLETIONS, max_model_len=req.limit)
             return await self._one(req, model, send)
         children = []
         for i, part in enumerate(parts):
@@ -253,6 +259,7 @@ class Proxy:
     async def _one(self, req: ProxiedRequest, model: str, send: Send) -> str:
         """Prefill, then decode, of one prompt; the decode's answer gets what the prefill's answer adds."""
         traced = self._tracing is not None  # without tracing, no phase context managers on the hot path
+        client = send
         try:
             if traced:
                 with self._phase(req, "prefill"):
@@ -263,13 +270,37 @@ class Proxy:
             facts = prefill_facts(req.prefill_answer, chat)
             if decode_recomputes(req.body, chat):
                 facts = PrefillFacts(None, facts.prompt_logprobs)
+            if req.first_token:
+                ft = None
+                if req.ledger_prefill:  # a pdgate prefill: vLLM's stock connectors load the whole prompt
+                    ft = read(req.prefill_answer, max_tokens=req.body["max_tokens"], max_model_len=req.limit)
+                self._first_tokens[ft is not None].inc()
+                if ft is not None:
+                    send = await self._send_first_token(send, req, ft)
+                    facts = PrefillFacts(facts.transferred, facts.prompt_logprobs, first_token=True)
             if not traced:
                 return await self._dispatch.decode(req, PatchingSend(send, facts, chat))
             with self._phase(req, "decode"):
                 return await self._dispatch.decode(req, PatchingSend(send, facts, chat))
         except RouterError as exc:
-            await self._reply_error(send, req, exc)
+            if not req.started:
+                await self._reply_error(send, req, exc)
+            else:  # the prefill's first token went out: the stream ends with the error instead
+                self._m.error(exc.code.value)
+                log.warning("%s after the first token: %s", exc.code.value, exc.message)
+                req.end()
+                await client({"type": "http.response.body", "body": sse_error(exc), "more_body": False})
             return exc.code.value
+
+    async def _send_first_token(self, send: Send, req: ProxiedRequest, ft: FirstToken) -> Send:
+        """Stream the prefill's first token now; the decode continues after it (`first_token`). Returns
+        the client's send for the decode's relay, which must not start the response a second time."""
+        req.spliced = SplicedBody(decode_body(req.body, ft))
+        headers = [(b"content-type", _SSE), (b"x-request-id", req.rid)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        req.started = True
+        await send({"type": "http.response.body", "body": first_event(ft), "more_body": True})
+        return _Started(send)
 
     @contextlib.contextmanager
     def _phase(self, req: ProxiedRequest, name: str) -> Iterator[None]:
@@ -300,6 +331,22 @@ class Proxy:
     async def drain_background(self, timeout: float = 5.0) -> None:
         """Wait for the handoff aborts still in flight (at shutdown)."""
         await self._dispatch.drain_background(timeout)
+
+
+_SSE = b"text/event-stream; charset=utf-8"  # what vLLM's stream says
+
+
+class _Started:
+    """The client's send once the response has started: a decode's status line is not sent again."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+
+    async def __call__(self, msg: Message) -> None:
+        if msg["type"] != "http.response.start":
+            await self._send(msg)
 
 
 def _on_disconnect(req: ProxiedRequest, task: asyncio.Task[Any] | None) -> None:

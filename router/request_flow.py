@@ -32,7 +32,9 @@ class ProxiedRequest:
     encoded once, onto which each hop's payload splices its own fields (`bodies.SplicedBody`);
     `last_decode` is the decode of the attempt before, which the router gave up on, so its claim may be
     taken back for the next one. `started` says the response's status line went out, after which nothing
-    is retried and errors are reported in the stream.
+    is retried and errors are reported in the stream; after a first token from the prefill
+    (`first_token`) the status line is out before the decode is asked, and a decode may still be retried
+    until its own first byte.
     """
 
     __slots__ = (
@@ -46,9 +48,11 @@ class ProxiedRequest:
         "extra",
         "facts",
         "finished",
+        "first_token",
         "kv_key",
         "last_decode",
         "ledger_prefill",
+        "limit",
         "live",
         "overhead_s",
         "prefill",
@@ -78,6 +82,8 @@ class ProxiedRequest:
         self.spliced: SplicedBody | None = None  # the body encoded once for both hops (set at the first prefill)
         self.last_decode: str | None = None
         self.ledger_prefill = False  # the prefill's answer named the handoff: it records READY, claim it
+        self.first_token = False  # asked the prefill for token ids: its first token may go out first
+        self.limit: int | None = None  # the model's max_model_len, when its card says it
         self.abort_reason = "failed"
         self.overhead_s = 0.0  # the router's own time before the decode was asked, for the overhead histogram
         self.disconnected = False

@@ -129,6 +129,12 @@ class RouterSettings(BaseSettings):
         8192, ge=1, description="open client connections beyond which new ones get 503 and are closed"
     )
 
+    first_token_from_prefill: bool = Field(
+        True,
+        description="stream a completion's first token as soon as the prefill has it; the decode continues "
+        "after it (router/first_token.py says which requests qualify; off: the decode sends every token)",
+    )
+
     # -- failures ---------------------------------------------------------------------------
     prefill_retries: int = Field(2, ge=0, description="retries of a failed prefill on another instance")
     decode_retries: int = Field(2, ge=0, description="retries of a decode that failed before its first byte")

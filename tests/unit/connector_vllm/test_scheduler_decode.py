@@ -228,6 +228,25 @@ def test_the_only_request_under_the_routers_claim_loads_synchronously_and_done_f
     assert (c["recv_sync"], c["recv_ok"], c["claims_by_router"], c["tokens_loaded"]) == (1, 1, 1, 39)
 
 
+@pytest.mark.parametrize(
+    ("prompt", "covered", "local_hit", "expected"), [(41, 40, 0, 40), (33, 32, 0, 32), (65, 64, 32, 32)]
+)
+def test_a_prompt_ending_with_the_prefills_first_token_loads_all_the_prefill_covered_synchronously(
+    prompt: int, covered: int, local_hit: int, expected: int
+) -> None:
+    """The router sent the prefill's first token on (`router/first_token.py`): the decode's prompt is the
+    prefill's plus that token, so the prefill covers all but the last prompt token, which vLLM computes."""
+    h = half()
+    req = make_request("d1", prompt, {**_router_claimed(), "remote_num_tokens": covered})
+    h.on_new_request(req)
+    assert h.get_num_new_matched_tokens(req, local_hit) == (expected, False)
+    # Busy, the same prompt loads asynchronously, and vLLM computes the last token after the load.
+    busy = half()
+    busy.on_new_request(make_request("other", 8, None))
+    busy.on_new_request(req)
+    assert busy.get_num_new_matched_tokens(req, local_hit) == (expected, True)
+
+
 def test_a_synchronous_load_whose_request_ends_at_once_still_sends_done() -> None:
     """max_tokens=1: the step that pulled was the request's last, and no later step may come."""
     h = half()

@@ -1,0 +1,174 @@
+"""The first token from the prefill: a streamed completion's first token reaches the client as soon as the
+prefill has sampled it, and the decode continues after it (pure; the proxy acts on it).
+
+Why: the prefill samples the first token anyway (its copy asks for `max_tokens=1`). On the classic path
+the client waits for a second engine pass before it sees that token: the router's decode leg, the
+decode's intake, the load and a forward of the last prompt token, which at low load is most of what PD
+adds to a single instance's time to first token. Here the client gets the prefill's token at once, and
+the decode is asked for what comes after it: its prompt is the prefill's prompt token ids plus that token,
+with one token fewer to generate. The decode loads the prefill's KV of every prompt token and computes
+only the first token's position (the connector loads `min(remote_num_tokens, prompt)`), exactly the one
+position the classic path computes too, so the decode does no more work and the answer ends one engine
+step sooner.
+
+The tokens are the ones one vLLM would give, not merely close to them: the first token is sampled from the
+same distribution (the prefill is an instance running the same prompt), and every later token is sampled
+on a sequence that holds it. Greedy outputs therefore equal the single instance's token for token (the
+e2e equality tests). What a decode could not reproduce from a prompt that ends with the first token keeps
+the classic path, decided from the body before the prefill (`eligible`) and from the prefill's answer
+after it (`read`), before a byte goes to the client:
+- only `/v1/completions` streamed with one prompt and one choice: a chat's decode would need its
+  template's token ids back as a chat, which vLLM's chat route does not take;
+- only fields whose meaning does not change when the first output token becomes the last prompt token
+  (`_SAFE`). Stop strings are out (one could span the first and second token, and the decode never sees
+  the first one's text); so are presence and frequency penalties, `min_tokens`, bad words and guided
+  decoding (they read the output so far), logprobs and echo (their shape starts at the first token), and
+  a seed with sampling (the seeded generator would start one draw late);
+- only a pdgate prefill (it records the handoff): vLLM's stock NixlConnector loads the whole prompt it is
+  given, and the prefill holds no KV for the first token's position;
+- only when the prefill stopped for length with one whole token: a first token that ends the answer (EOS,
+  a stop token) or whose text is an incomplete UTF-8 character (vLLM shows `\\ufffd` for it until the next
+  token completes it) takes the classic path, as does a request whose `max_tokens` is under 2 or would not
+  fit the model's length once the decode's prompt grows by one.
+
+Usage stays the client's: the decode counts the first token as a prompt token, so its final usage event
+gets one prompt token fewer and one completion token more (`answers.patch_usage`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+__all__ = ["FirstToken", "decode_body", "eligible", "first_event", "read"]
+
+# Completion fields whose meaning is the same when the first output token is the decode's last prompt
+# token. Anything else in the body (present and not at its neutral value) keeps the classic path.
+_SAFE = frozenset(
+    {
+        "model",
+        "prompt",
+        "max_tokens",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "add_special_tokens",
+        "user",
+        "priority",
+        "request_id",
+        "kv_transfer_params",  # the router writes its own on both hops
+        "seed",  # only with greedy sampling (checked below)
+        "n",  # only 1
+        "echo",  # only false
+        "logprobs",  # only null
+        "stop",  # only empty
+        "presence_penalty",  # only 0
+        "frequency_penalty",  # only 0
+        "min_tokens",  # only 0
+    }
+)
+_GREEDY = 1e-5  # vLLM's _SAMPLING_EPS
+_REPLACEMENT = "\ufffd"
+
+
+def eligible(body: dict[str, Any], *, completions: bool, max_model_len: int | None) -> bool:
+    """Whether this (validated) body may take its first token from the prefill (module doc); the prefill's
+    answer still has the last word (`read`)."""
+    if not completions or body.get("stream") is not True:
+        return False
+    if any(k not in _SAFE for k in body):
+        return False
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
+        return False
+    max_tokens = body.get("max_tokens")
+    if type(max_tokens) is not int or max_tokens < 2:
+        return False
+    if max_model_len is not None and isinstance(prompt, list) and len(prompt) + max_tokens > max_model_len:
+        return False  # vLLM refuses it: let the classic path relay that refusal before any token
+    if body.get("n", 1) != 1 or body.get("echo") or body.get("logprobs") is not None or body.get("stop"):
+        return False
+    if body.get("presence_penalty") or body.get("frequency_penalty") or body.get("min_tokens"):
+        return False
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or opts.get("continuous_usage_stats")):
+        return False
+    if body.get("seed") is not None:
+        temperature = body.get("temperature")
+        if not isinstance(temperature, (int, float)) or temperature >= _GREEDY:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The prefill's first token, as the client's first event and the decode's prompt need it."""
+
+    answer_id: str
+    created: int
+    model: str
+    text: str
+    token_id: int
+    prompt_token_ids: list[int]
+
+
+def read(answer: dict[str, Any] | None, *, max_tokens: int, max_model_len: int | None) -> FirstToken | None:
+    """The prefill's first token when the decode can continue after it (module doc), else None."""
+    if answer is None:
+        return None
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    c = choices[0]
+    text, ids, prompt_ids = c.get("text"), c.get("token_ids"), c.get("prompt_token_ids")
+    if c.get("finish_reason") != "length" or not isinstance(text, str) or not text or text.endswith(_REPLACEMENT):
+        return None
+    if not isinstance(ids, list) or len(ids) != 1 or type(ids[0]) is not int:
+        return None
+    if not isinstance(prompt_ids, list) or not prompt_ids or type(prompt_ids[-1]) is not int:
+        return None
+    if max_model_len is not None and len(prompt_ids) + max_tokens > max_model_len:
+        return None
+    answer_id, created, model = answer.get("id"), answer.get("created"), answer.get("model")
+    if not isinstance(answer_id, str) or type(created) is not int or not isinstance(model, str):
+        return None
+    return FirstToken(answer_id, created, model, text, ids[0], prompt_ids)
+
+
+def first_event(ft: FirstToken) -> bytes:
+    """The client's first SSE event, in the shape of vLLM's own completion chunks (its stream serializes
+    them with `exclude_unset`: these keys, in this order)."""
+    chunk = {
+        "id": ft.answer_id,
+        "object": "text_completion",
+        "created": ft.created,
+        "model": ft.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": ft.text,
+                "logprobs": None,
+                "finish_reason": None,
+                "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
+        ],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def decode_body(body: dict[str, Any], ft: FirstToken) -> dict[str, Any]:
+    """The client's body as the decode continues it: the prompt ends with the first token, one token fewer
+    to generate, every other field as the client sent it."""
+    return {**body, "prompt": [*ft.prompt_token_ids, ft.token_id], "max_tokens": body["max_tokens"] - 1}
