@@ -1,5 +1,8 @@
 """What the prefill's answer adds to the client's: usage that tells the truth, and prompt logprobs.
 
+After a first token from the prefill (`pdgate.router.first_token`) the decode's counts are shifted by that
+token, and its first event's prompt ids end with it: both are put back as the client's request has them.
+
 Two things only the prefill's answer knows:
 - how many prompt tokens' KV it computed and handed over (`kv_transfer_params.remote_num_tokens`, else
   its `usage.prompt_tokens`). The decode's own `usage.prompt_tokens_details.cached_tokens` counts what
@@ -112,13 +115,19 @@ def split_events(buf: bytes) -> tuple[bytes, bytes]:
     return (buf[: end + 2], buf[end + 2 :]) if end >= 0 else (b"", buf)
 
 
-def _patch_events(events: bytes, facts: PrefillFacts) -> bytes:
-    """Re-encode the final usage event (no choices, a usage object); every other event as it came."""
-    if b'"usage":{' not in events:
-        return events
+_PROMPT_IDS = b'"prompt_token_ids":['
+
+
+def _patch_events(events: bytes, facts: PrefillFacts, prompt_ids: bool) -> tuple[bytes, bool]:
+    """Re-encode the final usage event (no choices, a usage object) and, while `prompt_ids` (a decode after
+    the prefill's first token, asked for `return_token_ids`), the first event that lists prompt ids, which
+    the client already got; every other event as it came. Returns the events and whether prompt ids are
+    still to be taken out."""
+    if b'"usage":{' not in events and not (prompt_ids and _PROMPT_IDS in events):
+        return events, prompt_ids
     out: list[bytes] = []
     for ev in events.split(b"\n\n"):
-        if ev.startswith(b"data: {") and b'"usage":{' in ev:
+        if ev.startswith(b"data: {") and (b'"usage":{' in ev or (prompt_ids and _PROMPT_IDS in ev)):
             try:
                 obj = orjson.loads(ev[6:])
             except orjson.JSONDecodeError:
@@ -126,17 +135,24 @@ def _patch_events(events: bytes, facts: PrefillFacts) -> bytes:
             if isinstance(obj, dict) and not obj.get("choices") and isinstance(obj.get("usage"), dict):
                 patch_usage(obj["usage"], facts)
                 ev = b"data: " + orjson.dumps(obj)
+            elif isinstance(obj, dict) and prompt_ids and isinstance(obj.get("choices"), list):
+                for choice in obj["choices"]:
+                    if isinstance(choice, dict) and choice.get("prompt_token_ids") is not None:
+                        choice["prompt_token_ids"] = None
+                        prompt_ids = False
+                ev = b"data: " + orjson.dumps(obj)
         out.append(ev)
-    return b"\n\n".join(out)
+    return b"\n\n".join(out), prompt_ids
 
 
 class PatchingSend:
     """The client's `send`, behind which a decode's 200 answer gets what the prefill's answer adds."""
 
-    def __init__(self, send: Send, facts: PrefillFacts, chat: bool) -> None:
+    def __init__(self, send: Send, facts: PrefillFacts, chat: bool, *, drop_prompt_ids: bool = False) -> None:
         self._send = send
         self._facts = facts
         self._chat = chat
+        self._prompt_ids = drop_prompt_ids  # the decode's first prompt ids are still to be taken out
         self._start: Message | None = None
         self._stream = False
         self._rest = b""
@@ -161,7 +177,8 @@ class PatchingSend:
         if self._stream:
             events, self._rest = split_events(self._rest + msg.get("body", b""))
             more = msg.get("more_body", False)
-            body = _patch_events(events, self._facts) + (b"" if more else self._rest)
+            patched, self._prompt_ids = _patch_events(events, self._facts, self._prompt_ids)
+            body = patched + (b"" if more else self._rest)
             if body or not more:
                 await self._send({**msg, "body": body})
             return

@@ -32,7 +32,9 @@ after it (`read`), before a byte goes to the client:
   fit the model's length once the decode's prompt grows by one.
 
 Usage stays the client's: the decode counts the first token as a prompt token, so its final usage event
-gets one prompt token fewer and one completion token more (`answers.patch_usage`).
+gets one prompt token fewer and one completion token more (`answers.patch_usage`). With
+`return_token_ids`, the prompt's ids go out in the first event, as vLLM sends them, and the decode's first
+event, whose prompt ids end with the first token, has them taken out (`answers.PatchingSend`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ _SAFE = frozenset(
         "priority",
         "request_id",
         "kv_transfer_params",  # the router writes its own on both hops
+        "return_token_ids",  # the first event carries the ids; the decode's prompt ids are taken out
         "seed",  # only with greedy sampling (checked below)
         "n",  # only 1
         "echo",  # only false
@@ -145,9 +148,10 @@ def read(answer: dict[str, Any] | None, *, max_tokens: int, max_model_len: int |
     return FirstToken(answer_id, created, model, text, ids[0], prompt_ids)
 
 
-def first_event(ft: FirstToken) -> bytes:
+def first_event(ft: FirstToken, *, token_ids: bool = False) -> bytes:
     """The client's first SSE event, in the shape of vLLM's own completion chunks (its stream serializes
-    them with `exclude_unset`: these keys, in this order)."""
+    them with `exclude_unset`: these keys, in this order). `token_ids`: the client asked for
+    `return_token_ids`, so like vLLM's first chunk it carries the prompt's ids and the token's."""
     chunk = {
         "id": ft.answer_id,
         "object": "text_completion",
@@ -160,8 +164,8 @@ def first_event(ft: FirstToken) -> bytes:
                 "logprobs": None,
                 "finish_reason": None,
                 "stop_reason": None,
-                "prompt_token_ids": None,
-                "token_ids": None,
+                "prompt_token_ids": ft.prompt_token_ids if token_ids else None,
+                "token_ids": [ft.token_id] if token_ids else None,
             }
         ],
     }

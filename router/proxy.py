@@ -278,10 +278,11 @@ class Proxy:
                 if ft is not None:
                     send = await self._send_first_token(send, req, ft)
                     facts = PrefillFacts(facts.transferred, facts.prompt_logprobs, first_token=True)
+            patching = PatchingSend(send, facts, chat, drop_prompt_ids=facts.first_token and _asks_ids(req.body))
             if not traced:
-                return await self._dispatch.decode(req, PatchingSend(send, facts, chat))
+                return await self._dispatch.decode(req, patching)
             with self._phase(req, "decode"):
-                return await self._dispatch.decode(req, PatchingSend(send, facts, chat))
+                return await self._dispatch.decode(req, patching)
         except RouterError as exc:
             if not req.started:
                 await self._reply_error(send, req, exc)
@@ -299,7 +300,9 @@ class Proxy:
         headers = [(b"content-type", _SSE), (b"x-request-id", req.rid)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         req.started = True
-        await send({"type": "http.response.body", "body": first_event(ft), "more_body": True})
+        await send(
+            {"type": "http.response.body", "body": first_event(ft, token_ids=_asks_ids(req.body)), "more_body": True}
+        )
         return _Started(send)
 
     @contextlib.contextmanager
@@ -334,6 +337,10 @@ class Proxy:
 
 
 _SSE = b"text/event-stream; charset=utf-8"  # what vLLM's stream says
+
+
+def _asks_ids(body: dict[str, Any]) -> bool:
+    return body.get("return_token_ids") is True
 
 
 class _Started:

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 import pytest
-from pdgate.router.answers import PrefillFacts, patch_usage
+from pdgate.router.answers import PatchingSend, PrefillFacts, patch_usage
 from pdgate.router.first_token import FirstToken, decode_body, eligible, first_event, read
 
 BASE: dict[str, Any] = {"model": "m", "prompt": "The capital of France is", "max_tokens": 8, "stream": True}
@@ -124,3 +124,41 @@ def test_usage_moves_the_first_token_back_to_the_completion() -> None:
         "total_tokens": 11,
         "prompt_tokens_details": {"cached_tokens": 3},
     }
+
+
+def test_with_return_token_ids_the_first_event_carries_the_prompts_ids() -> None:
+    ft = FirstToken("cmpl-abc", 1700000000, "m", " Paris", 42, [1, 2, 3])
+    (choice,) = orjson.loads(first_event(ft, token_ids=True)[6:])["choices"]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == ([1, 2, 3], [42])
+    assert eligible({**BASE, "return_token_ids": True}, completions=True, max_model_len=None)
+
+
+async def test_the_decodes_prompt_ids_are_taken_out_and_its_usage_shifted() -> None:
+    """The decode's first event lists its prompt, which ends with the first token the client already has."""
+    sent: list[dict[str, Any]] = []
+
+    async def client(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    def ev(obj: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    first = {"choices": [{"index": 0, "text": " is", "prompt_token_ids": [1, 2, 3, 42], "token_ids": [7]}]}
+    second = {"choices": [{"index": 0, "text": " a", "prompt_token_ids": None, "token_ids": [8]}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
+    send = PatchingSend(client, PrefillFacts(3, first_token=True), False, drop_prompt_ids=True)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    stream = ev(first) + ev(second) + ev(usage) + b"data: [DONE]\n\n"
+    await send({"type": "http.response.body", "body": stream[:30], "more_body": True})  # cut mid-event
+    await send({"type": "http.response.body", "body": stream[30:], "more_body": False})
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    events = [orjson.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [c["prompt_token_ids"] for e in events[:2] for c in e["choices"]] == [None, None]
+    assert [c["token_ids"] for e in events[:2] for c in e["choices"]] == [[7], [8]]
+    assert events[2]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    assert body.endswith(b"data: [DONE]\n\n")
