@@ -13,10 +13,21 @@ import math
 import pytest
 from openai import OpenAI
 from pdgate.deploy.local.stack import LocalStack
+from pdgate.deploy.local.tiny_model import MODEL_NAME
 from pdgate.metaserver.models import HandoffState
 
 from tests.e2e.conftest import Baseline
-from tests.e2e.pdclient import complete, delta, get_handoff, observe, prompt_ids, settled, wait_for
+from tests.e2e.pdclient import (
+    MAX_TOKENS,
+    complete,
+    delta,
+    get_handoff,
+    metric,
+    observe,
+    prompt_ids,
+    settled,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -66,3 +77,85 @@ def test_decode_pulls_every_prompt_block_from_prefill(
         timeout=30,
         what=f"handoff {record.transfer_id} to be DONE",
     )
+
+
+FIRST_TOKEN = "pdgate_router_first_token_from_prefill_total"
+
+
+def _first_tokens(router_url: str, taken: str) -> float:
+    try:
+        return metric(router_url, FIRST_TOKEN, {"taken": taken})
+    except AssertionError:  # the counter's child appears at its first increment
+        return 0.0
+
+
+def _prompt_whose_first_token(baseline: Baseline, length: int, *, whole: bool) -> list[int]:
+    """A prompt of `length` random tokens whose first output token, alone, is (`whole`) or is not a whole
+    character: the tiny model's byte-level vocabulary often starts an answer inside a UTF-8 character,
+    and such a first token keeps the classic path (`first_token.read`)."""
+    for seed in range(310, 410):
+        prompt = prompt_ids(length, seed=seed)
+        text = baseline.complete(prompt, max_tokens=1).text
+        if (bool(text) and not text.endswith("\ufffd")) == whole:
+            return prompt
+    raise AssertionError(f"no prompt of {length} tokens in 100 seeds starts its answer with whole={whole}")
+
+
+@pytest.mark.parametrize("length", [31, 32, 33, 300, 2048])
+def test_a_streamed_completions_first_token_comes_from_the_prefill(
+    length: int, pd_stack: LocalStack, router_client: OpenAI, baseline: Baseline
+) -> None:
+    """The router streams the prefill's first token and the decode continues after it
+    (router/first_token.py): the answer is still the single instance's, token for token, with its usage,
+    and the decode loaded every prompt token from the prefill (its own prompt ends with the first token,
+    whose position is the one it computes)."""
+    [decode] = pd_stack.by_role("decode")
+    prompt = _prompt_whose_first_token(baseline, length, whole=True)
+    want = baseline.complete(prompt)
+    taken0, classic0 = _first_tokens(pd_stack.url, "true"), _first_tokens(pd_stack.url, "false")
+    d0 = settled(decode)
+
+    got = complete(router_client, prompt, stream=True)
+
+    assert got.same_output(want), f"PD output differs from the single instance for {length} tokens"
+    assert got.prompt_tokens == length and len(got.token_ids) == MAX_TOKENS
+    assert (_first_tokens(pd_stack.url, "true"), _first_tokens(pd_stack.url, "false")) == (taken0 + 1, classic0)
+    d = delta(settled(decode), d0)
+    assert d["recv_ok"] == 1 and d["recv_failed"] == 0, d
+    assert d["tokens_loaded"] == length, d
+
+
+def test_a_first_token_inside_a_character_keeps_the_classic_path(
+    pd_stack: LocalStack, router_client: OpenAI, baseline: Baseline
+) -> None:
+    """vLLM shows an incomplete UTF-8 character as U+FFFD until the next token completes it: the client
+    must get the character whole, as one vLLM streams it, so the decode sends every token."""
+    prompt = _prompt_whose_first_token(baseline, 64, whole=False)
+    want = baseline.complete(prompt)
+    taken0, classic0 = _first_tokens(pd_stack.url, "true"), _first_tokens(pd_stack.url, "false")
+
+    got = complete(router_client, prompt, stream=True)
+
+    assert got.same_output(want)
+    assert (_first_tokens(pd_stack.url, "true"), _first_tokens(pd_stack.url, "false")) == (taken0, classic0 + 1)
+
+
+def test_a_stream_with_a_stop_string_keeps_the_classic_path(
+    pd_stack: LocalStack, router_client: OpenAI, baseline: Baseline
+) -> None:
+    """A stop string could span the first and second token, which the decode would not see together."""
+    prompt = prompt_ids(100, seed=311)
+    want = baseline.complete(prompt)
+    taken0 = _first_tokens(pd_stack.url, "true")
+    stream = router_client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stop=["\x00never"],
+        extra_body={"ignore_eos": True},
+    )
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == want.text
+    assert _first_tokens(pd_stack.url, "true") == taken0
