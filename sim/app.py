@@ -21,9 +21,12 @@ from pdgate.sim.settings import Script, SimSettings, Stats, parse_cli
 from pdgate.sim.wire import (
     JSON_HEADERS,
     SSE_HEADERS,
+    CharPrompt,
     Died,
     QuietDeath,
     Reject,
+    char_prompt,
+    continuation,
     error_body,
     event,
     full_answer,
@@ -32,7 +35,6 @@ from pdgate.sim.wire import (
     read_body,
     reply,
     send_all,
-    tokens_for,
     validate_completion,
     with_length,
 )
@@ -152,6 +154,7 @@ class SimApp:
         if not 0 <= rank < self.s.dp_size:
             raise Reject(400, f"data parallel rank {rank} out of range (dp_size {self.s.dp_size})")
         validate_completion(body, chat)
+        cp = char_prompt(body) if self.s.token_ids and not chat else None
         try:
             kv = KVTransferParams.parse(body.get("kv_transfer_params") or {})
         except InvalidTransferParams as exc:
@@ -161,7 +164,7 @@ class SimApp:
         st.inc("requests")
         st.inc(mode)
         st.by_rank[rank] += 1
-        entry = {
+        entry: dict[str, Any] = {
             "mode": mode,
             "transfer_id": kv.transfer_id,
             "request_id": rid,
@@ -169,6 +172,8 @@ class SimApp:
             "status": 0,
             "body": {k: v for k, v in body.items() if k not in ("prompt", "messages")},
         }
+        if cp is not None:  # what a router sent as the prompt is part of what tests check
+            entry["prompt_token_ids"] = cp.ids
         st.log.append(entry)
         st.inflight[rank] += 1
         total = sum(st.inflight)
@@ -177,7 +182,7 @@ class SimApp:
             self._gate.set()
         disconnected = asyncio.ensure_future(receive())
         try:
-            entry["status"] = await self._answer(body, kv, mode, rank, rid, chat, send, disconnected)
+            entry["status"] = await self._answer(body, cp, kv, mode, rank, rid, chat, send, disconnected)
         except Reject as exc:
             entry["status"] = exc.status
             st.inc(f"status_{exc.status}")
@@ -201,6 +206,7 @@ class SimApp:
     async def _answer(
         self,
         body: dict[str, Any],
+        cp: CharPrompt | None,
         kv: KVTransferParams,
         mode: str,
         rank: int,
@@ -224,7 +230,10 @@ class SimApp:
             await asyncio.shield(disconnected)
             self.stats.inc("cancelled")
             return 499
-        text, prompt_tokens = prompt_of(body, chat)
+        if cp is None:
+            text, prompt_tokens = prompt_of(body, chat)
+        else:
+            text, prompt_tokens = cp.text, len(cp.ids)
         max_tokens: int = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         if prompt_tokens + max_tokens > self.s.max_model_len:
             raise Reject(
@@ -233,7 +242,9 @@ class SimApp:
                 f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
                 "completion). Please reduce the length of the messages or completion.",
             )
-        tokens = tokens_for(text, max_tokens)
+        tokens, token_ids = continuation(text, max_tokens, cp.generated if cp else 0)
+        # (prompt ids, output ids) for a client that asked, as vLLM answers `return_token_ids`
+        ids = (cp.ids, token_ids) if cp is not None and body.get("return_token_ids") else None
         meta_url = kv.metaserver or self.s.metaserver
         out_params = None
         if mode == "prefill":
@@ -242,6 +253,8 @@ class SimApp:
                 return 499
             out_params = await self.ledger.prefill(kv, rank, prompt_tokens, meta_url, rid)
             tokens = tokens[:1]
+            if ids is not None:
+                ids = (ids[0], ids[1][:1])
         elif mode == "decode":
             if not await pause(sc.decode_delay, disconnected):
                 self.stats.inc("cancelled")
@@ -249,8 +262,8 @@ class SimApp:
             await self.ledger.claim(kv, rank, meta_url)
         stream = bool(body.get("stream")) and mode != "prefill"
         if stream:
-            return await self._stream(body, tokens, prompt_tokens, chat, rid, send, disconnected)
-        payload = full_answer(body, tokens, prompt_tokens, chat, rid, out_params)
+            return await self._stream(body, tokens, ids, prompt_tokens, chat, rid, send, disconnected)
+        payload = full_answer(body, tokens, prompt_tokens, chat, rid, out_params, ids)
         if sc.die_after_tokens is not None and mode != "prefill":
             await send({"type": "http.response.start", "status": 200, "headers": with_length(JSON_HEADERS, payload)})
             await send({"type": "http.response.body", "body": payload[: len(payload) // 2], "more_body": True})
@@ -263,12 +276,15 @@ class SimApp:
         self,
         body: dict[str, Any],
         tokens: list[str],
+        ids: tuple[list[int], list[int]] | None,
         prompt_tokens: int,
         chat: bool,
         rid: str,
         send: Send,
         disconnected: asyncio.Future[Any],
     ) -> int:
+        """The answer as SSE; with `ids`, the first chunk carries the prompt's ids and each chunk its
+        token's id (vLLM's stream with `return_token_ids`)."""
         sc = self.script
         created = int(time.time())
         model = body.get("model") or self.s.model
@@ -296,6 +312,9 @@ class SimApp:
                 choice["delta"] = {"content": tok}
             else:
                 choice["text"] = tok
+            if ids is not None:
+                choice["prompt_token_ids"] = None if i else ids[0]
+                choice["token_ids"] = [ids[1][i]]
             await send({"type": "http.response.body", "body": event({**head, "choices": [choice]}), "more_body": True})
         tail = b""
         if usage:

@@ -36,6 +36,12 @@ class SimSettings(BaseSettings):
     kv_layout: str = Field("", description="KV layout tag advertised")
     kv_replicated: bool = Field(False, description="advertise KV replicated on every TP rank")
     transport: TransportKind = Field(TransportKind.SIM, description="transport kind advertised")
+    token_ids: bool = Field(
+        False,
+        description="character tokenizer for completions: prompt ids are code points, outputs continue after "
+        "output ids at a prompt's end, and return_token_ids is answered (sim/wire.py; off: prompts count in "
+        "words and token ids are never shown, as the tests written before it expect)",
+    )
     max_model_len: int = Field(32768, ge=2, description="prompt + max_tokens above this get 400, like vLLM")
     lease_s: float = Field(10.0, gt=0, description="registry lease; heartbeats every third of it")
     claim_wait_s: float = Field(30.0, gt=0, description="decode: longest wait for the handoff to be claimable")

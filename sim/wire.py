@@ -1,5 +1,15 @@
 """pdgate-sim's OpenAI wire format: request checks, prompts to tokens, answer bodies, errors, ASGI sends.
 
+Tokens: by default a prompt counts in words and its output is derived from its text (`tokens_for`), and
+token ids are never shown. With `--token-ids` a completion's prompt goes through a character "tokenizer"
+instead (`char_prompt`), so that token ids travel both ways as vLLM's do (`return_token_ids`): a prompt
+character's id is its code point, an output token's id is `OUTPUT_ID_BASE` plus its index in the
+vocabulary (past Unicode, so the two never meet). A token-id prompt turns back into its text, and output
+ids at its end count as tokens already generated: the sequence continues after them, exactly as it would
+have gone on in one engine. That is what lets a test check a router that streams the prefill's first
+token and has the decode continue on `prompt ids + first id` (router/first_token.py): the client's text
+must equal the classic path's, token for token.
+
 The request checks answer 400 the way vLLM does for a field of the wrong type or range: a client's bad
 field must never look like an engine failure (a 5xx would count against the engine's breaker in a
 router and take it out of rotation for everyone).
@@ -12,6 +22,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -19,10 +30,14 @@ from pdgate.router.asgi import Receive, Send
 
 __all__ = [
     "JSON_HEADERS",
+    "OUTPUT_ID_BASE",
     "SSE_HEADERS",
+    "CharPrompt",
     "Died",
     "QuietDeath",
     "Reject",
+    "char_prompt",
+    "continuation",
     "error_body",
     "event",
     "full_answer",
@@ -40,6 +55,7 @@ _VOCAB = (
     "the of and to in is was for on that with as by at from it an be this which or are have had not "
     "were but they his one all their there been has when who will more no if out so said what up its"
 ).split()
+OUTPUT_ID_BASE = 0x110000  # an output token's id: this plus its vocabulary index (past every code point)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -107,6 +123,8 @@ def validate_completion(body: dict[str, Any], chat: bool) -> None:
         raise Reject(400, "stream must be a boolean")
     for key in ("max_tokens", "max_completion_tokens", "n"):
         _optional_count(body, key)
+    if body.get("return_token_ids") is not None and not isinstance(body["return_token_ids"], bool):
+        raise Reject(400, "return_token_ids must be a boolean")
     for key in ("stream_options", "kv_transfer_params"):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise Reject(400, f"{key} must be an object")
@@ -141,16 +159,64 @@ def prompt_of(body: dict[str, Any], chat: bool) -> tuple[str, int]:
     return str(prompt), _words(str(prompt))
 
 
-def tokens_for(text: str, n: int) -> list[str]:
-    """`n` tokens derived from the prompt: the same prompt always gets the same text."""
+def _indices(text: str, n: int) -> list[int]:
+    """Vocabulary indices of the first `n` tokens of `text`'s answer (token `i` depends on `i` alone, so
+    a longer answer starts with the shorter one)."""
     seed = int.from_bytes(hashlib.blake2b(text.encode()[:4096], digest_size=8).digest(), "little")
     v = len(_VOCAB)
-    return [" " + _VOCAB[(seed >> (i % 48) ^ i * 2654435761) % v] for i in range(n)]
+    return [(seed >> (i % 48) ^ i * 2654435761) % v for i in range(n)]
+
+
+def tokens_for(text: str, n: int) -> list[str]:
+    """`n` tokens derived from the prompt: the same prompt always gets the same text."""
+    return [" " + _VOCAB[j] for j in _indices(text, n)]
+
+
+def continuation(text: str, n: int, skip: int = 0) -> tuple[list[str], list[int]]:
+    """Tokens `skip` .. `skip + n` of `text`'s answer and their ids (`OUTPUT_ID_BASE` + vocabulary index):
+    a sequence that already holds `skip` of them goes on with the next one (`--token-ids`)."""
+    idx = _indices(text, skip + n)[skip:]
+    return [" " + _VOCAB[j] for j in idx], [OUTPUT_ID_BASE + j for j in idx]
+
+
+@dataclass(frozen=True)
+class CharPrompt:
+    """A completion's prompt under the character tokenizer (`--token-ids`, module doc)."""
+
+    text: str  # what the answer is derived from: the prompt without the tokens already generated
+    ids: list[int]  # the prompt's token ids, as the engine counts and returns them
+    generated: int  # output ids at the end of the prompt: tokens this sequence already holds
+
+
+def char_prompt(body: dict[str, Any]) -> CharPrompt:
+    """The character tokenizer's view of a validated completion's (first) prompt; an id that is neither a
+    code point nor an output token is out of the vocabulary: 400, as from vLLM."""
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
+        prompt = prompt[0]
+    ids = [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
+    top = OUTPUT_ID_BASE + len(_VOCAB)
+    for t in ids:
+        if not 0 <= t < top:
+            raise Reject(400, f"Token id {t} is out of vocabulary")
+    generated = 0
+    while generated < len(ids) and ids[-1 - generated] >= OUTPUT_ID_BASE:
+        generated += 1
+    head = ids[: len(ids) - generated]
+    text = "".join(chr(t) if t < OUTPUT_ID_BASE else " " + _VOCAB[t - OUTPUT_ID_BASE] for t in head)
+    return CharPrompt(text, ids, generated)
 
 
 def full_answer(
-    body: dict[str, Any], tokens: list[str], prompt_tokens: int, chat: bool, rid: str, kv: dict[str, Any] | None
+    body: dict[str, Any],
+    tokens: list[str],
+    prompt_tokens: int,
+    chat: bool,
+    rid: str,
+    kv: dict[str, Any] | None,
+    ids: tuple[list[int], list[int]] | None = None,
 ) -> bytes:
+    """The whole answer; `ids` (prompt ids, output ids) when the client asked for `return_token_ids`."""
     text = "".join(tokens)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens)}
     usage["total_tokens"] = prompt_tokens + len(tokens)
@@ -162,6 +228,8 @@ def full_answer(
         choice = {"index": 0, "text": text}
         obj = "text_completion"
     choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+    if ids is not None:  # where vLLM's CompletionResponseChoice has them
+        choice.update(token_ids=ids[1], prompt_logprobs=None, prompt_token_ids=ids[0])
     out = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
         "object": obj,

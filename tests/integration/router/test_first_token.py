@@ -1,0 +1,247 @@
+"""The first token from the prefill (router/first_token.py), over real sockets: what the client gets, what
+the decode is asked, and how failures after the first token end the stream.
+
+Real parts: a `redis-server` as the ledger's store, two routers whose embedded metaservers share it (one
+with `first_token_from_prefill`, one without: the classic path), `pdgate-sim` engines started with
+`--token-ids` (a character tokenizer whose token ids travel as vLLM's do: sim/wire.py), and the official
+`openai` client. The sims' answers are a function of the prompt text, and a token-id prompt whose last
+ids are output tokens continues after them, so "the same text as the classic path" is an exact check:
+a decode asked anything but the prefill's prompt ids plus the first token's id, or one token too many
+or too few, answers other text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from pdgate.metaserver.settings import MetaSettings
+
+from pdgate.errors import Code
+from tests.e2e.pdclient import metric
+from tests.integration.router.conftest import HTTP, Deployment, Sim
+from tests.support.redis import RedisServer
+
+TOKEN = "first-token-admin-token"
+TAKEN = "pdgate_router_first_token_from_prefill_total"
+PROMPT = "The capital of France is"
+MODEL = "sim-model"
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def _router(redis: RedisServer, **settings: Any) -> Deployment:
+    meta = MetaSettings(store=redis.url, admin_token=TOKEN)
+    return Deployment(
+        meta_settings=meta,
+        admin_token=TOKEN,
+        prefill_policy="round_robin",
+        decode_policy="round_robin",
+        decode_timeout_s=5.0,
+        breaker_failures=1000,  # a scripted failure must not take a decode out for the next test
+        **settings,
+    )
+
+
+@pytest.fixture(scope="module")
+def dep(redis: RedisServer) -> Iterator[Deployment]:
+    """The router under test, and the sims (registered through it, into the shared store)."""
+    with _router(redis) as d:
+        d.add_many([("prefill", ("--token-ids",)), ("decode", ("--token-ids",)), ("decode", ("--token-ids",))])
+        d.wait_available(*(s.id for s in d.sims))
+        yield d
+
+
+@pytest.fixture(scope="module")
+def classic(redis: RedisServer, dep: Deployment) -> Iterator[Deployment]:
+    """A second router on the same store and sims, with the first token from the prefill off."""
+    with _router(redis, first_token_from_prefill=False) as r:
+        r.wait_available(*(s.id for s in dep.sims))
+        yield r
+
+
+@pytest.fixture(autouse=True)
+def clean(dep: Deployment) -> None:
+    for sim in dep.sims:
+        sim.reset()
+
+
+def role(dep: Deployment, name: str) -> list[Sim]:
+    return [s for s in dep.sims if s.role == name]
+
+
+def taken(dep: Deployment, value: bool) -> float:
+    return metric(dep.url, TAKEN, {"taken": str(value).lower()})
+
+
+def entries(dep: Deployment, mode: str) -> list[dict[str, Any]]:
+    """Every request the sims of `dep` logged in `mode` (prefill / decode / plain), with its sim's id."""
+    return [{**e, "sim": s.id} for s in dep.sims for e in s.stats(log=True)["log"] if e["mode"] == mode]
+
+
+def stream(router: Deployment, **kw: Any) -> tuple[list[str], Any]:
+    """The texts of a streamed completion's chunks, and its usage (None unless asked for)."""
+    out = router.openai().completions.create(model=MODEL, stream=True, **kw)
+    texts: list[str] = []
+    usage = None
+    for chunk in out:
+        texts.extend(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    return texts, usage
+
+
+def one_engine(sim: Sim, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+    """What one engine answers, asked directly (no PD), with its token ids."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True}
+    r = HTTP.post(sim.url + "/v1/completions", json=body)
+    r.raise_for_status()
+    return dict(r.json()["choices"][0])
+
+
+def sse_events(router: Deployment, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    """A streamed request's status and its SSE events, parsed (`[DONE]` kept as the string)."""
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=20) as r:
+        raw = r.read()
+    events: list[Any] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            data = block[6:]
+            events.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return r.status_code, events
+
+
+def test_the_sims_tokenizer_continues_after_output_ids_at_the_end_of_a_prompt(dep: Deployment) -> None:
+    """The oracle the other tests rely on: one engine's ids for a prompt, and its continuation."""
+    sim = role(dep, "decode")[0]
+    whole = one_engine(sim, PROMPT, 6)
+    assert whole["prompt_token_ids"] == [ord(c) for c in PROMPT]
+    assert len(whole["token_ids"]) == 6 and all(t >= 0x110000 for t in whole["token_ids"])
+    rest = one_engine(sim, [*whole["prompt_token_ids"], *whole["token_ids"][:2]], 4)
+    assert rest["token_ids"] == whole["token_ids"][2:]
+    assert "".join(rest["text"]) == whole["text"][len(one_engine(sim, PROMPT, 2)["text"]) :]
+
+
+def test_a_streamed_completion_gets_the_prefills_first_token_and_the_classic_text(
+    dep: Deployment, classic: Deployment
+) -> None:
+    before = taken(dep, True)
+    texts, _ = stream(dep, prompt=PROMPT, max_tokens=6)
+    assert taken(dep, True) == before + 1
+    whole = one_engine(role(dep, "decode")[0], PROMPT, 6)
+    assert "".join(texts) == whole["text"] == "".join(stream(classic, prompt=PROMPT, max_tokens=6)[0])
+    assert len(texts) == 6  # the first chunk is the prefill's token alone
+
+    [pre] = [e for e in entries(dep, "prefill") if e["body"].get("return_token_ids")]
+    assert pre["body"]["max_tokens"] == 1 and pre["prompt_token_ids"] == [ord(c) for c in PROMPT]
+    [dec] = [e for e in entries(dep, "decode") if e["transfer_id"] == pre["transfer_id"]]
+    assert dec["prompt_token_ids"] == [*pre["prompt_token_ids"], whole["token_ids"][0]]
+    assert dec["body"]["max_tokens"] == 5 and dec["status"] == 200
+    # the classic router's decode got the client's prompt and max_tokens
+    [cdec] = [e for e in entries(dep, "decode") if e["transfer_id"] != pre["transfer_id"]]
+    assert cdec["prompt_token_ids"] == [ord(c) for c in PROMPT] and cdec["body"]["max_tokens"] == 6
+
+
+def test_usage_counts_the_first_token_as_the_clients_output(dep: Deployment, classic: Deployment) -> None:
+    opts = {"include_usage": True}
+    texts, usage = stream(dep, prompt=PROMPT, max_tokens=5, stream_options=opts)
+    classic_texts, classic_usage = stream(classic, prompt=PROMPT, max_tokens=5, stream_options=opts)
+    assert "".join(texts) == "".join(classic_texts)
+    assert usage.prompt_tokens == classic_usage.prompt_tokens == len(PROMPT)
+    assert usage.completion_tokens == classic_usage.completion_tokens == 5
+    assert usage.total_tokens == classic_usage.total_tokens
+    [dec] = [e for e in entries(dep, "decode") if len(e["prompt_token_ids"]) == len(PROMPT) + 1]
+    assert usage.prompt_tokens == len(dec["prompt_token_ids"]) - 1  # the decode counted the first token in
+    assert usage.completion_tokens == dec["body"]["max_tokens"] + 1
+
+
+def chat_text(router: Deployment) -> str:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPT}]
+    out = router.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["stop", "not streamed", "max_tokens 1", "seed with sampling", "chat"],
+)
+def test_requests_that_read_the_output_keep_the_classic_path(dep: Deployment, classic: Deployment, kind: str) -> None:
+    before = (taken(dep, True), taken(dep, False))
+    if kind == "chat":
+        assert chat_text(dep) == chat_text(classic)
+        assert not any("prompt_token_ids" in e for e in entries(dep, "decode"))  # a chat's decode got messages
+    else:
+        kw: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 4}
+        if kind == "stop":
+            kw["stop"] = ["zzz"]  # never in the sim's vocabulary: the text is still the whole answer
+        elif kind == "max_tokens 1":
+            kw["max_tokens"] = 1
+        elif kind == "seed with sampling":
+            kw.update(seed=7, temperature=0.8)
+        if kind == "not streamed":
+            text = dep.openai().completions.create(model=MODEL, **kw).choices[0].text
+        else:
+            text = "".join(stream(dep, **kw)[0])
+        assert text == one_engine(role(dep, "decode")[0], PROMPT, kw["max_tokens"])["text"]
+        [dec] = entries(dep, "decode")
+        assert dec["prompt_token_ids"] == [ord(c) for c in PROMPT] and dec["body"]["max_tokens"] == kw["max_tokens"]
+    assert (taken(dep, True), taken(dep, False)) == before  # not even asked: the prefill gave no ids
+    assert not any(e["body"].get("return_token_ids") for e in entries(dep, "prefill"))
+
+
+def test_a_decode_failing_before_its_first_byte_is_retried_after_the_first_token(
+    dep: Deployment, classic: Deployment
+) -> None:
+    bad, good = role(dep, "decode")
+    bad.script(fail_first=100, fail_status=503)
+    before = taken(dep, True)
+    prompts = [f"{PROMPT} {i}" for i in range(2)]  # round robin: one of the two starts on the failing decode
+    for p in prompts:
+        assert "".join(stream(dep, prompt=p, max_tokens=6)[0]) == one_engine(good, p, 6)["text"]
+    assert taken(dep, True) == before + 2
+    [failed] = [e for e in entries(dep, "decode") if e["sim"] == bad.id]
+    [retried] = [e for e in entries(dep, "decode") if e["sim"] == good.id and e["transfer_id"] == failed["transfer_id"]]
+    assert failed["status"] == 503 and retried["status"] == 200
+    assert retried["prompt_token_ids"] == failed["prompt_token_ids"]  # the same continuation, asked again
+    assert retried["body"]["max_tokens"] == failed["body"]["max_tokens"] == 5
+    assert sum(p.count("prefill") for p in role(dep, "prefill")) == 2  # no second prefill
+
+
+def test_every_decode_failing_ends_the_stream_with_a_typed_error_after_the_first_token(dep: Deployment) -> None:
+    first = one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]  # asked before any fault is scripted
+    for d in role(dep, "decode"):
+        d.script(fail_first=100, fail_status=503)
+    status, events = sse_events(dep, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True})
+    assert status == 200 and len(events) == 3, events
+    assert events[0]["choices"][0]["text"] == first and events[0]["choices"][0]["finish_reason"] is None
+    err = events[1]["error"]
+    assert err["code"] == Code.DECODE_FAILED.value and "503" in err["message"]
+    assert events[2] == "[DONE]"
+    assert [d.count("scripted_failures") for d in role(dep, "decode")] == [1, 1]  # a retry goes elsewhere
+
+    # the official client sees the first token, then a typed error, never a silently short answer
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as info:
+        for chunk in dep.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, stream=True):
+            got.extend(c.text for c in chunk.choices)
+    assert got == [first] and info.value.code == Code.DECODE_FAILED.value
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_decode_dying_mid_stream_ends_it_with_a_typed_error(dep: Deployment, after: int) -> None:
+    want = one_engine(role(dep, "decode")[0], PROMPT, 1 + after)["text"]  # asked before any fault is scripted
+    for d in role(dep, "decode"):
+        d.script(die_after_tokens=after)
+    status, events = sse_events(dep, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True})
+    assert status == 200 and len(events) == 1 + after + 2, events
+    assert "".join(e["choices"][0]["text"] for e in events[: 1 + after]) == want  # what came is right
+    assert events[-2]["error"]["code"] == Code.DECODE_FAILED.value and events[-1] == "[DONE]"
+    assert sum(d.count("died") for d in role(dep, "decode")) >= 1
