@@ -169,6 +169,24 @@ def chat_text(router: Deployment) -> str:
     return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
 
 
+def test_return_token_ids_gives_the_classic_paths_ids(dep: Deployment, classic: Deployment) -> None:
+    """The prompt's ids once, in the first event (as vLLM's stream has them), then one id per token: the
+    decode's own prompt ids, which end with the first token, never reach the client."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True, "return_token_ids": True}
+    before = taken(dep, True)
+    answers = [sse_events(router, body) for router in (dep, classic)]
+    assert taken(dep, True) == before + 1
+    for status, events in answers:
+        assert status == 200 and events[-1] == "[DONE]"
+    fast, slow = ([e["choices"][0] for e in events[:-1]] for _, events in answers)
+    assert [c["prompt_token_ids"] for c in fast] == [c["prompt_token_ids"] for c in slow]
+    assert fast[0]["prompt_token_ids"] == [ord(c) for c in PROMPT]
+    assert [c["token_ids"] for c in fast] == [c["token_ids"] for c in slow]
+    assert "".join(c["text"] for c in fast) == "".join(c["text"] for c in slow)
+    [dec] = [e for e in entries(dep, "decode") if len(e["prompt_token_ids"]) == len(PROMPT) + 1]
+    assert dec["prompt_token_ids"][-1] == fast[0]["token_ids"][0]
+
+
 @pytest.mark.parametrize(
     "kind",
     ["stop", "not streamed", "max_tokens 1", "seed with sampling", "chat"],
