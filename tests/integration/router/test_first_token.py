@@ -21,10 +21,12 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from pdgate.metaserver.settings import MetaSettings
+from pdgate.sim.wire import OUTPUT_ID_BASE
 
 from pdgate.errors import Code
 from tests.e2e.pdclient import metric
 from tests.integration.router.conftest import HTTP, Deployment, Sim
+from tests.support.ports import wait_until
 from tests.support.redis import RedisServer
 
 TOKEN = "first-token-admin-token"
@@ -124,10 +126,10 @@ def test_the_sims_tokenizer_continues_after_output_ids_at_the_end_of_a_prompt(de
     sim = role(dep, "decode")[0]
     whole = one_engine(sim, PROMPT, 6)
     assert whole["prompt_token_ids"] == [ord(c) for c in PROMPT]
-    assert len(whole["token_ids"]) == 6 and all(t >= 0x110000 for t in whole["token_ids"])
+    assert len(whole["token_ids"]) == 6 and all(t >= OUTPUT_ID_BASE for t in whole["token_ids"])
     rest = one_engine(sim, [*whole["prompt_token_ids"], *whole["token_ids"][:2]], 4)
     assert rest["token_ids"] == whole["token_ids"][2:]
-    assert "".join(rest["text"]) == whole["text"][len(one_engine(sim, PROMPT, 2)["text"]) :]
+    assert one_engine(sim, PROMPT, 2)["text"] + rest["text"] == whole["text"]
 
 
 def test_a_streamed_completion_gets_the_prefills_first_token_and_the_classic_text(
@@ -138,7 +140,7 @@ def test_a_streamed_completion_gets_the_prefills_first_token_and_the_classic_tex
     assert taken(dep, True) == before + 1
     whole = one_engine(role(dep, "decode")[0], PROMPT, 6)
     assert "".join(texts) == whole["text"] == "".join(stream(classic, prompt=PROMPT, max_tokens=6)[0])
-    assert len(texts) == 6  # the first chunk is the prefill's token alone
+    assert len(texts) == 6 and texts[0] == one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]  # its own chunk
 
     [pre] = [e for e in entries(dep, "prefill") if e["body"].get("return_token_ids")]
     assert pre["body"]["max_tokens"] == 1 and pre["prompt_token_ids"] == [ord(c) for c in PROMPT]
@@ -262,4 +264,29 @@ def test_a_decode_dying_mid_stream_ends_it_with_a_typed_error(dep: Deployment, a
     assert status == 200 and len(events) == 1 + after + 2, events
     assert "".join(e["choices"][0]["text"] for e in events[: 1 + after]) == want  # what came is right
     assert events[-2]["error"]["code"] == Code.DECODE_FAILED.value and events[-1] == "[DONE]"
-    assert sum(d.count("died") for d in role(dep, "decode")) >= 1
+    # one decode died; the router did not retry: that decode had taken the KV (a retry finds it gone) or
+    # had already streamed tokens
+    assert sum(d.count("died") for d in role(dep, "decode")) == 1 and len(entries(dep, "decode")) == 1
+
+
+def test_a_client_leaving_after_the_first_token_cancels_the_decode_and_aborts_the_handoff(dep: Deployment) -> None:
+    first = one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]  # asked before any fault is scripted
+    for d in role(dep, "decode"):
+        d.script(hang=True)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", dep.url + "/v1/completions", json=body, timeout=20) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept: a dropped iterator would close the connection now
+        line = next(lines)
+        assert orjson.loads(line[6:])["choices"][0]["text"] == first
+        wait_until(lambda: len(entries(dep, "decode")) == 1, what="the decode asked")
+        [tid] = [e["transfer_id"] for e in entries(dep, "decode")]
+        assert handoff_state(dep, tid) == "CLAIMED"  # by the router, for the decode it picked
+    # leaving the block closed the connection with the answer unread
+    wait_until(lambda: handoff_state(dep, tid) == "ABORTED", what="handoff aborted after the disconnect")
+    wait_until(lambda: sum(d.count("cancelled") for d in role(dep, "decode")) == 1, what="decode cancelled")
+
+
+def handoff_state(dep: Deployment, tid: str) -> str:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    return str(HTTP.get(f"{dep.url}/v1/handoffs/{tid}", headers=auth).json()["state"])
