@@ -12,6 +12,7 @@ or too few, answers other text.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -132,14 +133,16 @@ def test_the_sims_tokenizer_continues_after_output_ids_at_the_end_of_a_prompt(de
     assert one_engine(sim, PROMPT, 2)["text"] + rest["text"] == whole["text"]
 
 
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text prompt", "token-id prompt"])
 def test_a_streamed_completion_gets_the_prefills_first_token_and_the_classic_text(
-    dep: Deployment, classic: Deployment
+    dep: Deployment, classic: Deployment, as_ids: bool
 ) -> None:
+    prompt: str | list[int] = [ord(c) for c in PROMPT] if as_ids else PROMPT
     before = taken(dep, True)
-    texts, _ = stream(dep, prompt=PROMPT, max_tokens=6)
+    texts, _ = stream(dep, prompt=prompt, max_tokens=6)
     assert taken(dep, True) == before + 1
     whole = one_engine(role(dep, "decode")[0], PROMPT, 6)
-    assert "".join(texts) == whole["text"] == "".join(stream(classic, prompt=PROMPT, max_tokens=6)[0])
+    assert "".join(texts) == whole["text"] == "".join(stream(classic, prompt=prompt, max_tokens=6)[0])
     assert len(texts) == 6 and texts[0] == one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]  # its own chunk
 
     [pre] = [e for e in entries(dep, "prefill") if e["body"].get("return_token_ids")]
@@ -189,15 +192,48 @@ def test_return_token_ids_gives_the_classic_paths_ids(dep: Deployment, classic: 
     assert dec["prompt_token_ids"][-1] == fast[0]["token_ids"][0]
 
 
+async def test_concurrent_streams_each_get_their_own_classic_text(dep: Deployment) -> None:
+    """Many first tokens in flight at once: each client's stream is its own prompt's, whole."""
+    prompts = [f"{PROMPT} #{i}" for i in range(24)]
+    want = [one_engine(role(dep, "decode")[0], p, 5)["text"] for p in prompts]
+    before = taken(dep, True)
+    client = dep.async_openai()
+
+    async def one(p: str) -> str:
+        out = await client.completions.create(model=MODEL, prompt=p, max_tokens=5, stream=True)
+        return "".join([c.choices[0].text async for c in out if c.choices])
+
+    assert await asyncio.gather(*(one(p) for p in prompts)) == want
+    assert taken(dep, True) == before + len(prompts)
+    for e, p in zip(decodes_by_prompt(dep, prompts), prompts, strict=True):
+        assert len(e["prompt_token_ids"]) == len(p) + 1 and e["body"]["max_tokens"] == 4  # after the first token
+
+
+def decodes_by_prompt(dep: Deployment, prompts: list[str]) -> list[dict[str, Any]]:
+    """The decode request of each prompt (its token ids are the prompt's, and perhaps the first token's)."""
+    logged = [(e, [t for t in e["prompt_token_ids"] if t < OUTPUT_ID_BASE]) for e in entries(dep, "decode")]
+    return [next(e for e, ids in logged if ids == [ord(c) for c in p]) for p in prompts]
+
+
 @pytest.mark.parametrize(
     "kind",
-    ["stop", "not streamed", "max_tokens 1", "seed with sampling", "chat"],
+    ["stop", "not streamed", "max_tokens 1", "seed with sampling", "two prompts", "chat"],
 )
 def test_requests_that_read_the_output_keep_the_classic_path(dep: Deployment, classic: Deployment, kind: str) -> None:
     before = (taken(dep, True), taken(dep, False))
     if kind == "chat":
         assert chat_text(dep) == chat_text(classic)
         assert not any("prompt_token_ids" in e for e in entries(dep, "decode"))  # a chat's decode got messages
+    elif kind == "two prompts":  # each is a PD pair of its own, whose events the router merges
+        prompts = [PROMPT, PROMPT + "?"]
+        out = dep.openai().completions.create(model=MODEL, prompt=prompts, max_tokens=4, stream=True)
+        texts = ["", ""]
+        for chunk in out:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        assert texts == [one_engine(role(dep, "decode")[0], p, 4)["text"] for p in prompts]
+        for e, p in zip(decodes_by_prompt(dep, prompts), prompts, strict=True):
+            assert e["prompt_token_ids"] == [ord(c) for c in p] and e["body"]["max_tokens"] == 4
     else:
         kw: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 4}
         if kind == "stop":
@@ -227,11 +263,13 @@ def test_a_decode_failing_before_its_first_byte_is_retried_after_the_first_token
     for p in prompts:
         assert "".join(stream(dep, prompt=p, max_tokens=6)[0]) == one_engine(good, p, 6)["text"]
     assert taken(dep, True) == before + 2
-    [failed] = [e for e in entries(dep, "decode") if e["sim"] == bad.id]
-    [retried] = [e for e in entries(dep, "decode") if e["sim"] == good.id and e["transfer_id"] == failed["transfer_id"]]
-    assert failed["status"] == 503 and retried["status"] == 200
-    assert retried["prompt_token_ids"] == failed["prompt_token_ids"]  # the same continuation, asked again
-    assert retried["body"]["max_tokens"] == failed["body"]["max_tokens"] == 5
+    failed = [e for e in entries(dep, "decode") if e["sim"] == bad.id]
+    assert failed and all(e["status"] == 503 for e in failed)
+    for f in failed:
+        [retried] = [e for e in entries(dep, "decode") if e["sim"] == good.id and e["transfer_id"] == f["transfer_id"]]
+        assert retried["status"] == 200
+        assert retried["prompt_token_ids"] == f["prompt_token_ids"]  # the same continuation, asked again
+        assert retried["body"]["max_tokens"] == f["body"]["max_tokens"] == 5
     assert sum(p.count("prefill") for p in role(dep, "prefill")) == 2  # no second prefill
 
 
