@@ -126,6 +126,13 @@ def histograms(base_url: str, names: tuple[str, ...]) -> dict[str, tuple[float, 
     return out
 
 
+def first_tokens_taken(base_url: str) -> float:
+    """Streams whose first token came from the prefill (router/first_token.py), so far."""
+    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
+    want = 'pdgate_router_first_token_from_prefill_total{taken="true"}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want))
+
+
 def router_histograms(base_url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of each router phase histogram."""
     raw = histograms(base_url, tuple(f"pdgate_router_{p}_seconds" for p in PHASES))
@@ -203,6 +210,7 @@ def run_pdgate_phase(args: argparse.Namespace, run_dir: Path, flags: ServeFlags,
             warm(client, [single.url, stack.url], args.warmup, args.max_tokens)
             for length in lengths:
                 before = router_histograms(stack.url)
+                taken_before = first_tokens_taken(stack.url)
                 single_s: list[dict[str, Any]] = []
                 pd_s: list[dict[str, Any]] = []
                 for rep in range(args.reps):
@@ -233,6 +241,7 @@ def run_pdgate_phase(args: argparse.Namespace, run_dir: Path, flags: ServeFlags,
                     "confirm_s": kv["confirm"],
                     "kv_load_total_s": kv["total"],
                     "decode_rest_s": phases["decode_ttft"] - kv["total"],
+                    "first_token_from_prefill": int(first_tokens_taken(stack.url) - taken_before),
                     "router_phase_mean_s": phases,
                     "samples": {"single": single_s, "pdgate": pd_s, "kv_loads": loads},
                 }
@@ -358,14 +367,14 @@ def print_tables(result: dict[str, Any], out: Callable[[str], None] = print) -> 
             cells.append(f"{_ms(lat['e2e_p50_s'])} / {_ms(lat['e2e_p90_s'])}")
         out(f"| {name} | " + " | ".join(cells) + " |")
     out("\npdgate target: median TTFT <= single + transfer + 5 ms")
-    out("| prompt | single | pdgate | PD-single | transfer (NIXL read) | target | met |")
-    out("|---:|---:|---:|---:|---:|---:|:-:|")
+    out("| prompt | single | pdgate | PD-single | transfer (NIXL read) | target | met | 1st token from prefill |")
+    out("|---:|---:|---:|---:|---:|---:|:-:|---:|")
     for r in pd["rows"]:
         s, p = r["single"]["ttft_p50_s"], r["pdgate"]["ttft_p50_s"]
         out(
             f"| {r['prompt_tokens']} | {s * 1e3:.1f} | {p * 1e3:.1f} | {(p - s) * 1e3:+.1f} "
             f"| {r['transfer_s'] * 1e3:.1f} ({r['transport_s'] * 1e3:.1f}) | {r['target_ttft_s'] * 1e3:.1f} "
-            f"| {'yes' if r['target_met'] else 'no'} |"
+            f"| {'yes' if r['target_met'] else 'no'} | {r.get('first_token_from_prefill', '-')} of {cfg['reps']} |"
         )
     out("\nBreakdown (ms): router phase means; decode KV-load medians from its per-transfer log or NIXL's histogram")
     out(
