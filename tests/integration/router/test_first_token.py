@@ -328,3 +328,17 @@ def test_a_client_leaving_after_the_first_token_cancels_the_decode_and_aborts_th
 def handoff_state(dep: Deployment, tid: str) -> str:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     return str(HTTP.get(f"{dep.url}/v1/handoffs/{tid}", headers=auth).json()["state"])
+
+
+def test_a_prefill_without_token_ids_keeps_the_classic_path_and_counts_it_not_taken() -> None:
+    """An engine that does not answer `return_token_ids` (the sims without `--token-ids`): the prefill was
+    asked, its answer has no ids, so the decode sends every token."""
+    with Deployment() as d:
+        d.add_many([("prefill", ()), ("decode", ())])
+        d.wait_available(*(s.id for s in d.sims))
+        texts, usage = stream(d, prompt=PROMPT, max_tokens=4, stream_options={"include_usage": True})
+        assert len(texts) == 4 and usage.completion_tokens == 4
+        assert (taken(d, True), taken(d, False)) == (0, 1)
+        [pre] = entries(d, "prefill")
+        [dec] = entries(d, "decode")
+        assert pre["body"]["return_token_ids"] is True and dec["body"]["max_tokens"] == 4
