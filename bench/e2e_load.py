@@ -116,6 +116,15 @@ def _live_handoffs(metaserver_url: str) -> float:
     return sum(v for n, _, v in scrape(metaserver_url) if n == "pdgate_metaserver_handoffs")
 
 
+def _first_tokens(router_url: str) -> dict[str, float]:
+    """Streams asked to take their first token from the prefill, by whether they did (router/first_token.py)."""
+    return {
+        lab.get("taken", "?"): v
+        for n, lab, v in scrape(router_url)
+        if n == "pdgate_router_first_token_from_prefill_total"
+    }
+
+
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     keys = ("duration", "completed", "failed", "request_throughput", "median_ttft_ms", "p99_ttft_ms")
     out = {k: result.get(k) for k in keys}
@@ -159,6 +168,7 @@ def run_pdgate(args: argparse.Namespace, python: Path, run_dir: Path, flags: Ser
         pinning = {h.instance_id: process_pinning(h.proc.pid) for h in stack.instances if h.proc.pid}
         d0, p0 = observe(decode), observe(prefill)
         refusals0 = decode.log_path.read_text(errors="replace").count("DONE refused")
+        first0 = _first_tokens(stack.url)
         result = bench_serve(args, python, stack.url, run_dir / "pdgate.json")
         ended = time.monotonic()
         time.sleep(max(0.0, ended + SETTLE_S - time.monotonic()))
@@ -169,6 +179,7 @@ def run_pdgate(args: argparse.Namespace, python: Path, run_dir: Path, flags: Ser
         d, p = delta(observe(decode), d0), delta(observe(prefill), p0)
         claim_ms = decode.read_stats().get("claim_ms", {})
         refusals_logged = decode.log_path.read_text(errors="replace").count("DONE refused") - refusals0
+        first = {k: v - first0.get(k, 0.0) for k, v in _first_tokens(stack.url).items()}
     return {
         "vllm": result,
         "pinning": pinning,
@@ -184,6 +195,7 @@ def run_pdgate(args: argparse.Namespace, python: Path, run_dir: Path, flags: Ser
             "prefill_freed_done": p.get("sends_freed_done", 0.0),
             "prefill_freed_expired": p.get("sends_freed_expired", 0.0),
         },
+        "first_token_from_prefill": first,
     }
 
 
@@ -218,6 +230,11 @@ def print_table(res: dict[str, Any]) -> None:
             f"(log lines {led['done_refused_log_lines']}); handoffs live {SETTLE_S:.0f} s after the last request: "
             f"{led['live_handoffs_after_2s']:.0f} {led['live_by_state_after_2s']}; prefill freed on DONE "
             f"{led['prefill_freed_done']:.0f}, on expiry {led['prefill_freed_expired']:.0f}"
+        )
+        first = res["setups"]["pdgate"].get("first_token_from_prefill", {})
+        print(
+            f"pdgate router: first token from the prefill in {first.get('true', 0):.0f} streams, "
+            f"classic path for {first.get('false', 0):.0f} that asked (router/first_token.py)"
         )
     print("\nPinning (CPU set -> threads, nice), read back from /proc:")
     for name, r in res["setups"].items():
