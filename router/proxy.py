@@ -63,7 +63,7 @@ from pdgate.router.model_cards import ModelCards
 from pdgate.router.policies import Policy
 from pdgate.router.pool import Pool
 from pdgate.router.protocol import Watch
-from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
+from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id, snippet
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_error
 from pdgate.router.tracing import TRACE_HEADERS, Tracing
@@ -287,6 +287,8 @@ class Proxy:
             if not req.started:
                 await self._reply_error(send, req, exc)
             else:  # the prefill's first token went out: the stream ends with the error instead
+                if isinstance(exc, UpstreamRejected):  # the engine's reason, not only its status
+                    exc.message = f"{exc.message}: {snippet(exc.upstream_body)}"
                 self._m.error(exc.code.value)
                 log.warning("%s after the first token: %s", exc.code.value, exc.message)
                 req.end()

@@ -293,6 +293,22 @@ def test_every_decode_failing_ends_the_stream_with_a_typed_error_after_the_first
     assert got == [first] and info.value.code == Code.DECODE_FAILED.value
 
 
+def test_a_decode_refusing_the_continuation_ends_the_stream_with_the_engines_reason(dep: Deployment) -> None:
+    """A 4xx from the decode after the first token (the router could not know the model's length, say) is
+    the engine's own refusal, relayed as the stream's typed error with the engine's message."""
+    first = one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]
+    for d in role(dep, "decode"):
+        d.script(fail_first=1, fail_status=400)
+    status, events = sse_events(dep, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True})
+    assert status == 200 and len(events) == 3, events
+    assert events[0]["choices"][0]["text"] == first
+    err = events[1]["error"]
+    assert err["code"] == Code.UPSTREAM_REJECTED.value
+    assert "400" in err["message"] and "scripted failure" in err["message"], err
+    assert events[2] == "[DONE]"
+    assert sum(d.count("scripted_failures") for d in role(dep, "decode")) == 1  # the client's error: no retry
+
+
 @pytest.mark.parametrize("after", [0, 2])
 def test_a_decode_dying_mid_stream_ends_it_with_a_typed_error(dep: Deployment, after: int) -> None:
     want = one_engine(role(dep, "decode")[0], PROMPT, 1 + after)["text"]  # asked before any fault is scripted
