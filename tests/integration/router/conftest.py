@@ -136,6 +136,14 @@ class Deployment:
         self.sims += sims
         return sims
 
+    def by_role(self, role: str) -> list[Sim]:
+        return [s for s in self.sims if s.role == role]
+
+    def reset_sims(self) -> None:
+        """Each sim's script and counters back to its start (a module's autouse fixture, between tests)."""
+        for sim in self.sims:
+            sim.reset()
+
     def health(self) -> dict[str, Any]:
         return dict(HTTP.get(self.url + "/health").json())
 

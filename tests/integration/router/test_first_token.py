@@ -74,12 +74,7 @@ def classic(redis: RedisServer, dep: Deployment) -> Iterator[Deployment]:
 
 @pytest.fixture(autouse=True)
 def clean(dep: Deployment) -> None:
-    for sim in dep.sims:
-        sim.reset()
-
-
-def role(dep: Deployment, name: str) -> list[Sim]:
-    return [s for s in dep.sims if s.role == name]
+    dep.reset_sims()
 
 
 def taken(dep: Deployment, value: bool) -> float:
@@ -124,7 +119,7 @@ def sse_events(router: Deployment, body: dict[str, Any]) -> tuple[int, list[Any]
 
 def test_the_sims_tokenizer_continues_after_output_ids_at_the_end_of_a_prompt(dep: Deployment) -> None:
     """The oracle the other tests rely on: one engine's ids for a prompt, and its continuation."""
-    sim = role(dep, "decode")[0]
+    sim = dep.by_role("decode")[0]
     whole = one_engine(sim, PROMPT, 6)
     assert whole["prompt_token_ids"] == [ord(c) for c in PROMPT]
     assert len(whole["token_ids"]) == 6 and all(t >= OUTPUT_ID_BASE for t in whole["token_ids"])
@@ -141,9 +136,9 @@ def test_a_streamed_completion_gets_the_prefills_first_token_and_the_classic_tex
     before = taken(dep, True)
     texts, _ = stream(dep, prompt=prompt, max_tokens=6)
     assert taken(dep, True) == before + 1
-    whole = one_engine(role(dep, "decode")[0], PROMPT, 6)
+    whole = one_engine(dep.by_role("decode")[0], PROMPT, 6)
     assert "".join(texts) == whole["text"] == "".join(stream(classic, prompt=prompt, max_tokens=6)[0])
-    assert len(texts) == 6 and texts[0] == one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]  # its own chunk
+    assert len(texts) == 6 and texts[0] == one_engine(dep.by_role("decode")[0], PROMPT, 1)["text"]  # its own chunk
 
     [pre] = [e for e in entries(dep, "prefill") if e["body"].get("return_token_ids")]
     assert pre["body"]["max_tokens"] == 1 and pre["prompt_token_ids"] == [ord(c) for c in PROMPT]
@@ -195,7 +190,7 @@ def test_return_token_ids_gives_the_classic_paths_ids(dep: Deployment, classic: 
 async def test_concurrent_streams_each_get_their_own_classic_text(dep: Deployment) -> None:
     """Many first tokens in flight at once: each client's stream is its own prompt's, whole."""
     prompts = [f"{PROMPT} #{i}" for i in range(24)]
-    want = [one_engine(role(dep, "decode")[0], p, 5)["text"] for p in prompts]
+    want = [one_engine(dep.by_role("decode")[0], p, 5)["text"] for p in prompts]
     before = taken(dep, True)
     client = dep.async_openai()
 
@@ -231,7 +226,7 @@ def test_requests_that_read_the_output_keep_the_classic_path(dep: Deployment, cl
         for chunk in out:
             for c in chunk.choices:
                 texts[c.index] += c.text
-        assert texts == [one_engine(role(dep, "decode")[0], p, 4)["text"] for p in prompts]
+        assert texts == [one_engine(dep.by_role("decode")[0], p, 4)["text"] for p in prompts]
         for e, p in zip(decodes_by_prompt(dep, prompts), prompts, strict=True):
             assert e["prompt_token_ids"] == [ord(c) for c in p] and e["body"]["max_tokens"] == 4
     else:
@@ -246,7 +241,7 @@ def test_requests_that_read_the_output_keep_the_classic_path(dep: Deployment, cl
             text = dep.openai().completions.create(model=MODEL, **kw).choices[0].text
         else:
             text = "".join(stream(dep, **kw)[0])
-        assert text == one_engine(role(dep, "decode")[0], PROMPT, kw["max_tokens"])["text"]
+        assert text == one_engine(dep.by_role("decode")[0], PROMPT, kw["max_tokens"])["text"]
         [dec] = entries(dep, "decode")
         assert dec["prompt_token_ids"] == [ord(c) for c in PROMPT] and dec["body"]["max_tokens"] == kw["max_tokens"]
     assert (taken(dep, True), taken(dep, False)) == before  # not even asked: the prefill gave no ids
@@ -256,7 +251,7 @@ def test_requests_that_read_the_output_keep_the_classic_path(dep: Deployment, cl
 def test_a_decode_failing_before_its_first_byte_is_retried_after_the_first_token(
     dep: Deployment, classic: Deployment
 ) -> None:
-    bad, good = role(dep, "decode")
+    bad, good = dep.by_role("decode")
     bad.script(fail_first=100, fail_status=503)
     before = taken(dep, True)
     prompts = [f"{PROMPT} {i}" for i in range(2)]  # round robin: one of the two starts on the failing decode
@@ -270,12 +265,12 @@ def test_a_decode_failing_before_its_first_byte_is_retried_after_the_first_token
         assert retried["status"] == 200
         assert retried["prompt_token_ids"] == f["prompt_token_ids"]  # the same continuation, asked again
         assert retried["body"]["max_tokens"] == f["body"]["max_tokens"] == 5
-    assert sum(p.count("prefill") for p in role(dep, "prefill")) == 2  # no second prefill
+    assert sum(p.count("prefill") for p in dep.by_role("prefill")) == 2  # no second prefill
 
 
 def test_every_decode_failing_ends_the_stream_with_a_typed_error_after_the_first_token(dep: Deployment) -> None:
-    first = one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]  # asked before any fault is scripted
-    for d in role(dep, "decode"):
+    first = one_engine(dep.by_role("decode")[0], PROMPT, 1)["text"]  # asked before any fault is scripted
+    for d in dep.by_role("decode"):
         d.script(fail_first=100, fail_status=503)
     status, events = sse_events(dep, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True})
     assert status == 200 and len(events) == 3, events
@@ -283,7 +278,7 @@ def test_every_decode_failing_ends_the_stream_with_a_typed_error_after_the_first
     err = events[1]["error"]
     assert err["code"] == Code.DECODE_FAILED.value and "503" in err["message"]
     assert events[2] == "[DONE]"
-    assert [d.count("scripted_failures") for d in role(dep, "decode")] == [1, 1]  # a retry goes elsewhere
+    assert [d.count("scripted_failures") for d in dep.by_role("decode")] == [1, 1]  # a retry goes elsewhere
 
     # the official client sees the first token, then a typed error, never a silently short answer
     got: list[str] = []
@@ -296,8 +291,8 @@ def test_every_decode_failing_ends_the_stream_with_a_typed_error_after_the_first
 def test_a_decode_refusing_the_continuation_ends_the_stream_with_the_engines_reason(dep: Deployment) -> None:
     """A 4xx from the decode after the first token (the router could not know the model's length, say) is
     the engine's own refusal, relayed as the stream's typed error with the engine's message."""
-    first = one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]
-    for d in role(dep, "decode"):
+    first = one_engine(dep.by_role("decode")[0], PROMPT, 1)["text"]
+    for d in dep.by_role("decode"):
         d.script(fail_first=1, fail_status=400)
     status, events = sse_events(dep, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True})
     assert status == 200 and len(events) == 3, events
@@ -306,13 +301,13 @@ def test_a_decode_refusing_the_continuation_ends_the_stream_with_the_engines_rea
     assert err["code"] == Code.UPSTREAM_REJECTED.value
     assert "400" in err["message"] and "scripted failure" in err["message"], err
     assert events[2] == "[DONE]"
-    assert sum(d.count("scripted_failures") for d in role(dep, "decode")) == 1  # the client's error: no retry
+    assert sum(d.count("scripted_failures") for d in dep.by_role("decode")) == 1  # the client's error: no retry
 
 
 @pytest.mark.parametrize("after", [0, 2])
 def test_a_decode_dying_mid_stream_ends_it_with_a_typed_error(dep: Deployment, after: int) -> None:
-    want = one_engine(role(dep, "decode")[0], PROMPT, 1 + after)["text"]  # asked before any fault is scripted
-    for d in role(dep, "decode"):
+    want = one_engine(dep.by_role("decode")[0], PROMPT, 1 + after)["text"]  # asked before any fault is scripted
+    for d in dep.by_role("decode"):
         d.script(die_after_tokens=after)
     status, events = sse_events(dep, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True})
     assert status == 200 and len(events) == 1 + after + 2, events
@@ -320,12 +315,12 @@ def test_a_decode_dying_mid_stream_ends_it_with_a_typed_error(dep: Deployment, a
     assert events[-2]["error"]["code"] == Code.DECODE_FAILED.value and events[-1] == "[DONE]"
     # one decode died; the router did not retry: that decode had taken the KV (a retry finds it gone) or
     # had already streamed tokens
-    assert sum(d.count("died") for d in role(dep, "decode")) == 1 and len(entries(dep, "decode")) == 1
+    assert sum(d.count("died") for d in dep.by_role("decode")) == 1 and len(entries(dep, "decode")) == 1
 
 
 def test_a_client_leaving_after_the_first_token_cancels_the_decode_and_aborts_the_handoff(dep: Deployment) -> None:
-    first = one_engine(role(dep, "decode")[0], PROMPT, 1)["text"]  # asked before any fault is scripted
-    for d in role(dep, "decode"):
+    first = one_engine(dep.by_role("decode")[0], PROMPT, 1)["text"]  # asked before any fault is scripted
+    for d in dep.by_role("decode"):
         d.script(hang=True)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True}
     with httpx.stream("POST", dep.url + "/v1/completions", json=body, timeout=20) as r:
@@ -338,7 +333,7 @@ def test_a_client_leaving_after_the_first_token_cancels_the_decode_and_aborts_th
         assert handoff_state(dep, tid) == "CLAIMED"  # by the router, for the decode it picked
     # leaving the block closed the connection with the answer unread
     wait_until(lambda: handoff_state(dep, tid) == "ABORTED", what="handoff aborted after the disconnect")
-    wait_until(lambda: sum(d.count("cancelled") for d in role(dep, "decode")) == 1, what="decode cancelled")
+    wait_until(lambda: sum(d.count("cancelled") for d in dep.by_role("decode")) == 1, what="decode cancelled")
 
 
 def handoff_state(dep: Deployment, tid: str) -> str:

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from pdgate.metaserver.settings import MetaSettings
 
-from tests.integration.router.conftest import HTTP, Deployment, Sim, transfer_ids
+from tests.integration.router.conftest import HTTP, Deployment, transfer_ids
 from tests.support.ports import wait_until
 
 TOKEN = "failures-admin-token"
@@ -43,12 +43,7 @@ def dep() -> Iterator[Deployment]:
 
 @pytest.fixture(autouse=True)
 def clean(dep: Deployment) -> None:
-    for sim in dep.sims:
-        sim.reset()
-
-
-def role(dep: Deployment, name: str) -> list[Sim]:
-    return [s for s in dep.sims if s.role == name]
+    dep.reset_sims()
 
 
 def handoff_state(dep: Deployment, tid: str) -> str:
@@ -70,7 +65,7 @@ def complete(dep: Deployment, **kw: object) -> openai.types.Completion:
 
 
 def test_prefill_failure_is_retried_on_another_prefill_with_a_new_handoff(dep: Deployment) -> None:
-    bad, good = role(dep, "prefill")
+    bad, good = dep.by_role("prefill")
     bad.script(fail_first=100, fail_status=500)
     for i in range(2):  # round robin: one of the two starts on the failing prefill
         assert len(complete(dep, prompt=f"r{i}").choices[0].text.split()) == 3
@@ -82,7 +77,7 @@ def test_prefill_failure_is_retried_on_another_prefill_with_a_new_handoff(dep: D
 
 
 def test_prefill_timeout_is_retried_and_the_hung_request_is_cancelled(dep: Deployment) -> None:
-    hung, good = role(dep, "prefill")
+    hung, good = dep.by_role("prefill")
     hung.script(hang=True)
     for i in range(2):
         complete(dep, prompt=f"t{i}")
@@ -92,17 +87,18 @@ def test_prefill_timeout_is_retried_and_the_hung_request_is_cancelled(dep: Deplo
 
 
 def test_every_prefill_failing_is_pd_prefill_failed(dep: Deployment) -> None:
-    for p in role(dep, "prefill"):
+    for p in dep.by_role("prefill"):
         p.script(fail_first=100, fail_status=503)
     r = HTTP.post(dep.url + "/v1/completions", json={"model": "sim-model", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 502 and r.headers["x-pdgate-error"] == "pd_prefill_failed"
     err = r.json()["error"]
     assert err["code"] == "pd_prefill_failed" and err["param"] is None and "503" in err["message"]
-    assert sum(d.count("requests") for d in role(dep, "decode")) == 0, [d.stats(log=True) for d in role(dep, "decode")]
+    decodes = dep.by_role("decode")
+    assert sum(d.count("requests") for d in decodes) == 0, [d.stats(log=True) for d in decodes]
 
 
 def test_every_prefill_timing_out_is_pd_upstream_timeout(dep: Deployment) -> None:
-    for p in role(dep, "prefill"):
+    for p in dep.by_role("prefill"):
         p.script(hang=True)
     with pytest.raises(openai.APIStatusError) as info:
         complete(dep)
@@ -110,7 +106,7 @@ def test_every_prefill_timing_out_is_pd_upstream_timeout(dep: Deployment) -> Non
 
 
 def test_prefill_without_kv_params_is_pd_prefill_failed(dep: Deployment) -> None:
-    for p in role(dep, "prefill"):
+    for p in dep.by_role("prefill"):
         p.script(no_kv_params=True)
     with pytest.raises(openai.InternalServerError) as info:
         complete(dep)
@@ -118,28 +114,28 @@ def test_prefill_without_kv_params_is_pd_prefill_failed(dep: Deployment) -> None
 
 
 def test_prefill_4xx_is_the_clients_error(dep: Deployment) -> None:
-    for p in role(dep, "prefill"):
+    for p in dep.by_role("prefill"):
         p.script(fail_first=1, fail_status=400)
     with pytest.raises(openai.BadRequestError) as info:
         complete(dep)
     assert str(info.value.code) == "400" and "scripted failure" in info.value.message  # the engine body
-    assert sum(p.count("requests") for p in role(dep, "prefill")) == 1
+    assert sum(p.count("requests") for p in dep.by_role("prefill")) == 1
 
 
 def test_decode_failing_before_its_first_byte_is_retried_without_a_second_prefill(dep: Deployment) -> None:
-    bad, good = role(dep, "decode")
+    bad, good = dep.by_role("decode")
     bad.script(fail_first=100, fail_status=503)
     for i in range(2):  # round robin: one of the two starts on the failing decode
         stream = dep.openai().completions.create(model="sim-model", prompt=f"d{i}", max_tokens=4, stream=True)
         assert len("".join(c.choices[0].text for c in stream if c.choices).split()) == 4
-    assert sum(p.count("prefill") for p in role(dep, "prefill")) == 2  # one prefill per request, no more
+    assert sum(p.count("prefill") for p in dep.by_role("prefill")) == 2  # one prefill per request, no more
     [retried] = transfer_ids(bad, "decode")
     assert retried in transfer_ids(good, "decode")  # the same handoff, claimed by the second decode
     assert handoff_state(dep, retried) == "DONE"
 
 
 def test_decode_dying_mid_stream_raises_a_typed_error_in_the_openai_client(dep: Deployment) -> None:
-    for d in role(dep, "decode"):
+    for d in dep.by_role("decode"):
         d.script(die_after_tokens=2)
     stream = dep.openai().completions.create(model="sim-model", prompt="die", max_tokens=8, stream=True)
     got: list[str] = []
@@ -150,7 +146,7 @@ def test_decode_dying_mid_stream_raises_a_typed_error_in_the_openai_client(dep: 
 
 
 def test_decode_dying_after_headers_without_stream_is_a_typed_json_error(dep: Deployment) -> None:
-    for d in role(dep, "decode"):
+    for d in dep.by_role("decode"):
         d.script(die_after_tokens=0)
     r = HTTP.post(dep.url + "/v1/completions", json={"model": "sim-model", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 502 and r.json()["error"]["code"] == "pd_decode_failed"
@@ -160,16 +156,16 @@ def test_decode_dying_after_headers_without_stream_is_a_typed_json_error(dep: De
 def test_the_routers_claim_holds_the_kv_for_a_decode_slower_than_the_ready_lease(dep: Deployment) -> None:
     """The router claims for the decode it picked as soon as the prefill answers: from then on the claim
     lease, not the READY lease, bounds how long the decode may take to reach the KV."""
-    for d in role(dep, "decode"):
+    for d in dep.by_role("decode"):
         d.script(decode_delay=1.0)  # the READY lease is 0.5 s in this deployment; the claim lease 10 s
     complete(dep)
-    [tid] = [t for p in role(dep, "prefill") for t in transfer_ids(p, "prefill")]
+    [tid] = [t for p in dep.by_role("prefill") for t in transfer_ids(p, "prefill")]
     assert handoff_state(dep, tid) == "DONE"
-    assert sum(d.count("router_claims") for d in role(dep, "decode")) == 1  # no claim of its own
+    assert sum(d.count("router_claims") for d in dep.by_role("decode")) == 1  # no claim of its own
 
 
 def test_decode_too_late_for_the_claim_lease_is_pd_kv_expired(dep: Deployment) -> None:
-    for d in role(dep, "decode"):
+    for d in dep.by_role("decode"):
         d.script(decode_delay=1.5)
     # Its own ledger: a claim lapses after 0.2 s, back to READY, which expires 0.5 s later.
     meta = MetaSettings(ready_lease_s=0.5, claim_lease_s=0.2, sweep_interval_s=0.05)
@@ -178,37 +174,37 @@ def test_decode_too_late_for_the_claim_lease_is_pd_kv_expired(dep: Deployment) -
         with pytest.raises(openai.APIStatusError) as info:
             r.openai().completions.create(model="sim-model", prompt="late", max_tokens=2)
         assert info.value.status_code == 504 and info.value.code == "pd_kv_expired"
-        [tid] = [t for p in role(dep, "prefill") for t in transfer_ids(p, "prefill")]
+        [tid] = [t for p in dep.by_role("prefill") for t in transfer_ids(p, "prefill")]
         assert str(HTTP.get(f"{r.url}/v1/handoffs/{tid}").json()["state"]) == "EXPIRED"
 
 
 def test_client_disconnect_during_prefill_aborts_everything(dep: Deployment) -> None:
-    for p in role(dep, "prefill"):
+    for p in dep.by_role("prefill"):
         p.script(hang=True)
     sock = send_raw(dep.url, {"model": "sim-model", "prompt": "bye", "max_tokens": 2})
-    wait_until(lambda: sum(sum(p.stats()["inflight"]) for p in role(dep, "prefill")) == 1, what="prefill in flight")
-    [tid] = [t for p in role(dep, "prefill") for t in transfer_ids(p, "prefill")]
+    wait_until(lambda: sum(sum(p.stats()["inflight"]) for p in dep.by_role("prefill")) == 1, what="prefill in flight")
+    [tid] = [t for p in dep.by_role("prefill") for t in transfer_ids(p, "prefill")]
     sock.close()
     wait_until(lambda: handoff_state(dep, tid) == "ABORTED", what="handoff aborted after the disconnect")
-    wait_until(lambda: sum(p.count("cancelled") for p in role(dep, "prefill")) == 1, what="prefill cancelled")
+    wait_until(lambda: sum(p.count("cancelled") for p in dep.by_role("prefill")) == 1, what="prefill cancelled")
 
 
 def test_client_disconnect_during_decode_aborts_everything(dep: Deployment) -> None:
-    for d in role(dep, "decode"):
+    for d in dep.by_role("decode"):
         d.script(hang=True)
     sock = send_raw(dep.url, {"model": "sim-model", "prompt": "bye", "max_tokens": 2, "stream": True})
-    wait_until(lambda: sum(sum(d.stats()["inflight"]) for d in role(dep, "decode")) == 1, what="decode in flight")
-    [tid] = [t for d in role(dep, "decode") for t in transfer_ids(d, "decode")]
+    wait_until(lambda: sum(sum(d.stats()["inflight"]) for d in dep.by_role("decode")) == 1, what="decode in flight")
+    [tid] = [t for d in dep.by_role("decode") for t in transfer_ids(d, "decode")]
     assert handoff_state(dep, tid) == "CLAIMED"  # by the router, for the decode it picked
     sock.close()
     wait_until(lambda: handoff_state(dep, tid) == "ABORTED", what="handoff aborted after the disconnect")
-    wait_until(lambda: sum(d.count("cancelled") for d in role(dep, "decode")) == 1, what="decode cancelled")
+    wait_until(lambda: sum(d.count("cancelled") for d in dep.by_role("decode")) == 1, what="decode cancelled")
 
 
 def static_router(dep: Deployment, **settings: object) -> Deployment:
     """Another router, with the module's sims as static instances (its own embedded ledger)."""
-    prefill = [s.url for s in role(dep, "prefill")]
-    decode = [s.url for s in role(dep, "decode")]
+    prefill = [s.url for s in dep.by_role("prefill")]
+    decode = [s.url for s in dep.by_role("decode")]
     return Deployment(prefill=prefill, decode=decode, **settings)
 
 
@@ -218,18 +214,18 @@ def test_static_instances_learn_their_model_and_use_the_routers_ledger(dep: Depl
         assert [m.id for m in r.openai().models.list().data] == ["sim-model"]
         out = r.openai().completions.create(model="sim-model", prompt="static", max_tokens=2)
         assert len(out.choices[0].text.split()) == 2
-        [tid] = [t for d in role(dep, "decode") for t in transfer_ids(d, "decode")]
+        [tid] = [t for d in dep.by_role("decode") for t in transfer_ids(d, "decode")]
         assert HTTP.get(f"{r.url}/v1/handoffs/{tid}").json()["state"] == "DONE"
     assert sum(s.count("mismatches") for s in dep.sims) == 0
 
 
 def test_admission_bound_answers_429_with_retry_after(dep: Deployment) -> None:
-    for d in role(dep, "decode"):
+    for d in dep.by_role("decode"):
         d.script(hang=True)
     with static_router(dep, max_inflight=1) as r:
         r.wait_available(*(s.id for s in dep.sims))
         sock = send_raw(r.url, {"model": "sim-model", "prompt": "first", "max_tokens": 2})
-        wait_until(lambda: sum(sum(d.stats()["inflight"]) for d in role(dep, "decode")) == 1, what="decode in flight")
+        wait_until(lambda: sum(sum(d.stats()["inflight"]) for d in dep.by_role("decode")) == 1, what="decode in flight")
         second = HTTP.post(r.url + "/v1/completions", json={"model": "sim-model", "prompt": "x"})
         sock.close()
     assert second.status_code == 429 and second.headers["retry-after"] == "1"

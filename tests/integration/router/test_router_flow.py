@@ -13,7 +13,7 @@ import openai
 import pytest
 from pdgate.metaserver.models import HandoffState
 
-from tests.integration.router.conftest import Deployment, Sim, transfer_ids
+from tests.integration.router.conftest import Deployment, transfer_ids
 
 TOKEN = "admin-secret"
 
@@ -28,22 +28,17 @@ def dep() -> Iterator[Deployment]:
 
 @pytest.fixture(autouse=True)
 def clean(dep: Deployment) -> None:
-    for sim in dep.sims:
-        sim.reset()
-
-
-def sims(dep: Deployment, role: str) -> list[Sim]:
-    return [s for s in dep.sims if s.role == role]
+    dep.reset_sims()
 
 
 def assert_pd_consistent(dep: Deployment, n: int) -> None:
     """Every request was prefilled once and decoded once, each decode with its own prefill's KV."""
-    prefilled = [t for s in sims(dep, "prefill") for t in transfer_ids(s, "prefill")]
-    decoded = [t for s in sims(dep, "decode") for t in transfer_ids(s, "decode")]
+    prefilled = [t for s in dep.by_role("prefill") for t in transfer_ids(s, "prefill")]
+    decoded = [t for s in dep.by_role("decode") for t in transfer_ids(s, "decode")]
     assert len(prefilled) == n and sorted(prefilled) == sorted(decoded)
     for s in dep.sims:
         assert s.count("mismatches") == 0 and s.count("ledger_errors") == 0
-    assert sum(s.count("claimed") for s in sims(dep, "decode")) == n
+    assert sum(s.count("claimed") for s in dep.by_role("decode")) == n
 
 
 def test_completions(dep: Deployment) -> None:
@@ -99,8 +94,8 @@ def test_fields_pass_through_and_the_request_id_reaches_both(dep: Deployment) ->
         extra_body={"min_tokens": 2, "top_k": 5, "ignore_eos": True, "repetition_penalty": 1.1},
         extra_headers={"X-Request-Id": "client-req-1"},
     ).close()
-    [p_entry] = [e for s in sims(dep, "prefill") for e in s.stats(log=True)["log"]]
-    [d_entry] = [e for s in sims(dep, "decode") for e in s.stats(log=True)["log"]]
+    [p_entry] = [e for s in dep.by_role("prefill") for e in s.stats(log=True)["log"]]
+    [d_entry] = [e for s in dep.by_role("decode") for e in s.stats(log=True)["log"]]
     assert p_entry["request_id"] == d_entry["request_id"] == "client-req-1"
     p, d = p_entry["body"], d_entry["body"]
     assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p and "min_tokens" not in p
@@ -114,12 +109,12 @@ def test_fields_pass_through_and_the_request_id_reaches_both(dep: Deployment) ->
 
 def test_handoffs_end_done_in_the_embedded_ledger(dep: Deployment) -> None:
     dep.openai().completions.create(model="sim-model", prompt="ledger", max_tokens=2)
-    [tid] = [t for s in sims(dep, "decode") for t in transfer_ids(s, "decode")]
+    [tid] = [t for s in dep.by_role("decode") for t in transfer_ids(s, "decode")]
     auth = {"authorization": f"Bearer {TOKEN}"}
     assert httpx.get(f"{dep.url}/v1/handoffs/{tid}").status_code == 401  # reads need the admin token too
     h = httpx.get(f"{dep.url}/v1/handoffs/{tid}", headers=auth).json()
-    assert h["state"] == HandoffState.DONE.value and h["prefill_instance_id"] in {s.id for s in sims(dep, "prefill")}
-    assert h["decode_instance_id"] in {s.id for s in sims(dep, "decode")}
+    assert h["state"] == HandoffState.DONE.value and h["prefill_instance_id"] in {s.id for s in dep.by_role("prefill")}
+    assert h["decode_instance_id"] in {s.id for s in dep.by_role("decode")}
 
 
 def test_embedded_metaserver_routes_share_the_port(dep: Deployment) -> None:
@@ -169,7 +164,7 @@ def test_client_errors(dep: Deployment) -> None:
     with pytest.raises(openai.BadRequestError) as refused:  # the decode's own 400, relayed as is, not retried
         c.completions.create(model="sim-model", prompt="x", max_tokens=32768)
     assert "maximum context length" in str(refused.value)
-    assert sum(s.count("decode") for s in sims(dep, "decode")) == 1
+    assert sum(s.count("decode") for s in dep.by_role("decode")) == 1
 
 
 def test_prefix_affinity_keeps_a_prefix_on_one_prefill() -> None:
