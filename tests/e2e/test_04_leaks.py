@@ -104,7 +104,8 @@ def test_client_disconnect_mid_stream_aborts_decode_and_frees_blocks(pd_stack: L
     d = delta(settled(decode), d0)
     # Stopped early: it neither ran to max_tokens nor finished any other way; the router aborted it.
     assert d["finished_length"] == 0 and d["finished_stop"] == 0, d
-    assert 3 <= d["generated"] < body["max_tokens"], f"decode did not abort the request: {d}"
+    # The first of the three chunks is the prefill's token (router/first_token.py): the decode made the rest.
+    assert 2 <= d["generated"] < body["max_tokens"], f"decode did not abort the request: {d}"
     wait_for(lambda: _idle(observe(prefill)) and _idle(observe(decode)), timeout=60, what="every block freed")
     assert get_handoff(pd_stack.metaserver_url, tid, pd_stack.admin_token).state.terminal
     p = delta(settled(prefill), p0)
