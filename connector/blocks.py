@@ -16,10 +16,20 @@ How many tokens the decode loads (the off-by-one, decided here once):
   and position N-1 is rewritten by the decode's own recompute. Pulling only full blocks would instead
   make the decode recompute up to block_size-1 tail tokens in a second prefill chunk, which is extra
   work and no closer to a single instance. Hence "whole prompt, partial block included".
+* A decode whose prompt is the prefill's plus the prefill's first output token (the router streamed that
+  token itself, `pdgate.router.first_token`) has N+1 prompt tokens: it loads all N the prefill covers and
+  computes position N, the one position the classic path computed too.
+
+Which tokens the KV belongs to: the prefill sends a digest of the N prompt token ids it computed
+(`prompt_digest`), and a decode loads that KV only when its own prompt starts with the same N tokens.
+Positions hold keys and values of one text: loaded under another prompt they would give output that
+differs from a single instance's, silently, which is the failure PD must never have.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +37,7 @@ from pdgate.connector.errors import BlockPlanError, TPLayoutError
 from pdgate.metaserver.contract import source_rank, tp_mismatch
 from pdgate.metaserver.models import TransportKind
 
-__all__ = ["BlockPlan", "blocks_for_tokens", "plan_pull", "tokens_to_load", "tp_sources"]
+__all__ = ["BlockPlan", "blocks_for_tokens", "plan_pull", "prompt_digest", "tokens_to_load", "tp_sources"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,15 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     return -(-max(num_tokens, 0) // block_size)
+
+
+def prompt_digest(token_ids: Sequence[int] | None, num_tokens: int) -> str | None:
+    """The digest of a prompt's first `num_tokens` token ids (module doc); None when there are fewer (or
+    none: a prompt given as embeddings)."""
+    if token_ids is None or num_tokens <= 0 or len(token_ids) < num_tokens:
+        return None
+    ids = token_ids if len(token_ids) == num_tokens else token_ids[:num_tokens]
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
 
 
 def tokens_to_load(num_prompt_tokens: int, remote_num_tokens: int | None, num_computed_tokens: int) -> int:

@@ -38,6 +38,8 @@ COUNTERS: dict[str, str] = {
     "done_refused": "DONEs the ledger refused while the KV was still held (a lapsed claim); zero when healthy",
     "done_after_end": "DONEs that came after the handoff had ended (e.g. the router aborted it for a client that left)",
     "recv_released": "handoffs a decode released without pulling (local cache, ended before scheduled)",
+    "prompt_mismatch": "decode requests whose prompt does not start with the tokens the prefill's KV belongs to: "
+    "the KV is released and the prompt computed here; zero when healthy",
     "bad_params": "requests with unusable kv_transfer_params",
     "registrations": "successful registrations with the metaserver",
 }

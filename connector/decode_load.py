@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdgate.connector.blocks import blocks_for_tokens
+from pdgate.connector.blocks import blocks_for_tokens, prompt_digest
 from pdgate.connector.config import ConnectorConfig
 from pdgate.metaserver.contract import KVTransferParams
 
-__all__ = ["blocks_to_fill", "may_load_sync", "read_decode_params"]
+__all__ = ["blocks_to_fill", "may_load_sync", "read_decode_params", "same_prompt"]
 
 
 def read_decode_params(params: Mapping[str, Any]) -> KVTransferParams:
@@ -30,6 +30,15 @@ def read_decode_params(params: Mapping[str, Any]) -> KVTransferParams:
     kv.require_transfer_id()
     kv.block_ids()
     return kv
+
+
+def same_prompt(prompt_token_ids: Any, kv: KVTransferParams) -> bool:
+    """Whether the decode's prompt starts with the tokens whose KV the prefill holds (`connector.blocks`):
+    a prefill that sent no digest (an older one, a simulator) is taken at its word."""
+    want = kv.remote_prompt_digest
+    if want is None or kv.remote_num_tokens is None:
+        return True
+    return prompt_digest(prompt_token_ids, kv.remote_num_tokens) == want
 
 
 def may_load_sync(

@@ -58,7 +58,7 @@ from typing import Any
 
 from pdgate.connector.blocks import tokens_to_load
 from pdgate.connector.config import ConnectorConfig
-from pdgate.connector.decode_load import blocks_to_fill, may_load_sync, read_decode_params
+from pdgate.connector.decode_load import blocks_to_fill, may_load_sync, read_decode_params, same_prompt
 from pdgate.connector.errors import LocationError
 from pdgate.connector.location import EngineFacts, plan_for, plan_from_location
 from pdgate.connector.logs import about
@@ -133,6 +133,7 @@ class DecodeSide:
         self._new_done: list[RecvDone] = []
         # req id -> its local (block-aligned) hit, for the requests last answered "load synchronously"
         self._sync: dict[str, int] = {}
+        self._prompt_checked: dict[str, bool] = {}  # req id -> `same_prompt`, until its allocation
         self._settle_next: list[_Recv] = []  # synchronous loads pulled, to settle at the next step
         # Claim latency (ms) of the latest loads, from allocation to the claim in hand (0 for the router's).
         self._claim_ms: deque[float] = deque(maxlen=_CLAIM_SAMPLES)
@@ -159,6 +160,8 @@ class DecodeSide:
         count = tokens_to_load(request.num_prompt_tokens, remote_num_tokens, num_computed_tokens)
         if count <= 0:
             return 0, False
+        if kv is not None and not self._prompt_ok(req_id, request, kv):
+            return 0, False  # released at allocation (`update_state_after_alloc`)
         # Synchronous when vLLM then computes just the last prompt token in the allocation step: the
         # prefill covers the whole prompt (load all but that token) or all but its last token (a prompt
         # that ends with the prefill's first token, `pdgate.router.first_token`: load all it covers).
@@ -169,6 +172,13 @@ class DecodeSide:
             self._sync[req_id] = num_computed_tokens
             return to_last, False
         return count, True
+
+    def _prompt_ok(self, req_id: str, request: Any, kv: KVTransferParams) -> bool:
+        """`same_prompt`, worked out once per request (vLLM asks again on every scheduling attempt)."""
+        ok = self._prompt_checked.get(req_id)
+        if ok is None:
+            ok = self._prompt_checked[req_id] = same_prompt(request.prompt_token_ids, kv)
+        return ok
 
     def _may_load_sync(self, kv: KVTransferParams, whole_prompt: bool) -> bool:
         return may_load_sync(
@@ -188,6 +198,19 @@ class DecodeSide:
             logger.error("request %s: %s", req_id, exc)
             kv = None
         local_hit = self._sync.pop(req_id, None)
+        if self._prompt_checked.pop(req_id, True) is False and kv is not None:
+            transfer_id = kv.require_transfer_id()
+            self._out.bump("prompt_mismatch")
+            logger.error(
+                "transfer %s: decode %s's prompt does not start with the %s tokens the prefill's KV belongs to; "
+                "released it, the prompt is computed here",
+                transfer_id,
+                req_id,
+                kv.remote_num_tokens,
+                extra=about(transfer_id),
+            )
+            self._out.send(Abort(transfer_id, "the decode's prompt differs from the one the prefill computed"))
+            return
         if num_external_tokens <= 0:
             # Nothing to load (e.g. the prefix was cached here): release the prefill's blocks now.
             if kv is not None:
@@ -284,6 +307,7 @@ class DecodeSide:
 
     def request_finished(self, request: Any, *, now: float) -> None:
         req_id = request.request_id
+        self._prompt_checked.pop(req_id, None)
         self._settle_sync(now, req_id)  # its only step may have been its last (max_tokens 1)
         if req_id in self._consumed:
             # Set up (or released) already; an in-flight pull finishes on its own and vLLM keeps the

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdgate.connector.blocks import prompt_digest
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.counters import COUNTERS
 from pdgate.connector.location import EngineFacts, location_for
@@ -118,6 +119,7 @@ class PrefillSide:
             remote_block_ids=tuple(kept),
             remote_engine_id=f.engine_id,
             remote_num_tokens=num_tokens,
+            remote_prompt_digest=prompt_digest(getattr(request, "prompt_token_ids", None), num_tokens),
             remote_request_id=req_id,
             prefill_instance_id=f.instance_id,
             remote_location=location.model_dump(mode="json", exclude_none=True),

@@ -203,6 +203,7 @@ _TYPED = frozenset(
         "remote_block_ids",
         "remote_engine_id",
         "remote_num_tokens",
+        "remote_prompt_digest",
         "remote_request_id",
         "prefill_instance_id",
         "remote_location",
@@ -247,6 +248,7 @@ class KVTransferParams:
     remote_block_ids: BlockIds | None = None
     remote_engine_id: str | None = None
     remote_num_tokens: int | None = None
+    remote_prompt_digest: str | None = None  # of the prompt ids the KV belongs to (`connector.blocks`)
     remote_request_id: str | None = None
     prefill_instance_id: str | None = None
     remote_location: Mapping[str, Any] | None = None
@@ -275,6 +277,8 @@ class KVTransferParams:
             out["remote_engine_id"] = self.remote_engine_id
         if self.remote_num_tokens is not None:
             out["remote_num_tokens"] = self.remote_num_tokens
+        if self.remote_prompt_digest is not None:
+            out["remote_prompt_digest"] = self.remote_prompt_digest
         if self.remote_request_id is not None:
             out["remote_request_id"] = self.remote_request_id
         if self.prefill_instance_id is not None:
@@ -315,6 +319,7 @@ class KVTransferParams:
             remote_block_ids=_block_ids(get("remote_block_ids")),
             remote_engine_id=_text(params, "remote_engine_id"),
             remote_num_tokens=_int(params, "remote_num_tokens", 0, _MAX_TOKENS),
+            remote_prompt_digest=_text(params, "remote_prompt_digest"),
             remote_request_id=_text(params, "remote_request_id"),
             prefill_instance_id=_id(params, "prefill_instance_id"),
             remote_location=location if type(location) is dict or isinstance(location, Mapping) else None,

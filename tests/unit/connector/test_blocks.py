@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdgate.connector.blocks import BlockPlan, blocks_for_tokens, plan_pull, tokens_to_load, tp_sources
+from pdgate.connector.blocks import BlockPlan, blocks_for_tokens, plan_pull, prompt_digest, tokens_to_load, tp_sources
 from pdgate.connector.errors import BlockPlanError, TPLayoutError
 from pdgate.metaserver.models import TransportKind
 
@@ -84,3 +84,12 @@ def test_tp_decode_larger_is_refused_on_a_transport_that_needs_p_tp_ge_d_tp() ->
 def test_tp_sizes_below_one_are_refused() -> None:
     with pytest.raises(TPLayoutError, match=">= 1"):
         tp_sources(0, 1, True, NIXL)
+
+
+def test_prompt_digest_names_the_tokens_the_kv_belongs_to() -> None:
+    ids = list(range(100, 164))
+    assert prompt_digest(ids, 64) == prompt_digest(list(ids), 64)
+    assert prompt_digest([*ids, 9], 64) == prompt_digest(ids, 64)  # a prompt that continues after them
+    assert prompt_digest(ids, 63) != prompt_digest(ids, 64)
+    assert prompt_digest([*ids[:-1], 7], 64) != prompt_digest(ids, 64)
+    assert prompt_digest(ids[:10], 64) is None and prompt_digest(None, 64) is None and prompt_digest(ids, 0) is None

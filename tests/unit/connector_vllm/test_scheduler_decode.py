@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from pdgate.connector.blocks import prompt_digest
 from pdgate.connector.messages import (
     Abort,
     Claim,
@@ -48,6 +49,27 @@ def test_decode_loads_no_more_than_the_prefill_covered() -> None:
     h = half()
     assert h.get_num_new_matched_tokens(make_request("d1", 40, d_params(num_tokens=32)), 0) == (32, True)
     assert h.get_num_new_matched_tokens(make_request("d2", 40, d_params(num_tokens=32)), 32) == (0, False)
+
+
+def test_a_decode_loads_the_kv_only_under_the_prompt_it_belongs_to() -> None:
+    """The prefill's digest of its prompt ids travels with the KV (`connector.blocks.prompt_digest`)."""
+    h = half()
+    digest = prompt_digest(make_request("p", 40, None).prompt_token_ids, 40)
+    same = make_request("d1", 40, d_params(num_tokens=40, remote_prompt_digest=digest))
+    assert h.get_num_new_matched_tokens(same, 0) == (40, True)
+    # A prompt that continues after the prefill's (its first output token, router/first_token.py).
+    longer = make_request("d2", 41, d_params(num_tokens=40, remote_prompt_digest=digest))
+    assert h.get_num_new_matched_tokens(longer, 0) == (40, True)
+    # Another prompt (one token differs) must not take these keys and values: computed here instead.
+    other = make_request("d3", 40, d_params("t-3", num_tokens=40, remote_prompt_digest=digest))
+    other.prompt_token_ids[7] += 1
+    assert h.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert h.get_num_new_matched_tokens(other, 0) == (0, False) and h.take_commands() == []  # asked again
+    h.update_state_after_alloc(other, make_blocks([1, 2]), 0, now=0.0)
+    assert h.take_commands() == [Abort("t-3", "the decode's prompt differs from the one the prefill computed")]
+    assert h.counters["prompt_mismatch"] == 1 and h.counters["recv_released"] == 0
+    # A prefill that sent no digest (a simulator, an older connector) is taken at its word.
+    assert h.get_num_new_matched_tokens(make_request("d4", 40, d_params(num_tokens=40)), 0) == (40, True)
 
 
 def test_requests_without_remote_prefill_load_nothing() -> None:

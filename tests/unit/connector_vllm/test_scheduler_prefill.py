@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import pytest
+from pdgate.connector.blocks import prompt_digest
 from pdgate.connector.messages import (
     Check,
     CheckResult,
@@ -44,6 +45,7 @@ def test_finished_prefill_is_held_and_answers_with_the_location() -> None:
         "remote_block_ids": [4, 5, 6],
         "remote_engine_id": "engine-a",
         "remote_num_tokens": 70,
+        "remote_prompt_digest": prompt_digest(req.prompt_token_ids, 70),  # of the ids the KV belongs to
         "remote_request_id": "p1",
         "prefill_instance_id": "node-a",
         "remote_location": params["remote_location"],
