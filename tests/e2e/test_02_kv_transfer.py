@@ -9,11 +9,14 @@ decode that claimed it, and ended DONE). A negative control lives in test_06_neg
 from __future__ import annotations
 
 import math
+import os
 
+import httpx
 import pytest
 from openai import OpenAI
 from pdgate.deploy.local.stack import LocalStack
 from pdgate.deploy.local.tiny_model import MODEL_NAME
+from pdgate.metaserver.contract import decode_request, prefill_request
 from pdgate.metaserver.models import HandoffState
 
 from tests.e2e.conftest import Baseline
@@ -159,3 +162,45 @@ def test_a_stream_with_a_stop_string_keeps_the_classic_path(
     text = "".join(c.choices[0].text for c in stream if c.choices)
     assert text == want.text
     assert _first_tokens(pd_stack.url, "true") == taken0
+
+
+def test_a_decode_given_another_prompts_kv_computes_its_own_prompt(pd_stack: LocalStack, baseline: Baseline) -> None:
+    """The prefill's KV names the prompt it belongs to (`connector.blocks.prompt_digest`). A decode reached
+    with that KV's params but another prompt of the same length (a client driving vLLM directly, a
+    broken proxy) must not decode on another text's keys and values: it releases the KV and computes its
+    own prompt, so its answer is still the single instance's for its prompt."""
+    [prefill] = pd_stack.by_role("prefill")
+    [decode] = pd_stack.by_role("decode")
+    admin = {"Authorization": f"Bearer {pd_stack.admin_token}"}
+    tid = "pd-" + os.urandom(16).hex()
+    kv_prompt, own_prompt = prompt_ids(96, seed=320), prompt_ids(96, seed=321)
+    d0 = settled(decode)
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        created = http.post(
+            pd_stack.metaserver_url + "/v1/handoffs",
+            json={"prefill_instance_id": prefill.instance_id, "transfer_id": tid},
+            headers=admin,
+        ).raise_for_status()
+        kv_key = created.json()["kv_key"]
+        params = prefill_request(tid, kv_key=kv_key, metaserver=pd_stack.metaserver_url)
+        body = {"model": MODEL_NAME, "prompt": kv_prompt, "max_tokens": 1, "kv_transfer_params": params}
+        answer = http.post(prefill.url + "/v1/completions", json=body).raise_for_status().json()
+        forwarded = decode_request(answer["kv_transfer_params"], tid, kv_key=kv_key)
+        body = {
+            "model": MODEL_NAME,
+            "prompt": own_prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": forwarded,
+        }
+        got = http.post(decode.url + "/v1/completions", json=body).raise_for_status().json()
+    assert got["choices"][0]["token_ids"] == list(baseline.complete(own_prompt).token_ids)
+    d = delta(settled(decode), d0)
+    assert d["prompt_mismatch"] == 1 and d["tokens_loaded"] == 0 and d["recv_ok"] == 0, d
+    wait_for(
+        lambda: get_handoff(pd_stack.metaserver_url, tid, pd_stack.admin_token).state.terminal,
+        timeout=30,
+        what=f"handoff {tid} released by the decode",
+    )
