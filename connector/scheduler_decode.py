@@ -49,16 +49,16 @@ Pure bookkeeping like the rest of the scheduler half: `now` is an argument, I/O 
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from pdgate.connector.blocks import tokens_to_load
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.decode_load import blocks_to_fill, may_load_sync, read_decode_params, same_prompt
+from pdgate.connector.decode_recv import Recv, RecvState, reported
 from pdgate.connector.errors import LocationError
 from pdgate.connector.location import EngineFacts, plan_for, plan_from_location
 from pdgate.connector.logs import about
@@ -86,37 +86,6 @@ _CLAIM_SAMPLES = 4096  # the latest claim latencies kept for the stats snapshot
 _NOTHING_TO_ABORT = frozenset({Code.HANDOFF_TERMINAL, Code.HANDOFF_NOT_FOUND, Code.NOT_FOUND})
 
 
-class _State(enum.Enum):
-    CLAIMING = "claiming"  # no pull yet: waiting for the claim (and the ledger's location)
-    PULLING = "pulling"  # the workers are pulling (claimed or not yet)
-    PULLED = "pulled"  # every worker pulled; waiting for the claim
-    CONFIRMING = "confirming"  # claimed and pulled, but past the claim lease: waiting for DONE
-
-
-@dataclass
-class _Recv:
-    req_id: str
-    transfer_id: str
-    local_block_ids: tuple[int, ...]
-    hit_blocks: int
-    num_tokens: int
-    deadline: float
-    state: _State = _State.CLAIMING
-    outcomes: dict[int, PullOutcome] = field(default_factory=dict)
-    early: RecvPlan | None = None  # the plan started from the params' location, before the claim
-    claimed: bool = False
-    claim_lease_s: float = 0.0
-    by_router: bool = False  # claimed by the router for us: the workers report the pull themselves
-    sync: bool = False  # loaded synchronously, in the step that computes its first token (module doc)
-    settled: bool = False  # counted in its `siblings.Share` (pulled, or failed)
-    # Monotonic stamps of each phase, for the one log line per transfer. `started_at` is also when the
-    # claim was sent (the ledger's claim time is later), the base of the claim-lease bound.
-    started_at: float = 0.0
-    claimed_at: float | None = None
-    pull_started_at: float | None = None
-    pulled_at: float | None = None
-
-
 class DecodeSide:
     """See the module docstring. One per scheduler half; engine-core thread only."""
 
@@ -125,7 +94,7 @@ class DecodeSide:
         self._facts = facts
         self._out = out
         self._claim_key = claim_seal.claim_key(cfg.metaserver_token)  # None: no router claim is trusted
-        self._recv: dict[str, _Recv] = {}  # req_id -> pull in progress
+        self._recv: dict[str, Recv] = {}  # req_id -> pull in progress
         self._recv_by_transfer: dict[str, list[str]] = {}  # transfer_id -> req ids loading it
         self._siblings = Siblings(out)  # what the requests loading one handoff share, until DONE/abort
         self._consumed: set[str] = set()  # req ids whose handoff was set up or released
@@ -134,7 +103,7 @@ class DecodeSide:
         # req id -> its local (block-aligned) hit, for the requests last answered "load synchronously"
         self._sync: dict[str, int] = {}
         self._prompt_checked: dict[str, bool] = {}  # req id -> `same_prompt`, until its allocation
-        self._settle_next: list[_Recv] = []  # synchronous loads pulled, to settle at the next step
+        self._settle_next: list[Recv] = []  # synchronous loads pulled, to settle at the next step
         # Claim latency (ms) of the latest loads, from allocation to the claim in hand (0 for the router's).
         self._claim_ms: deque[float] = deque(maxlen=_CLAIM_SAMPLES)
 
@@ -237,7 +206,7 @@ class DecodeSide:
             return
         share, first = self._siblings.join(transfer_id, kv.siblings or 1)
         deadline = now + self._cfg.ready_wait_s + self._cfg.pull_timeout_s + self._cfg.free_margin_s
-        rec = _Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, sync=sync, started_at=now)
+        rec = Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, sync=sync, started_at=now)
         self._recv[req_id] = rec
         self._recv_by_transfer.setdefault(transfer_id, []).append(req_id)
         trusted_until = kv.trusted_until(self._facts.instance_id, self._claim_key)
@@ -270,7 +239,7 @@ class DecodeSide:
                     extra=about(transfer_id),
                 )
             else:
-                rec.state = _State.PULLING
+                rec.state = RecvState.PULLING
                 rec.pull_started_at = now
                 self._new_pulls.append(rec.early)
         if rec.early is not None and trusted_until is not None:
@@ -329,7 +298,7 @@ class DecodeSide:
         """Per-rank pull outcomes (aggregated over the workers by vLLM, possibly over several steps)."""
         for oc in outcomes:
             rec = self._recv.get(oc.req_id)
-            if rec is None or rec.transfer_id != oc.transfer_id or rec.state is not _State.PULLING:
+            if rec is None or rec.transfer_id != oc.transfer_id or rec.state is not RecvState.PULLING:
                 continue  # a late outcome for a request already failed (deadline) or finished
             rec.outcomes[oc.tp_rank] = oc
             if oc.ok:
@@ -349,14 +318,14 @@ class DecodeSide:
                 if rec.sync:
                     # Heard of in the step that computed its first token: DONE (and the log line) wait a
                     # little (`_SETTLE_AFTER_S`), off that token's way out of the engine core.
-                    rec.state = _State.PULLED
+                    rec.state = RecvState.PULLED
                     self._settle_next.append(rec)
                 elif rec.by_router:
                     self._pulled_under_router_claim(rec, now)
                 elif rec.claimed:
                     self._pulled_and_claimed(rec, now)
                 else:
-                    rec.state = _State.PULLED
+                    rec.state = RecvState.PULLED
 
     # ---- control-thread results ---------------------------------------------------------------------
 
@@ -384,7 +353,7 @@ class DecodeSide:
             # that abort is for, counted apart.
             self._out.bump("done_refused" if result.valid else "done_after_end")
         for rec in self._members(result.transfer_id):
-            if rec.state is not _State.CONFIRMING:
+            if rec.state is not RecvState.CONFIRMING:
                 continue
             if result.valid:
                 self._complete_ok(rec, now)
@@ -423,11 +392,11 @@ class DecodeSide:
 
     # ---- internals ----------------------------------------------------------------------------------
 
-    def _members(self, transfer_id: str) -> list[_Recv]:
+    def _members(self, transfer_id: str) -> list[Recv]:
         """The requests loading `transfer_id` (siblings, or the one request)."""
         return [self._recv[r] for r in self._recv_by_transfer.get(transfer_id, ()) if r in self._recv]
 
-    def _apply_claim(self, rec: _Recv, handoff: Handoff, now: float) -> None:
+    def _apply_claim(self, rec: Recv, handoff: Handoff, now: float) -> None:
         """The ledger's claimed record for `rec`: pull where it says, or check the early pull against it."""
         rec.claimed_at = now
         try:
@@ -444,7 +413,7 @@ class DecodeSide:
         rec.claimed = True
         rec.claim_lease_s = handoff.lease_s
         if rec.early is None:
-            rec.state = _State.PULLING
+            rec.state = RecvState.PULLING
             rec.pull_started_at = now
             self._new_pulls.append(plan)
             return
@@ -456,10 +425,10 @@ class DecodeSide:
                 abort=True,
             )
             return
-        if rec.state is _State.PULLED:
+        if rec.state is RecvState.PULLED:
             self._pulled_and_claimed(rec, now)
 
-    def _settle(self, rec: _Recv, *, ok: bool, abort: str | None = None) -> None:
+    def _settle(self, rec: Recv, *, ok: bool, abort: str | None = None) -> None:
         """`rec` pulled (`ok`) or failed; once every sibling did, DONE (any pulled) or the abort goes out."""
         if not rec.settled and self._siblings.settle(rec.transfer_id, ok=ok, abort=abort):
             rec.settled = True
@@ -471,33 +440,33 @@ class DecodeSide:
         """The claim latency of the latest loads (ms, oldest first), for the stats snapshot."""
         return list(self._claim_ms)
 
-    def _unreported(self, rec: _Recv) -> frozenset[int] | None:
+    def _unreported(self, rec: Recv) -> frozenset[int] | None:
         """The TP ranks that still need a RecvDone (None: all): under the router's claim a worker may have
         reported the request itself."""
         if not rec.by_router:
             return None
-        return frozenset(r for r in range(self._facts.world_size) if not _reported(rec.outcomes.get(r)))
+        return frozenset(r for r in range(self._facts.world_size) if not reported(rec.outcomes.get(r)))
 
-    def _pulled_under_router_claim(self, rec: _Recv, now: float) -> None:
+    def _pulled_under_router_claim(self, rec: Recv, now: float) -> None:
         """Every rank pulled. Those that finished within the router's claim already reported the request
         (same step); DONE goes out now (after the last sibling), off the path. A rank past the bound waits
         for DONE (see top)."""
         self._settle(rec, ok=True)
         if self._unreported(rec):
-            rec.state = _State.CONFIRMING
+            rec.state = RecvState.CONFIRMING
         else:
             self._complete_ok(rec, now)
 
-    def _pulled_and_claimed(self, rec: _Recv, now: float) -> None:
+    def _pulled_and_claimed(self, rec: Recv, now: float) -> None:
         """Report the load now if the pull ended within the claim lease; else wait for DONE (see top)."""
         self._settle(rec, ok=True)
         # Half the lease: room for the metaserver's clock running at another rate than ours.
         if now - rec.started_at < rec.claim_lease_s / 2:
             self._complete_ok(rec, now)
         else:
-            rec.state = _State.CONFIRMING
+            rec.state = RecvState.CONFIRMING
 
-    def _complete_ok(self, rec: _Recv, now: float) -> None:
+    def _complete_ok(self, rec: Recv, now: float) -> None:
         # claim: until the claim's answer; pull: from the plan to every worker's outcome (it overlaps the
         # claim when it started early); confirm: from the later of the two to the report.
         claimed = rec.claimed_at if rec.claimed_at is not None else now
@@ -532,7 +501,7 @@ class DecodeSide:
         self._out.bump("recv_ok")
         self._out.bump("tokens_loaded", rec.num_tokens)
 
-    def _fail(self, rec: _Recv, code: Code, message: str, *, abort: bool) -> None:
+    def _fail(self, rec: Recv, code: Code, message: str, *, abort: bool) -> None:
         logger.warning(
             "transfer %s: KV load for %s failed (%s): %s",
             rec.transfer_id,
@@ -552,7 +521,7 @@ class DecodeSide:
         self._new_done.append(RecvDone(req_id, False, local, sync=sync))
         self._count_failure(len(local))
 
-    def _drop(self, rec: _Recv) -> None:
+    def _drop(self, rec: Recv) -> None:
         self._recv.pop(rec.req_id, None)
         members = self._recv_by_transfer.get(rec.transfer_id)
         if members is not None:
@@ -564,7 +533,3 @@ class DecodeSide:
     def _count_failure(self, nblocks: int) -> None:
         self._out.bump("recv_failed")
         self._out.bump("invalid_blocks", nblocks)
-
-
-def _reported(outcome: PullOutcome | None) -> bool:
-    return outcome is not None and outcome.reported
