@@ -167,24 +167,26 @@ class DecodeSide:
             logger.error("request %s: %s", req_id, exc)
             kv = None
         local_hit = self._sync.pop(req_id, None)
-        if self._prompt_checked.pop(req_id, True) is False and kv is not None:
-            transfer_id = kv.require_transfer_id()
-            self._out.bump("prompt_mismatch")
-            logger.error(
-                "transfer %s: decode %s's prompt does not start with the %s tokens the prefill's KV belongs to; "
-                "released it, the prompt is computed here",
-                transfer_id,
-                req_id,
-                kv.remote_num_tokens,
-                extra=about(transfer_id),
-            )
-            self._out.send(Abort(transfer_id, "the decode's prompt differs from the one the prefill computed"))
-            return
+        prompt_ok = self._prompt_checked.pop(req_id, True)
         if num_external_tokens <= 0:
-            # Nothing to load (e.g. the prefix was cached here): release the prefill's blocks now.
+            # Nothing to load: the prefix was cached here, or the prompt is not the one the prefill's KV
+            # belongs to (`same_prompt`: computed here instead). Either way the prefill frees at once.
             if kv is not None:
-                self._out.bump("recv_released")
-                self._out.send(Abort(kv.require_transfer_id(), "decode did not need the KV (local prefix cache hit)"))
+                transfer_id = kv.require_transfer_id()
+                if prompt_ok:
+                    self._out.bump("recv_released")
+                    self._out.send(Abort(transfer_id, "decode did not need the KV (local prefix cache hit)"))
+                    return
+                self._out.bump("prompt_mismatch")
+                logger.error(
+                    "transfer %s: decode %s's prompt does not start with the %s tokens the prefill's KV belongs "
+                    "to; released it, the prompt is computed here",
+                    transfer_id,
+                    req_id,
+                    kv.remote_num_tokens,
+                    extra=about(transfer_id),
+                )
+                self._out.send(Abort(transfer_id, "the decode's prompt differs from the one the prefill computed"))
             return
         group = blocks.blocks[0] if blocks.blocks else ()
         sync = local_hit is not None
