@@ -42,6 +42,7 @@ from pdgate.router.errors import (
     NoCompatiblePair,
     PrefillFailed,
     UpstreamRejected,
+    snippet,
     translate,
 )
 from pdgate.router.logs import transfer_id as log_transfer_id
@@ -49,7 +50,7 @@ from pdgate.router.loops import HOP_HEADER, HOP_VALUE
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import Policy
 from pdgate.router.pool import LiveInstance, Pool
-from pdgate.router.request_flow import MAX_ANSWER, ProxiedRequest, mint_transfer_id, snippet
+from pdgate.router.request_flow import MAX_ANSWER, ProxiedRequest, mint_transfer_id
 from pdgate.router.retry import Verdict, backoff, retry_elsewhere, verdict
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import engine_error, is_sse, relay_stream, send_body

@@ -69,6 +69,7 @@ __all__ = [
     "UpstreamTimeout",
     "error_body",
     "error_headers",
+    "snippet",
     "sse_error",
     "translate",
 ]
@@ -137,13 +138,21 @@ class PayloadTooLarge(RouterError):
     code = Code.REQUEST_TOO_LARGE
 
 
+def snippet(data: bytes, n: int = 300) -> str:
+    """The start of an engine's answer, for an error message."""
+    text = data[:n].decode("utf-8", "replace")
+    return text + ("..." if len(data) > n else "")
+
+
 class UpstreamRejected(RouterError):
     """An engine refused the request (4xx): the client's own error, relayed with the engine's status and body."""
 
     code = Code.UPSTREAM_REJECTED
 
     def __init__(self, status: int, body: bytes, content_type: bytes | None) -> None:
-        super().__init__(f"engine answered {status}")
+        # The engine's reason in the message too: the body is relayed as it came before a response starts,
+        # but after the prefill's first token (`first_token`) only this message reaches the client.
+        super().__init__(f"engine answered {status}: {snippet(body)}")
         self.upstream_status = status
         self.upstream_body = body
         self.content_type = content_type or JSON

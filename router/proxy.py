@@ -52,7 +52,6 @@ from pdgate.router.errors import (
     RouterError,
     Unauthorized,
     UpstreamRejected,
-    sse_error,
 )
 from pdgate.router.fanout import fan_out
 from pdgate.router.first_token import FirstToken, decode_body, eligible, first_event, read
@@ -63,9 +62,9 @@ from pdgate.router.model_cards import ModelCards
 from pdgate.router.policies import Policy
 from pdgate.router.pool import Pool
 from pdgate.router.protocol import Watch
-from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id, snippet
+from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
 from pdgate.router.settings import RouterSettings
-from pdgate.router.streaming import send_error
+from pdgate.router.streaming import end_stream, send_error
 from pdgate.router.tracing import TRACE_HEADERS, Tracing
 from pdgate.router.upstream import Upstream
 from pdgate.router.validation import check_context, check_pd_support, validate_request
@@ -287,12 +286,9 @@ class Proxy:
             if not req.started:
                 await self._reply_error(send, req, exc)
             else:  # the prefill's first token went out: the stream ends with the error instead
-                if isinstance(exc, UpstreamRejected):  # the engine's reason, not only its status
-                    exc.message = f"{exc.message}: {snippet(exc.upstream_body)}"
                 self._m.error(exc.code.value)
                 log.warning("%s after the first token: %s", exc.code.value, exc.message)
-                req.end()
-                await client({"type": "http.response.body", "body": sse_error(exc), "more_body": False})
+                await end_stream(client, exc, req.end)
             return exc.code.value
 
     async def _send_first_token(self, send: Send, req: ProxiedRequest, ft: FirstToken) -> Send:

@@ -9,7 +9,7 @@ from typing import Any
 from pdgate.router.bodies import RequestFacts, SplicedBody
 from pdgate.router.pool import LiveInstance
 
-__all__ = ["MAX_ANSWER", "ProxiedRequest", "mint_transfer_id", "snippet"]
+__all__ = ["MAX_ANSWER", "ProxiedRequest", "mint_transfer_id"]
 
 MAX_ANSWER = 64 << 20  # an engine answer larger than this is a failed answer, not one to buffer
 
@@ -93,9 +93,3 @@ class ProxiedRequest:
     def end(self) -> None:
         """Called right before the last body message: a disconnect after this is not a cancellation."""
         self.finished = True
-
-
-def snippet(data: bytes, n: int = 300) -> str:
-    """The start of an engine's answer, for an error message."""
-    text = data[:n].decode("utf-8", "replace")
-    return text + ("..." if len(data) > n else "")

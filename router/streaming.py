@@ -19,7 +19,7 @@ from pdgate.router.asgi import Send
 from pdgate.router.errors import UPSTREAM_FAILURES, DecodeFailed, RouterError, sse_error, translate
 from pdgate.router.upstream import UpstreamResponse
 
-__all__ = ["SSE", "engine_error", "is_sse", "relay_stream", "send_body", "send_error"]
+__all__ = ["SSE", "end_stream", "engine_error", "is_sse", "relay_stream", "send_body", "send_error"]
 
 SSE = b"text/event-stream"
 _TAIL = 32
@@ -99,6 +99,11 @@ async def relay_stream(
             break
     if error is None and not tail.rstrip().endswith(b"[DONE]"):
         error = DecodeFailed(f"{where}: stream ended without [DONE]")
+    await end_stream(send, error, before_end)
+    return error
+
+
+async def end_stream(send: Send, error: RouterError | None, before_end: Callable[[], None]) -> None:
+    """The last message of a started stream: the terminal error events (`sse_error`) when it failed."""
     before_end()
     await send({"type": "http.response.body", "body": sse_error(error) if error else b"", "more_body": False})
-    return error
