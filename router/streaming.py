@@ -90,8 +90,13 @@ async def relay_stream(
                 await send({"type": "http.response.body", "body": chunk[:at], "more_body": True})
             error = DecodeFailed(f"{where}: the engine failed the request mid-stream: {message}")
             break
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
         tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
+        if tail.rstrip().endswith(b"[DONE]"):
+            # The answer is whole once this goes out: a client that hangs up after reading it (the openai
+            # client does, at [DONE]) has everything, and must not be taken for one that left mid-stream
+            # (which would abort a handoff the decode is finishing).
+            before_end()
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
         try:
             chunk = await resp.next_chunk(idle_timeout)
         except Exception as exc:  # whatever the decode's connection did, it is the decode's failure
@@ -104,6 +109,7 @@ async def relay_stream(
 
 
 async def end_stream(send: Send, error: RouterError | None, before_end: Callable[[], None]) -> None:
-    """The last message of a started stream: the terminal error events (`sse_error`) when it failed."""
+    """The last message of a started stream: the terminal error events (`sse_error`) when it failed.
+    `before_end` may have run already (at `[DONE]`): it must bear a second call."""
     before_end()
     await send({"type": "http.response.body", "body": sse_error(error) if error else b"", "more_body": False})
