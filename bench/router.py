@@ -94,6 +94,10 @@ async def app(scope, receive, send):
         status = 201
         out = orjson.dumps({"transfer_id": orjson.loads(body)["transfer_id"], "kv_key": 7, "state": "PENDING",
                             "prefill_instance_id": "p1", "created_at": 0.0, "updated_at": 0.0, "lease_s": 60.0})
+    elif path == "/v1/handoffs/batch":  # the router's creates, batched (--metaserver-batches)
+        out = b'{"results":[' + b",".join(b'{"status":201,"handoff":%s}' % orjson.dumps(
+            {"transfer_id": i["transfer_id"], "kv_key": 7, "state": "PENDING", "prefill_instance_id": "p1",
+             "created_at": 0.0, "updated_at": 0.0, "lease_s": 60.0}) for i in orjson.loads(body)["items"]) + b"]}"
     elif path == "/v1/instances":
         out = INSTANCES
     elif path == "/v1/models":

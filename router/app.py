@@ -322,6 +322,7 @@ def create_app(
                     admin_token=s.metaserver_token,
                     timeout=s.metaserver_timeout_s,
                     max_connections=s.metaserver_connections,
+                    batches=s.metaserver_batches,
                 )
                 stack.push_async_callback(client.aclose)
                 holder["meta"] = client

@@ -62,6 +62,14 @@ class RouterSettings(BaseSettings):
         "(within --metaserver-timeout-s): one connection per in-flight request would pass the metaserver's "
         "own connection cap at a few thousand streams",
     )
+    metaserver_batches: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="ledger batch requests (POST /v1/handoffs/batch) out to --metaserver at once: the creates, "
+        "claims and aborts of requests in flight ride together in one request, so under load the router "
+        "sends a few ledger requests, not two per client request; 0 sends each call on its own",
+    )
     advertise_metaserver: str | None = Field(
         None,
         description="metaserver URL the engines can reach, sent to them in kv_transfer_params "

@@ -1,0 +1,151 @@
+"""The router's ledger calls to a separate metaserver ride in batches (`router/meta.py`, issue 12).
+
+Real parts: a metaserver app on a real socket (memory store), the router's own `PooledMetaClient` over
+its `HttpPool`, and, for the whole path, a router in front of `pdgate-sim` engines that record every
+handoff in that metaserver, driven by the official `openai` client. How many batch requests the
+metaserver served, and how many items they held, is read from its own /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from pdgate.metaserver.app import create_app
+from pdgate.metaserver.client import MetaClient, MetaConflict, MetaNotFound
+from pdgate.metaserver.models import HandoffCreate, HandoffState, KVLocation
+from pdgate.metaserver.settings import MetaSettings
+from pdgate.router.http_pool import HttpPool
+from pdgate.router.meta import PooledMetaClient
+
+from tests.integration.router.conftest import Deployment
+from tests.support.meta import uid
+from tests.support.servers import UvicornThread
+
+N = 48
+LOCATION = KVLocation(block_ids=[[1, 2]], num_tokens=20)
+
+
+@pytest.fixture
+def meta_url() -> Iterator[str]:
+    server = UvicornThread(create_app(MetaSettings(store="memory://", sweep_interval_s=0.05))).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def batch_stats(url: str) -> tuple[int, int]:
+    """(batch requests served, items they held), from the metaserver's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+
+    def value(name: str) -> int:
+        m = re.search(rf"^pdgate_metaserver_batch_items_{name} (\S+)$", text, re.M)
+        return int(float(m.group(1))) if m else 0
+
+    return value("count"), value("sum")
+
+
+async def test_concurrent_creates_and_claims_ride_in_batches(meta_url: str) -> None:
+    pool = HttpPool()
+    client = PooledMetaClient(meta_url, pool=pool, batches=1)
+    try:
+        ids = [uid("t") for _ in range(N)]
+        created = await asyncio.gather(
+            *(client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t)) for t in ids)
+        )
+        assert [h.transfer_id for h in created] == ids
+        assert {h.state for h in created} == {HandoffState.PENDING}
+        assert len({h.kv_key for h in created}) == N  # each its own record
+        requests, items = batch_stats(meta_url)
+        assert items == N - 1 and requests < N / 2  # the first went alone, the rest rode together
+
+        async with MetaClient(meta_url) as plain:
+            for t in ids:
+                await plain.mark_ready(t, LOCATION)
+        claimed = await asyncio.gather(*(client.claim(t, "d0") for t in ids))
+        assert {(h.state, h.decode_instance_id) for h in claimed} == {(HandoffState.CLAIMED, "d0")}
+        aborted = await asyncio.gather(*(client.abort(t, "test") for t in ids[: N // 2]))
+        assert {h.state for h in aborted} == {HandoffState.ABORTED}
+        more_requests, more_items = batch_stats(meta_url)
+        assert more_items - items == N - 1 + N // 2 - 1 and more_requests - requests < N
+    finally:
+        await client.aclose()
+        await pool.aclose()
+
+
+async def test_a_batched_call_raises_its_single_calls_typed_error_and_spares_its_neighbours(meta_url: str) -> None:
+    pool = HttpPool()
+    client = PooledMetaClient(meta_url, pool=pool, batches=1)
+    try:
+        taken = uid("t")
+        await client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=taken))
+        fresh = uid("t")
+        outcomes = await asyncio.gather(
+            client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=taken)),
+            client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=fresh)),
+            client.claim(taken, "d0"),  # still PENDING: the router's long poll needs the state
+            client.abort(uid("gone"), "test"),
+            return_exceptions=True,
+        )
+        dup, ok, pending, unknown = outcomes
+        assert isinstance(dup, MetaConflict) and dup.code == "handoff_exists"
+        assert not isinstance(ok, BaseException) and ok.transfer_id == fresh
+        assert isinstance(pending, MetaConflict) and pending.current_state is HandoffState.PENDING
+        assert isinstance(unknown, MetaNotFound)
+        assert batch_stats(meta_url)[1] == 3  # the first create went alone, the other three together
+    finally:
+        await client.aclose()
+        await pool.aclose()
+
+
+async def test_a_lone_call_goes_as_its_single_route(meta_url: str) -> None:
+    pool = HttpPool()
+    client = PooledMetaClient(meta_url, pool=pool, batches=2)
+    try:
+        for _ in range(5):  # one after the other: never another call out
+            t = uid("t")
+            await client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t))
+            await client.abort(t, "test")
+        assert batch_stats(meta_url) == (0, 0)
+    finally:
+        await client.aclose()
+        await pool.aclose()
+
+
+async def test_no_batches_sends_each_call_on_its_own(meta_url: str) -> None:
+    pool = HttpPool()
+    client = PooledMetaClient(meta_url, pool=pool, batches=0)
+    try:
+        ids = [uid("t") for _ in range(8)]
+        await asyncio.gather(
+            *(client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t)) for t in ids)
+        )
+        assert batch_stats(meta_url) == (0, 0)
+    finally:
+        await client.aclose()
+        await pool.aclose()
+
+
+async def test_router_requests_record_their_handoffs_in_batches(meta_url: str) -> None:
+    dep = Deployment(metaserver=meta_url, metaserver_batches=2).start()
+    try:
+        dep.add_many([("prefill", ()), ("decode", ())])
+        dep.wait_available(*(s.id for s in dep.sims))
+        async with openai.AsyncOpenAI(base_url=dep.url + "/v1", api_key="k", max_retries=0) as client:
+            outs = await asyncio.gather(
+                *(client.completions.create(model="sim-model", prompt=f"b{i}", max_tokens=3) for i in range(N))
+            )
+        assert all(o.choices[0].text for o in outs)
+        requests, items = batch_stats(meta_url)
+        # The creates (and the router's claims, when it seals claims) made while another was out went in
+        # batches, several to a batch.
+        assert 0 < items < 2 * N and requests < items
+        p, d = dep.sims
+        assert d.count("claimed") == N and p.count("mismatches") == d.count("mismatches") == 0
+    finally:
+        dep.stop()
