@@ -18,7 +18,8 @@ made while another is out goes through `pdgate.metaserver.batcher`, so the calls
 ride together (`POST /v1/handoffs/batch`, at most `batches` such requests out at once). Each caller
 still gets its own record or the typed `MetaError` its single call would raise, so the router's rules
 (a fresh transfer id on `handoff_exists`, the claim's long poll while PENDING) are unchanged. Measured:
-docs/COMPARISON.md ("Ledger calls in batches").
+docs/COMPARISON.md ("Ledger calls in batches"). READY and DONE go the same way for `pdgate-sim`, which
+uses this client as an engine: the connector's control thread batches them too (`connector/control.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ from urllib.parse import urlencode
 import orjson
 from pdgate.metaserver.batcher import Batcher
 from pdgate.metaserver.client import MetaClient, MetaUnavailable, error_from_answer
-from pdgate.metaserver.models import BatchAbort, BatchClaim, BatchCreate, Handoff, HandoffCreate
+from pdgate.metaserver.models import (
+    BatchAbort,
+    BatchClaim,
+    BatchCreate,
+    BatchDone,
+    BatchReady,
+    Handoff,
+    HandoffCreate,
+    KVLocation,
+)
 from pdgate.router.http_pool import HttpPool
 from pdgate.router.upstream import ReadTimeout
 from pydantic import BaseModel
@@ -59,7 +69,7 @@ class PooledMetaClient(MetaClient):
         self._base = base_url.rstrip("/")
         self._auth = [(b"authorization", f"Bearer {admin_token}".encode())] if admin_token else []
         self._batcher = Batcher(self.batch, max_in_flight=batches) if batches > 0 else None
-        self._out = 0  # ledger calls (create, claim, abort) out now, single or batched
+        self._out = 0  # ledger moves out now, single or batched
 
     async def create_handoff(self, body: HandoffCreate) -> Handoff:
         if self._batcher is None or not self._out:
@@ -78,6 +88,17 @@ class PooledMetaClient(MetaClient):
         if self._batcher is None or not self._out:
             return await self._counted(super().abort(transfer_id, reason))
         return await self._counted(self._batcher.call(BatchAbort(transfer_id=transfer_id, reason=reason)))
+
+    async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
+        if self._batcher is None or not self._out:
+            return await self._counted(super().mark_ready(transfer_id, location))
+        return await self._counted(self._batcher.call(BatchReady(transfer_id=transfer_id, location=location)))
+
+    async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
+        if self._batcher is None or not self._out:
+            return await self._counted(super().done(transfer_id, decode_instance_id))
+        item = BatchDone(transfer_id=transfer_id, decode_instance_id=decode_instance_id)
+        return await self._counted(self._batcher.call(item))
 
     async def _counted(self, call: Awaitable[Handoff]) -> Handoff:
         """A ledger call made while no other is out goes as its single route: for a lone call, the batch's

@@ -172,11 +172,16 @@ class Proxy:
             outcome = "client_disconnected"
             req.abort_reason = "client_disconnected"
             log.info("client disconnected; upstream requests cancelled")
-        except Exception as exc:  # a bug: still an OpenAI error body, never a bare 500
+        except Exception as exc:  # a bug: still an OpenAI error body (or event), never a bare 500 or a cut stream
             log.exception("unexpected error in the proxy")
             outcome = "internal_error"
+            err = RouterError(f"internal router error: {type(exc).__name__}")
             if not req.started:
-                await self._reply_error(send, req, RouterError(f"internal router error: {type(exc).__name__}"))
+                await self._reply_error(send, req, err)
+            elif not req.finished and req.facts.stream:  # a started stream ends with the typed error event
+                self._m.error(err.code.value)
+                with contextlib.suppress(Exception):  # the client may be gone, or the answer already ended
+                    await end_stream(send, err, req.end)
         finally:
             self.inflight -= 1
             req.finished = True

@@ -59,7 +59,11 @@ class Ledger:
             if self.http is None:
                 self.http = HttpPool()
             client = PooledMetaClient(
-                url, pool=self.http, admin_token=self.s.admin_token, timeout=self.s.metaserver_timeout_s
+                url,
+                pool=self.http,
+                admin_token=self.s.admin_token,
+                timeout=self.s.metaserver_timeout_s,
+                batches=2,  # READY, claim, DONE of requests in flight ride together, as the connector's do
             )
             self._clients[url] = client
         return client

@@ -145,6 +145,29 @@ def test_decode_dying_mid_stream_raises_a_typed_error_in_the_openai_client(dep: 
     assert len(got) == 2 and info.value.code == "pd_decode_failed"
 
 
+def test_a_router_bug_mid_stream_ends_the_stream_with_a_typed_error_event(
+    dep: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last-resort handler: an unexpected exception after the stream started still ends it with the
+    OpenAI error event (internal_error), not a stream cut without one."""
+    import pdgate.router.attempts as attempts
+
+    async def buggy_relay(send, resp, data, headers, *args, **kw):  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        first = data.split(b"\n\n")[0] + b"\n\n"  # the decode's first event only
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        raise RuntimeError("a bug in the relay")
+
+    monkeypatch.setattr(attempts, "relay_stream", buggy_relay)
+    stream = dep.openai().completions.create(model="sim-model", prompt="bug", max_tokens=8, stream=True)
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as info:
+        for chunk in stream:
+            got.append(chunk.choices[0].text)
+    assert len(got) >= 1 and info.value.code == "internal_error"
+    assert "internal router error: RuntimeError" in info.value.message
+
+
 def test_decode_dying_after_headers_without_stream_is_a_typed_json_error(dep: Deployment) -> None:
     for d in dep.by_role("decode"):
         d.script(die_after_tokens=0)
