@@ -58,6 +58,11 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probing = False
 
+    @property
+    def closed(self) -> bool:
+        """Closed lets every request through whatever the time; any other state depends on `now`."""
+        return self._state is _CLOSED
+
     def state(self, now: float) -> BreakerState:
         """The state at `now` (an open breaker whose wait is over reads as half-open)."""
         if self._state is BreakerState.OPEN and now >= self._opened_at + self.config.open_s:
