@@ -205,6 +205,7 @@ class MetaClient:
             transport=transport,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+        self.batch_route = True  # False once the metaserver answered the batch route 404/405 (an older one)
 
     @property
     def base_url(self) -> str:
@@ -309,6 +310,7 @@ class MetaClient:
         except MetaError as exc:
             if exc.status not in (404, 405):
                 raise
+            self.batch_route = False
             return list(await asyncio.gather(*(self._single(item) for item in items)))
         out: list[Handoff | MetaError] = []
         for item, result in zip(items, data["results"], strict=True):
@@ -319,16 +321,19 @@ class MetaClient:
         return out
 
     async def _single(self, item: BatchItem) -> Handoff | MetaError:
+        # The single routes themselves (`MetaClient.x(self, ...)`), not a subclass's override: one that
+        # batches its calls (router/meta.py) would send the item straight back into a batch.
         try:
             if isinstance(item, BatchCreate):
-                return await self.create_handoff(HandoffCreate.model_validate(item.model_dump(exclude={"op"})))
+                body = HandoffCreate.model_validate(item.model_dump(exclude={"op"}))
+                return await MetaClient.create_handoff(self, body)
             if isinstance(item, BatchReady):
-                return await self.mark_ready(item.transfer_id, item.location)
+                return await MetaClient.mark_ready(self, item.transfer_id, item.location)
             if isinstance(item, BatchClaim):
-                return await self.claim(item.transfer_id, item.decode_instance_id, item.lease_s)
+                return await MetaClient.claim(self, item.transfer_id, item.decode_instance_id, item.lease_s)
             if isinstance(item, BatchDone):
-                return await self.done(item.transfer_id, item.decode_instance_id)
-            return await self.abort(item.transfer_id, item.reason)
+                return await MetaClient.done(self, item.transfer_id, item.decode_instance_id)
+            return await MetaClient.abort(self, item.transfer_id, item.reason)
         except MetaError as exc:
             return exc
 

@@ -17,7 +17,9 @@ router two of its four upstream round trips per request. A lone call goes as its
 made while another is out goes through `pdgate.metaserver.batcher`, so the calls of requests in flight
 ride together (`POST /v1/handoffs/batch`, at most `batches` such requests out at once). Each caller
 still gets its own record or the typed `MetaError` its single call would raise, so the router's rules
-(a fresh transfer id on `handoff_exists`, the claim's long poll while PENDING) are unchanged. Measured:
+(a fresh transfer id on `handoff_exists`, the claim's long poll while PENDING) are unchanged. A
+metaserver without the batch route (an older one: 404) gets the batch's items as single calls, and
+every call after that goes single. Measured:
 docs/COMPARISON.md ("Ledger calls in batches"). READY and DONE go the same way for `pdgate-sim`, which
 uses this client as an engine: the connector's control thread batches them too (`connector/control.py`).
 """
@@ -72,30 +74,30 @@ class PooledMetaClient(MetaClient):
         self._out = 0  # ledger moves out now, single or batched
 
     async def create_handoff(self, body: HandoffCreate) -> Handoff:
-        if self._batcher is None or not self._out:
+        if self._batcher is None or not self._out or not self.batch_route:
             return await self._counted(super().create_handoff(body))
         return await self._counted(
             self._batcher.call(BatchCreate.model_construct(body.model_fields_set, **body.__dict__))
         )
 
     async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
-        if self._batcher is None or not self._out:
+        if self._batcher is None or not self._out or not self.batch_route:
             return await self._counted(super().claim(transfer_id, decode_instance_id, lease_s))
         item = BatchClaim(transfer_id=transfer_id, decode_instance_id=decode_instance_id, lease_s=lease_s)
         return await self._counted(self._batcher.call(item))
 
     async def abort(self, transfer_id: str, reason: str) -> Handoff:
-        if self._batcher is None or not self._out:
+        if self._batcher is None or not self._out or not self.batch_route:
             return await self._counted(super().abort(transfer_id, reason))
         return await self._counted(self._batcher.call(BatchAbort(transfer_id=transfer_id, reason=reason)))
 
     async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
-        if self._batcher is None or not self._out:
+        if self._batcher is None or not self._out or not self.batch_route:
             return await self._counted(super().mark_ready(transfer_id, location))
         return await self._counted(self._batcher.call(BatchReady(transfer_id=transfer_id, location=location)))
 
     async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
-        if self._batcher is None or not self._out:
+        if self._batcher is None or not self._out or not self.batch_route:
             return await self._counted(super().done(transfer_id, decode_instance_id))
         item = BatchDone(transfer_id=transfer_id, decode_instance_id=decode_instance_id)
         return await self._counted(self._batcher.call(item))

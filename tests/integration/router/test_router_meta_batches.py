@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -137,6 +138,41 @@ async def test_no_batches_sends_each_call_on_its_own(meta_url: str) -> None:
     finally:
         await client.aclose()
         await pool.aclose()
+
+
+def _without_batch_route(app: Any) -> Any:
+    """The metaserver as an older version serves it: no batch route (404, as Starlette answers)."""
+
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/handoffs/batch":
+            await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"Not Found"})
+            return
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+async def test_a_metaserver_without_the_batch_route_gets_single_calls() -> None:
+    server = UvicornThread(_without_batch_route(create_app(MetaSettings(store="memory://")))).start()
+    pool = HttpPool()
+    client = PooledMetaClient(server.url, pool=pool, batches=1)
+    try:
+        ids = [uid("t") for _ in range(N)]
+        created = await asyncio.wait_for(
+            asyncio.gather(
+                *(client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t)) for t in ids)
+            ),
+            timeout=20,
+        )
+        assert [h.transfer_id for h in created] == ids and len({h.kv_key for h in created}) == N
+        assert client.batch_route is False  # learnt once: later calls go single from the start
+        aborted = await asyncio.gather(*(client.abort(t, "test") for t in ids))
+        assert {h.state for h in aborted} == {HandoffState.ABORTED}
+    finally:
+        await client.aclose()
+        await pool.aclose()
+        server.stop()
 
 
 async def test_router_requests_record_their_handoffs_in_batches(meta_url: str) -> None:
