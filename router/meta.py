@@ -27,7 +27,8 @@ uses this client as an engine: the connector's control thread batches them too (
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 from urllib.parse import urlencode
 
@@ -39,6 +40,7 @@ from pdgate.metaserver.models import (
     BatchClaim,
     BatchCreate,
     BatchDone,
+    BatchItem,
     BatchReady,
     Handoff,
     HandoffCreate,
@@ -73,42 +75,45 @@ class PooledMetaClient(MetaClient):
         self._batcher = Batcher(self.batch, max_in_flight=batches) if batches > 0 else None
         self._out = 0  # ledger moves out now, single or batched
 
+    # The ledger moves: alone, each goes as `MetaClient`'s single route; with another out, in a batch.
     async def create_handoff(self, body: HandoffCreate) -> Handoff:
-        if self._batcher is None or not self._out or not self.batch_route:
-            return await self._counted(super().create_handoff(body))
-        return await self._counted(
-            self._batcher.call(BatchCreate.model_construct(body.model_fields_set, **body.__dict__))
+        return await self._move(
+            partial(MetaClient.create_handoff, self, body),
+            lambda: BatchCreate.model_construct(body.model_fields_set, **body.__dict__),
+        )
+
+    async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
+        return await self._move(
+            partial(MetaClient.mark_ready, self, transfer_id, location),
+            lambda: BatchReady(transfer_id=transfer_id, location=location),
         )
 
     async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
-        if self._batcher is None or not self._out or not self.batch_route:
-            return await self._counted(super().claim(transfer_id, decode_instance_id, lease_s))
-        item = BatchClaim(transfer_id=transfer_id, decode_instance_id=decode_instance_id, lease_s=lease_s)
-        return await self._counted(self._batcher.call(item))
-
-    async def abort(self, transfer_id: str, reason: str) -> Handoff:
-        if self._batcher is None or not self._out or not self.batch_route:
-            return await self._counted(super().abort(transfer_id, reason))
-        return await self._counted(self._batcher.call(BatchAbort(transfer_id=transfer_id, reason=reason)))
-
-    async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
-        if self._batcher is None or not self._out or not self.batch_route:
-            return await self._counted(super().mark_ready(transfer_id, location))
-        return await self._counted(self._batcher.call(BatchReady(transfer_id=transfer_id, location=location)))
+        return await self._move(
+            partial(MetaClient.claim, self, transfer_id, decode_instance_id, lease_s),
+            lambda: BatchClaim(transfer_id=transfer_id, decode_instance_id=decode_instance_id, lease_s=lease_s),
+        )
 
     async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
-        if self._batcher is None or not self._out or not self.batch_route:
-            return await self._counted(super().done(transfer_id, decode_instance_id))
-        item = BatchDone(transfer_id=transfer_id, decode_instance_id=decode_instance_id)
-        return await self._counted(self._batcher.call(item))
+        return await self._move(
+            partial(MetaClient.done, self, transfer_id, decode_instance_id),
+            lambda: BatchDone(transfer_id=transfer_id, decode_instance_id=decode_instance_id),
+        )
 
-    async def _counted(self, call: Awaitable[Handoff]) -> Handoff:
-        """A ledger call made while no other is out goes as its single route: for a lone call, the batch's
+    async def abort(self, transfer_id: str, reason: str) -> Handoff:
+        return await self._move(
+            partial(MetaClient.abort, self, transfer_id, reason),
+            lambda: BatchAbort(transfer_id=transfer_id, reason=reason),
+        )
+
+    async def _move(self, single: Callable[[], Awaitable[Handoff]], item: Callable[[], BatchItem]) -> Handoff:
+        """A ledger move made while no other is out goes as its single route: for a lone call, the batch's
         envelope and the batcher's extra loop turn and task cost more router CPU than they save (about
-        +60 us per call at concurrency 1, measured); only calls that would wait behind another batch."""
+        +60 us per call at concurrency 1, measured); only calls that would wait behind another go batched."""
+        batcher = self._batcher if self._out and self.batch_route else None
         self._out += 1
         try:
-            return await call
+            return await (single() if batcher is None else batcher.call(item()))
         finally:
             self._out -= 1
 

@@ -224,9 +224,7 @@ class Pool:
             pool = self.decodes.get(model, ()) if model is not None else ()
             compatible = [d for d in pool if incompatibility(prefill.view, d.view) is None]
         else:
-            fast = self._fast_d.get(prefill.compat, _UNBUILT)
-            if fast is _UNBUILT:
-                fast = self._fast_d[prefill.compat] = _settled(compatible)
+            fast = self._fast_decodes(prefill.compat)
             if fast is not None:
                 return [d for d in fast if d.id not in exclude] if exclude else fast.copy()
         return [d for d in compatible if d.id not in exclude and d.unavailable(now) is None]
@@ -241,15 +239,20 @@ class Pool:
         for p in settled:
             ok = served.get(p.compat)
             if ok is None:
-                decodes = self._fast_d.get(p.compat, _UNBUILT)
-                if decodes is _UNBUILT:
-                    decodes = self._fast_d[p.compat] = _settled(self._compatible.get(p.compat, ()))
+                decodes = self._fast_decodes(p.compat)
                 if decodes is None:
                     return None
                 ok = served[p.compat] = bool(decodes)
             if ok:
                 out.append(p)
         return out
+
+    def _fast_decodes(self, key: int) -> list[LiveInstance] | None:
+        """The decodes of prefill class `key` in rotation whatever the time (None: test them at `now`)."""
+        fast = self._fast_d.get(key, _UNBUILT)
+        if fast is _UNBUILT:
+            fast = self._fast_d[key] = _settled(self._compatible.get(key, ()))
+        return fast
 
     def models(self, now: float) -> list[str]:
         """Models that have at least one eligible, compatible prefill/decode pair now."""

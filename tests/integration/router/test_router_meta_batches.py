@@ -9,8 +9,9 @@ metaserver served, and how many items they held, is read from its own /metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -40,6 +41,18 @@ def meta_url() -> Iterator[str]:
         server.stop()
 
 
+@contextlib.asynccontextmanager
+async def pooled(url: str, batches: int) -> AsyncIterator[PooledMetaClient]:
+    """The router's client of `url`, over its own pool, closed after the block."""
+    pool = HttpPool()
+    client = PooledMetaClient(url, pool=pool, batches=batches)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        await pool.aclose()
+
+
 def batch_stats(url: str) -> tuple[int, int]:
     """(batch requests served, items they held), from the metaserver's /metrics."""
     text = httpx.get(url + "/metrics", timeout=5).text
@@ -60,9 +73,7 @@ def batched(url: str, op: str, status: int) -> int:
 
 
 async def test_concurrent_creates_and_claims_ride_in_batches(meta_url: str) -> None:
-    pool = HttpPool()
-    client = PooledMetaClient(meta_url, pool=pool, batches=1)
-    try:
+    async with pooled(meta_url, batches=1) as client:
         ids = [uid("t") for _ in range(N)]
         created = await asyncio.gather(
             *(client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t)) for t in ids)
@@ -82,15 +93,10 @@ async def test_concurrent_creates_and_claims_ride_in_batches(meta_url: str) -> N
         assert {h.state for h in aborted} == {HandoffState.ABORTED}
         more_requests, more_items = batch_stats(meta_url)
         assert more_items - items == N - 1 + N // 2 - 1 and more_requests - requests < N
-    finally:
-        await client.aclose()
-        await pool.aclose()
 
 
 async def test_a_batched_call_raises_its_single_calls_typed_error_and_spares_its_neighbours(meta_url: str) -> None:
-    pool = HttpPool()
-    client = PooledMetaClient(meta_url, pool=pool, batches=1)
-    try:
+    async with pooled(meta_url, batches=1) as client:
         taken = uid("t")
         await client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=taken))
         fresh = uid("t")
@@ -107,37 +113,24 @@ async def test_a_batched_call_raises_its_single_calls_typed_error_and_spares_its
         assert isinstance(pending, MetaConflict) and pending.current_state is HandoffState.PENDING
         assert isinstance(unknown, MetaNotFound)
         assert batch_stats(meta_url)[1] == 3  # the first create went alone, the other three together
-    finally:
-        await client.aclose()
-        await pool.aclose()
 
 
 async def test_a_lone_call_goes_as_its_single_route(meta_url: str) -> None:
-    pool = HttpPool()
-    client = PooledMetaClient(meta_url, pool=pool, batches=2)
-    try:
+    async with pooled(meta_url, batches=2) as client:
         for _ in range(5):  # one after the other: never another call out
             t = uid("t")
             await client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t))
             await client.abort(t, "test")
         assert batch_stats(meta_url) == (0, 0)
-    finally:
-        await client.aclose()
-        await pool.aclose()
 
 
 async def test_no_batches_sends_each_call_on_its_own(meta_url: str) -> None:
-    pool = HttpPool()
-    client = PooledMetaClient(meta_url, pool=pool, batches=0)
-    try:
+    async with pooled(meta_url, batches=0) as client:
         ids = [uid("t") for _ in range(8)]
         await asyncio.gather(
             *(client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t)) for t in ids)
         )
         assert batch_stats(meta_url) == (0, 0)
-    finally:
-        await client.aclose()
-        await pool.aclose()
 
 
 def _without_batch_route(app: Any) -> Any:
@@ -155,23 +148,20 @@ def _without_batch_route(app: Any) -> Any:
 
 async def test_a_metaserver_without_the_batch_route_gets_single_calls() -> None:
     server = UvicornThread(_without_batch_route(create_app(MetaSettings(store="memory://")))).start()
-    pool = HttpPool()
-    client = PooledMetaClient(server.url, pool=pool, batches=1)
     try:
-        ids = [uid("t") for _ in range(N)]
-        created = await asyncio.wait_for(
-            asyncio.gather(
-                *(client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t)) for t in ids)
-            ),
-            timeout=20,
-        )
-        assert [h.transfer_id for h in created] == ids and len({h.kv_key for h in created}) == N
-        assert client.batch_route is False  # learnt once: later calls go single from the start
-        aborted = await asyncio.gather(*(client.abort(t, "test") for t in ids))
-        assert {h.state for h in aborted} == {HandoffState.ABORTED}
+        async with pooled(server.url, batches=1) as client:
+            ids = [uid("t") for _ in range(N)]
+            created = await asyncio.wait_for(
+                asyncio.gather(
+                    *(client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=t)) for t in ids)
+                ),
+                timeout=20,
+            )
+            assert [h.transfer_id for h in created] == ids and len({h.kv_key for h in created}) == N
+            assert client.batch_route is False  # learnt once: later calls go single from the start
+            aborted = await asyncio.gather(*(client.abort(t, "test") for t in ids))
+            assert {h.state for h in aborted} == {HandoffState.ABORTED}
     finally:
-        await client.aclose()
-        await pool.aclose()
         server.stop()
 
 
