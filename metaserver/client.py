@@ -247,7 +247,10 @@ class MetaClient:
         return orjson.loads(resp.content)
 
     async def _model(self, cls: type[M], method: str, path: str, **kw: Any) -> M:
-        return cls.model_validate(await self._call(method, path, **kw))
+        try:
+            return cls.model_validate(await self._call(method, path, **kw))
+        except ValueError as exc:  # not JSON, or not the record (pydantic's ValidationError is a ValueError)
+            raise _undecodable(method, path, exc) from exc
 
     # -- registry ---------------------------------------------------------------------------
 
@@ -305,19 +308,26 @@ class MetaClient:
         concurrently, so a newer client works against an older server."""
         if not items:
             return []
+        body = BatchBody(items=list(items))
         try:
-            data = await self._call("POST", "/v1/handoffs/batch", body=BatchBody(items=list(items)))
+            data = await self._call("POST", "/v1/handoffs/batch", body=body)
         except MetaError as exc:
             if exc.status not in (404, 405):
                 raise
             self.batch_route = False
             return list(await asyncio.gather(*(self._single(item) for item in items)))
+        except ValueError as exc:
+            raise _undecodable("POST", "/v1/handoffs/batch", exc) from exc
         out: list[Handoff | MetaError] = []
-        for item, result in zip(items, data["results"], strict=True):
-            if "handoff" in result and result["handoff"] is not None:
-                out.append(Handoff.model_validate(result["handoff"]))
-            else:
-                out.append(error_from_problem(result.get("status", 500), result.get("problem"), "POST", _path(item)))
+        try:  # one result per item, in order, each a record or a problem: anything else fails every item
+            for item, result in zip(items, data["results"], strict=True):
+                if "handoff" in result and result["handoff"] is not None:
+                    out.append(Handoff.model_validate(result["handoff"]))
+                else:
+                    status = result.get("status", 500)
+                    out.append(error_from_problem(status, result.get("problem"), "POST", _path(item)))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise _undecodable("POST", "/v1/handoffs/batch", exc) from exc
         return out
 
     async def _single(self, item: BatchItem) -> Handoff | MetaError:
@@ -354,6 +364,12 @@ class MetaClient:
     async def health(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("GET", "/health")
         return result
+
+
+def _undecodable(method: str, path: str, exc: Exception) -> MetaUnavailable:
+    """A 2xx answer the client cannot read (not JSON, not the contract's shape): a metaserver that does not
+    speak this contract is as good as none, and the caller's rules for an unreachable one apply."""
+    return MetaUnavailable(f"metaserver {method} {path} answered what this client cannot read: {exc!r:.200}")
 
 
 def transport_error(exc: Exception, method: str, path: str) -> MetaError:

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient, MetaConflict, MetaNotFound
+from pdgate.metaserver.client import MetaClient, MetaConflict, MetaNotFound, MetaUnavailable
 from pdgate.metaserver.models import HandoffCreate, HandoffState, KVLocation
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.http_pool import HttpPool
@@ -162,6 +162,67 @@ async def test_a_metaserver_without_the_batch_route_gets_single_calls() -> None:
             aborted = await asyncio.gather(*(client.abort(t, "test") for t in ids))
             assert {h.state for h in aborted} == {HandoffState.ABORTED}
     finally:
+        server.stop()
+
+
+def _lying(app: Any, answers: dict[str, bytes]) -> Any:
+    """The metaserver, except that the routes in `answers` answer 200 with that body (a lying peer)."""
+
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = answers.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if body is None:
+            await app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    return wrapped
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'{"results": []}',
+        b'{"results": [{"status": 201}, 7]}',
+        b'{"nope": 1}',
+        b"not json",
+        b'{"results": [{"handoff": 1}]}',
+    ],
+    ids=["too-few", "not-objects", "no-results", "not-json", "bad-record"],
+)
+async def test_a_batch_answer_that_does_not_match_its_items_is_metaserver_unavailable_for_each(answer: bytes) -> None:
+    app = _lying(create_app(MetaSettings(store="memory://")), {"/v1/handoffs/batch": answer})
+    server = UvicornThread(app).start()
+    try:
+        async with pooled(server.url, batches=1) as client:
+            outcomes = await asyncio.gather(
+                *(
+                    client.create_handoff(HandoffCreate(prefill_instance_id="p0", transfer_id=uid("t")))
+                    for _ in range(4)
+                ),
+                return_exceptions=True,
+            )
+        assert not isinstance(outcomes[0], BaseException)  # alone: the single route, which tells the truth
+        for out in outcomes[1:]:  # batched: typed, never a bare ValueError or KeyError
+            assert isinstance(out, MetaUnavailable) and "cannot read" in out.detail, out
+    finally:
+        server.stop()
+
+
+def test_a_router_in_front_of_a_lying_metaserver_answers_a_typed_503() -> None:
+    """The single create route answers 200 with what is not a handoff: the client gets
+    pd_metaserver_unavailable in OpenAI's error shape, not an internal error."""
+    app = _lying(create_app(MetaSettings(store="memory://")), {"/v1/handoffs": b'{"transfer_id": 5}'})
+    server = UvicornThread(app).start()
+    dep = Deployment(metaserver=server.url).start()
+    try:
+        dep.add_many([("prefill", ()), ("decode", ())])
+        dep.wait_available(*(s.id for s in dep.sims))
+        r = httpx.post(dep.url + "/v1/completions", json={"model": "sim-model", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "pd_metaserver_unavailable"
+    finally:
+        dep.stop()
         server.stop()
 
 
