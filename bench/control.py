@@ -15,7 +15,7 @@ Per configuration it reports the claim latency (submit -> result seen by the eng
 the control thread's context switches per claim (each one is a GIL hand-over it waited for, or a block
 on I/O), and a burst of 32 claims submitted at once (how many batch requests carried them).
 Configurations: the HTTP client (`httpx`: MetaClient as shipped; `pool`: the router's httptools
-keep-alive client, `router.meta.PooledMetaClient`; `process`: the control thread with the `pool` client
+keep-alive client, `pdgate.meta_pooled.PooledMetaClient`; `process`: the control thread with the `pool` client
 in a child process, `connector.control_process.ControlProcess`) x the interpreter's switch interval.
 The first claim of each configuration is a warm-up (connections, the child process) and not counted.
 
@@ -43,11 +43,11 @@ from pdgate.connector.config import ConnectorConfig  # noqa: E402
 from pdgate.connector.control import ControlThread  # noqa: E402
 from pdgate.connector.control_process import ControlProcess  # noqa: E402
 from pdgate.connector.messages import Claim, Claimed, ClaimFailed  # noqa: E402
-from pdgate.metaserver.client import MetaClient  # noqa: E402
-from pdgate.metaserver.models import BatchCreate, BatchReady, KVLocation  # noqa: E402
-from pdgate.router.http_pool import HttpPool  # noqa: E402
-from pdgate.router.meta import PooledMetaClient  # noqa: E402
 
+from pdgate.http_pool import HttpPool  # noqa: E402
+from pdgate.meta_client import MetaClient  # noqa: E402
+from pdgate.meta_pooled import PooledMetaClient  # noqa: E402
+from pdgate.models import BatchCreate, BatchReady, KVLocation  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.servers import wait_http  # noqa: E402
 

@@ -3,7 +3,7 @@
 One handoff = create -> ready -> claim -> done (four ledger calls). Two modes:
   * `single`: each call is its own HTTP request (what every caller did before batching);
   * `batched` (the full handoff as pdgate runs it now): each client process sends its calls through an
-    auto-batcher like `pdgate.metaserver.batcher.Batcher` (the router's create/claim and the connectors'
+    auto-batcher like `pdgate.batcher.Batcher` (the router's create/claim and the connectors'
     ready/done): every call waiting when a request goes out rides in one `POST /v1/handoffs/batch`, at
     most two requests out per process. Latency is still per call, from the caller's side (queued ->
     answered), so the batching wait is in it. The metaserver runs as a real
@@ -122,7 +122,7 @@ async def _worker(
 
 
 class Batcher:
-    """The bench's twin of `pdgate.metaserver.batcher.Batcher` on the raw client (no models: the load
+    """The bench's twin of `pdgate.batcher.Batcher` on the raw client (no models: the load
     generator must not be the bottleneck): calls queued in one loop turn, or while `BATCH_IN_FLIGHT`
     requests are out, ride in one batch request; each caller gets its item's status."""
 

@@ -6,7 +6,7 @@ decision is what every request does before it dispatches: the eligible prefills 
 least-loaded one, the eligible decodes that can take its KV, the least-loaded one.
 
 Fleets: P prefills x D decodes of one model, spread over `classes` compatibility classes (block size,
-KV dtype, TP: what `pdgate.metaserver.contract.mismatch` compares), with some instances unavailable.
+KV dtype, TP: what `pdgate.contract.mismatch` compares), with some instances unavailable.
 Prints a table and writes bench/results/pool.json. `--pool-file` measures another version of
 router/pool.py instead (the pair-by-pair one before issue 12, for the before/after figures):
 
@@ -44,11 +44,12 @@ def _pool_module_from_argv() -> None:
 
 _pool_module_from_argv()
 
-from pdgate.metaserver.models import Role  # noqa: E402
 from pdgate.router.bodies import RequestFacts  # noqa: E402
 from pdgate.router.pairing import InstanceView  # noqa: E402
 from pdgate.router.policies import make_policy  # noqa: E402
 from pdgate.router.pool import Pool  # noqa: E402
+
+from pdgate.models import Role  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FACTS = RequestFacts(endpoint="/v1/completions", model="m", stream=False, prompt_tokens=64, max_tokens=16, prefix=b"")

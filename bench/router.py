@@ -22,7 +22,7 @@ A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router start
 its req/s against the plain mode is the scaling of `--workers` (issue 12 asks for >= 1.8x with 2 on 2 cores).
 With `--pin`, proxies are pinned to CPU 0 with taskset and everything else to the other CPUs (off by
 default: on a shared 2-vCPU VM that added milliseconds of latency at concurrency 1).
-The load generator is a keep-alive HTTP/1.1 client on uvloop (pdgate.router.http_pool.HttpPool).
+The load generator is a keep-alive HTTP/1.1 client on uvloop (pdgate.http_pool.HttpPool).
 
 Router CPU per request = (on-CPU time of the proxy process's threads and its children's, from
 /proc/<pid>/task/*/schedstat in ns, after - before) / requests. Scenarios: non-streaming (16 tokens) at
@@ -75,9 +75,9 @@ def pct(values: list[float], q: float) -> float:
 async def run_load(
     url: str, concurrency: int, total: int, stream: bool, tokens: int, direct: dict[str, Any] | None
 ) -> dict[str, Any]:
-    from pdgate.metaserver.models import HandoffCreate
-    from pdgate.router.http_pool import HttpPool
-    from pdgate.router.meta import PooledMetaClient
+    from pdgate.http_pool import HttpPool
+    from pdgate.meta_pooled import PooledMetaClient
+    from pdgate.models import HandoffCreate
 
     pool = HttpPool(connect_timeout=10)
     meta = PooledMetaClient(direct["metaserver"], pool=pool, admin_token=ADMIN_TOKEN, timeout=60) if direct else None
@@ -219,7 +219,7 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
         proc = procs.start(f"proxy-{mode_name}", cmd, cpu, env)
         wait_http(url + ("/health" if mode != "toy" else "/docs"), timeout=60)
         out["proxies"][mode_name] = (url, proc)
-    from pdgate.router.pool import static_instance_id
+    from pdgate.urls import static_instance_id
 
     out["prefill_ids"] = {u: static_instance_id(u) for u in sims["prefill"]}
     return out

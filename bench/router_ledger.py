@@ -20,10 +20,11 @@ import json
 import time
 from pathlib import Path
 
-from pdgate.metaserver.models import HandoffCreate, KVLocation
 from pdgate.metaserver.service import MetaService
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store.memory import MemoryStore
+
+from pdgate.models import HandoffCreate, KVLocation
 
 
 async def measure(n: int, rounds: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """bench/router.py --libs: CPU per request of candidate HTTP clients and ASGI stacks, and per JSON op.
 
-Why the router has its own HTTP client (`pdgate.router.http_pool`) and serves raw ASGI on its hot path:
+Why the router has its own HTTP client (`pdgate.http_pool`) and serves raw ASGI on its hot path:
 these numbers, measured on the machine at hand.
 """
 
@@ -88,7 +88,7 @@ async def client_cpu(kind: str, url: str, n: int, conc: int) -> float:
 
         close = s.close
     else:
-        from pdgate.router.http_pool import HttpPool
+        from pdgate.http_pool import HttpPool
 
         pool = HttpPool()
         h = [(b"content-type", b"application/json")]

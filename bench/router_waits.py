@@ -20,7 +20,8 @@ import sys
 import time
 
 import uvloop
-from pdgate.router.http_pool import HttpPool
+
+from pdgate.http_pool import HttpPool
 
 SERVER = r"""
 import asyncio, sys, uvloop

@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
-from pdgate.metaserver.models import HandoffCreate, KVLocation  # noqa: E402
 from pdgate.metaserver.store import open_store  # noqa: E402
 from pdgate.metaserver.store.redis import RedisStore  # noqa: E402
 
+from pdgate.models import HandoffCreate, KVLocation  # noqa: E402
 from tests.store_ha.servers import RedisClusterServers, SentinelGroup  # noqa: E402
 from tests.support.redis import RedisServer  # noqa: E402
 

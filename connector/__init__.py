@@ -10,7 +10,7 @@ Reading path (README.md has the whole of it, with the config keys and the metric
 (facade) -> `scheduler.py` (pure bookkeeping, engine-core process; `scheduler_prefill.py` and
 `scheduler_decode.py` are its two sides) and `worker.py` (transport owner, worker processes);
 `metadata.py` is everything that crosses between them, `location.py` the KV location P records and D
-checks (by the rule in `pdgate.metaserver.contract`), `messages.py` what crosses to the control thread
+checks (by the rule in `pdgate.contract`), `messages.py` what crosses to the control thread
 (`control.py`, `registration.py`), `errors.py` every failure's type and code.
 """
 

@@ -1,6 +1,6 @@
 """Block bookkeeping for a pull: how many prompt tokens to load, which remote block fills which local
 block, and which prefill TP rank each decode TP rank reads from (the TP rule itself is
-`pdgate.metaserver.contract`'s, which the router applies too). Pure functions, no vLLM, no I/O.
+`pdgate.contract`'s, which the router applies too). Pure functions, no vLLM, no I/O.
 
 How many tokens the decode loads (the off-by-one, decided here once):
 
@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdgate.connector.errors import BlockPlanError, TPLayoutError
-from pdgate.metaserver.contract import source_rank, tp_mismatch
-from pdgate.metaserver.models import TransportKind
+
+from pdgate.contract import source_rank, tp_mismatch
+from pdgate.models import TransportKind
 
 __all__ = ["BlockPlan", "blocks_for_tokens", "plan_pull", "prompt_digest", "tokens_to_load", "tp_sources"]
 

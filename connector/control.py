@@ -14,7 +14,7 @@ Per command, the retry rules (decided on the client's exception types, never on 
   Abort      best effort, a few retries; gone/unknown are fine (nothing to abort).
   Check      one try; unknown -> the record is lost, free; unreachable -> keep (local deadline).
 
-Batching: READY, claim, DONE and abort go through a `pdgate.metaserver.batcher.Batcher`, so every such
+Batching: READY, claim, DONE and abort go through a `pdgate.batcher.Batcher`, so every such
 call waiting when a request goes out rides in that one `POST /v1/handoffs/batch` (at most
 `_MAX_IN_FLIGHT` requests out at once); one engine step's commands are one request, and a backlog never
 turns into one round trip per call after the other. Each call still gets its own typed error, so the
@@ -63,9 +63,13 @@ from pdgate.connector.messages import (
     WriteStats,
 )
 from pdgate.connector.registration import Registrar, backoff
-from pdgate.metaserver.batcher import Batcher
-from pdgate.metaserver.client import MetaClient, MetaConflict, MetaError, MetaGone, MetaNotFound, MetaUnavailable
-from pdgate.metaserver.models import (
+
+from pdgate.batcher import Batcher
+from pdgate.errors import Code
+from pdgate.http_pool import HttpPool
+from pdgate.meta_client import MetaClient, MetaConflict, MetaError, MetaGone, MetaNotFound, MetaUnavailable
+from pdgate.meta_pooled import PooledMetaClient
+from pdgate.models import (
     TERMINAL_STATES,
     BatchAbort,
     BatchClaim,
@@ -75,10 +79,6 @@ from pdgate.metaserver.models import (
     InstanceLoad,
     RegisterResponse,
 )
-from pdgate.router.http_pool import HttpPool
-from pdgate.router.meta import PooledMetaClient
-
-from pdgate.errors import Code
 
 __all__ = ["ControlThread"]
 

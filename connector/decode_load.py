@@ -19,7 +19,8 @@ from typing import Any
 
 from pdgate.connector.blocks import blocks_for_tokens, prompt_digest
 from pdgate.connector.config import ConnectorConfig
-from pdgate.metaserver.contract import KVTransferParams
+
+from pdgate.contract import KVTransferParams
 
 __all__ = ["blocks_to_fill", "may_load_sync", "read_decode_params", "same_prompt"]
 

@@ -3,7 +3,7 @@
 Both ends of the same record live here so that one reading shows the whole exchange between a prefill
 and a decode engine: `location_for` writes the `KVLocation` a prefill marks READY with, and
 `plan_from_location` is the decode's side. Before a byte moves it applies the P/D compatibility rule of
-`pdgate.metaserver.contract` (the one the router pairs with) to the location and this engine, then checks
+`pdgate.contract` (the one the router pairs with) to the location and this engine, then checks
 what only the location can tell (every source rank advertised, enough blocks), and refuses with a
 `LocationError` whose code and sentence say why. Pure: `EngineFacts` in, `KVLocation` / `RecvPlan` out.
 The scheduler half (`scheduler.py`) owns the state around them.
@@ -18,10 +18,10 @@ from typing import Any
 from pdgate.connector.blocks import blocks_for_tokens, plan_pull, tp_sources
 from pdgate.connector.errors import BlockPlanError, ConfigError, LocationError, TPLayoutError
 from pdgate.connector.metadata import RecvPlan, address_from_model, address_to_model
-from pdgate.metaserver.contract import KVFacts, mismatch
-from pdgate.metaserver.models import Handoff, KVLocation, TransportAddress, TransportKind
 
+from pdgate.contract import KVFacts, mismatch
 from pdgate.errors import Code
+from pdgate.models import Handoff, KVLocation, TransportAddress, TransportKind
 
 __all__ = ["EngineFacts", "addresses_from_workers", "location_for", "plan_for", "plan_from_location"]
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdgate.metaserver.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation
-
 from pdgate.errors import Code
+from pdgate.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation
 
 __all__ = [
     "Abort",

@@ -7,7 +7,7 @@
 * `address_to_model` / `address_from_model`: a worker's transport address as the contract's
   `TransportAddress`, and back.
 
-A request's `kv_transfer_params` are read and written through `pdgate.metaserver.contract.KVTransferParams`.
+A request's `kv_transfer_params` are read and written through `pdgate.contract.KVTransferParams`.
 vLLM shares that dict with the request; the connector never writes into it, the scheduler half keeps its
 own state. All of it is plain Python (pickled by vLLM between processes); nothing here imports vLLM or torch.
 """
@@ -18,9 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdgate.metaserver.models import TransportAddress
-
 from pdgate.errors import Code
+from pdgate.models import TransportAddress
 
 __all__ = ["PullOutcome", "RecvDone", "RecvPlan", "StepMetadata", "address_from_model", "address_to_model"]
 

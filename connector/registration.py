@@ -14,8 +14,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from pdgate.connector.config import ConnectorConfig
-from pdgate.metaserver.client import MetaAPI, MetaBadRequest, MetaError, MetaNotFound, MetaUnauthorized
-from pdgate.metaserver.models import (
+
+from pdgate.meta_client import MetaAPI, MetaBadRequest, MetaError, MetaNotFound, MetaUnauthorized
+from pdgate.models import (
     InstanceLoad,
     InstanceRegistration,
     RegisterResponse,

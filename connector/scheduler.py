@@ -39,7 +39,8 @@ from pdgate.connector.metadata import PullOutcome, StepMetadata
 from pdgate.connector.outbox import Outbox
 from pdgate.connector.scheduler_decode import DecodeSide
 from pdgate.connector.scheduler_prefill import PrefillSide
-from pdgate.metaserver.models import InstanceLoad, TransportAddress
+
+from pdgate.models import InstanceLoad, TransportAddress
 
 __all__ = ["SchedulerHalf", "idle_step"]
 

@@ -27,7 +27,7 @@ Why the pulled data may be used without waiting for DONE (or for the claim befor
 
 The router's claim: when the router claimed the handoff for this very instance before sending the
 request, and sealed the claim with the key both derive from the metaserver's admin token
-(`KVTransferParams.trusted_until`, `pdgate.metaserver.claim_seal`: a client reaching vLLM directly cannot
+(`KVTransferParams.trusted_until`, `pdgate.claim_seal`: a client reaching vLLM directly cannot
 forge one and point us at another request's blocks), there is no Claim round trip at all. The record
 was CLAIMED for us at the ledger's time t_c, before the request left the router, so the
 argument above holds from t_c: a pull that finished before `trusted_until` (half the claim lease after
@@ -66,11 +66,11 @@ from pdgate.connector.messages import Abort, Claim, Claimed, ClaimFailed, DoneRe
 from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan
 from pdgate.connector.outbox import Outbox
 from pdgate.connector.siblings import Siblings
-from pdgate.metaserver import claim_seal
-from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
-from pdgate.metaserver.models import Handoff
 
+from pdgate import claim_seal
+from pdgate.contract import InvalidTransferParams, KVTransferParams
 from pdgate.errors import Code
+from pdgate.models import Handoff
 
 __all__ = ["DecodeSide"]
 

@@ -27,8 +27,9 @@ from pdgate.connector.location import EngineFacts, location_for
 from pdgate.connector.logs import about
 from pdgate.connector.messages import Check, CheckResult, FeedStatus, MarkReady, ReadyFailed, ReadyRecorded, Terminal
 from pdgate.connector.outbox import Outbox
-from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
-from pdgate.metaserver.models import TERMINAL_STATES, TransportAddress
+
+from pdgate.contract import InvalidTransferParams, KVTransferParams
+from pdgate.models import TERMINAL_STATES, TransportAddress
 
 __all__ = ["PrefillSide"]
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from pdgate.connector.messages import Abort, ClaimFailed, Done
 from pdgate.connector.outbox import Outbox
-from pdgate.metaserver.models import Handoff
+
+from pdgate.models import Handoff
 
 __all__ = ["Share", "Siblings"]
 

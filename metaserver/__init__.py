@@ -4,7 +4,7 @@ The package's public face is the data contract and its client; `tests/unit/metas
 checks that `__all__` lists exactly these names.
 """
 
-from pdgate.metaserver.client import (
+from pdgate.meta_client import (
     MetaAPI,
     MetaBadRequest,
     MetaClient,
@@ -17,7 +17,7 @@ from pdgate.metaserver.client import (
     error_from_answer,
     error_from_problem,
 )
-from pdgate.metaserver.models import (
+from pdgate.models import (
     CONTRACT_VERSION,
     MAX_BATCH_ITEMS,
     TERMINAL_STATES,

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import uvicorn
 from pdgate.metaserver.app import create_app, render_problem, server_limits
-from pdgate.metaserver.logs import configure_logging
 from pdgate.metaserver.settings import parse_cli
 
+from pdgate.logs import configure_logging
 from pdgate.serving import guarded_protocol
 
 __all__ = ["main"]

@@ -30,7 +30,6 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pdgate.metaserver.batch import parse_batch, render_batch, run_batch
-from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.errors import (
     AdminTokenRequired,
     BodyTooLarge,
@@ -43,7 +42,13 @@ from pdgate.metaserver.errors import (
     problem_response,
 )
 from pdgate.metaserver.guards import AccessGuard, LongPolls, TooManyLongPolls, check_cursor
-from pdgate.metaserver.models import (
+from pdgate.metaserver.service import MetaService
+from pdgate.metaserver.settings import MetaSettings
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdgate.meta_client import MetaError
+from pdgate.models import (
     AbortBody,
     BatchBody,
     BatchResults,
@@ -62,11 +67,7 @@ from pdgate.metaserver.models import (
     RegisterResponse,
     Role,
 )
-from pdgate.metaserver.service import MetaService
-from pdgate.metaserver.settings import MetaSettings
-from pdgate.metaserver.urls import InvalidEngineURL, check_engine_url
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pdgate.urls import InvalidEngineURL, check_engine_url
 
 __all__ = [
     "InstanceList",

@@ -31,11 +31,9 @@ import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pdgate.metaserver.api import build_router, error_from_exception, error_headers
-from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, StoreUnavailable, problem_response
 from pdgate.metaserver.fastpath import FastPath
 from pdgate.metaserver.metrics import MetaMetrics
-from pdgate.metaserver.models import CONTRACT_VERSION, Problem
 from pdgate.metaserver.service import MetaService
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store import LedgerPolicy, open_store
@@ -45,6 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from pdgate.errors import CODES, Code
+from pdgate.meta_client import MetaError
+from pdgate.models import CONTRACT_VERSION, Problem
 from pdgate.serving import ServerLimits
 
 __all__ = ["access_summary", "create_app", "policy_from", "render_problem", "running_service", "server_limits"]

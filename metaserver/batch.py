@@ -27,7 +27,6 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import orjson
-from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.errors import (
     BodyTooLarge,
     InternalError,
@@ -36,7 +35,11 @@ from pdgate.metaserver.errors import (
     from_validation_error,
     problem_body,
 )
-from pdgate.metaserver.models import (
+from pdgate.metaserver.service import MetaService
+from pydantic import TypeAdapter, ValidationError
+
+from pdgate.meta_client import MetaError
+from pdgate.models import (
     MAX_BATCH_ITEMS,
     BatchAbort,
     BatchBody,
@@ -47,8 +50,6 @@ from pdgate.metaserver.models import (
     BatchReady,
     Handoff,
 )
-from pdgate.metaserver.service import MetaService
-from pydantic import TypeAdapter, ValidationError
 
 __all__ = ["BATCH_ROUTE", "Outcome", "item_path", "parse_batch", "render_batch", "run_batch"]
 

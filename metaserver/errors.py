@@ -1,7 +1,7 @@
 """The metaserver's errors, the one table from the pure cores' refusals to them, and their RFC 7807 form.
 
 Every class is a `pdgate.errors.PDGateError` (through the client's families in
-`pdgate.metaserver.client`) whose `code` comes from `pdgate.errors.Code` and whose HTTP status comes
+`pdgate.meta_client`) whose `code` comes from `pdgate.errors.Code` and whose HTTP status comes
 from `pdgate.errors.CODES`, so the same exception means the same thing whether it crossed HTTP
 (MetaClient rebuilds it from the problem body) or was raised in-process (`LocalMetaClient`).
 
@@ -36,7 +36,13 @@ from types import TracebackType
 from typing import Any
 
 import orjson
-from pdgate.metaserver.client import (
+from pdgate.metaserver.ledger import IllegalTransition
+from pdgate.metaserver.registry import RegistrationInvalid
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from pdgate.errors import Code, PDGateError
+from pdgate.meta_client import (
     MetaBadRequest,
     MetaConflict,
     MetaError,
@@ -45,13 +51,7 @@ from pdgate.metaserver.client import (
     MetaUnauthorized,
     MetaUnavailable,
 )
-from pdgate.metaserver.ledger import IllegalTransition
-from pdgate.metaserver.models import Problem
-from pdgate.metaserver.registry import RegistrationInvalid
-from pydantic import ValidationError
-from starlette.responses import Response
-
-from pdgate.errors import Code, PDGateError
+from pdgate.models import Problem
 
 __all__ = [
     "CORE_ERRORS",

@@ -21,9 +21,10 @@ from pdgate.metaserver.api import error_from_exception, parse_body
 from pdgate.metaserver.batch import BATCH_ROUTE, parse_batch, render_batch, run_batch
 from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, AdminTokenRequired, BodyTooLarge, InvalidInput, problem_body
 from pdgate.metaserver.guards import AccessGuard
-from pdgate.metaserver.models import AbortBody, ClaimBody, DoneBody, HandoffCreate, KVLocation
 from pdgate.metaserver.service import MetaService
 from pdgate.metaserver.settings import MetaSettings
+
+from pdgate.models import AbortBody, ClaimBody, DoneBody, HandoffCreate, KVLocation
 
 __all__ = ["FastPath"]
 

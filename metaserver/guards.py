@@ -20,13 +20,13 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-from pdgate.metaserver.client import MetaError, MetaUnauthorized
 from pdgate.metaserver.errors import AdminTokenRequired, InvalidInput
-from pdgate.metaserver.models import MAX_SAFE_INT
 from pdgate.metaserver.settings import MetaSettings
 
 from pdgate.auth import bearer, credential_matches, is_loopback
 from pdgate.errors import Code
+from pdgate.meta_client import MetaError, MetaUnauthorized
+from pdgate.models import MAX_SAFE_INT
 
 __all__ = [
     "AccessGuard",

@@ -36,9 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from pdgate.metaserver.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffEvent, HandoffState, KVLocation
-
 from pdgate.errors import Code, PDGateError
+from pdgate.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffEvent, HandoffState, KVLocation
 
 __all__ = [
     "ALLOWED",

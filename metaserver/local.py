@@ -1,4 +1,4 @@
-"""LocalMetaClient: the `MetaAPI` of `pdgate.metaserver.client`, served in-process by a `MetaService`.
+"""LocalMetaClient: the `MetaAPI` of `pdgate.meta_client`, served in-process by a `MetaService`.
 
 Why: the router's embedded mode runs the metaserver in its own process; going through HTTP to itself
 would add a hop and a socket per call. This class has the same methods, arguments, return types and
@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdgate.metaserver.batch import run_batch
-from pdgate.metaserver.client import MetaError
-from pdgate.metaserver.models import (
+from pdgate.metaserver.service import MetaService
+
+from pdgate.meta_client import MetaError
+from pdgate.models import (
     BatchItem,
     Handoff,
     HandoffCreate,
@@ -31,7 +33,6 @@ from pdgate.metaserver.models import (
     RegisterResponse,
     Role,
 )
-from pdgate.metaserver.service import MetaService
 
 __all__ = ["LocalMetaClient"]
 

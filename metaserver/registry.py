@@ -10,9 +10,8 @@ the contract suite holds to it at the lease's last instant.
 
 from __future__ import annotations
 
-from pdgate.metaserver.models import Instance, InstanceLoad, InstanceRegistration, InstanceState, Role
-
 from pdgate.errors import Code, PDGateError
+from pdgate.models import Instance, InstanceLoad, InstanceRegistration, InstanceState, Role
 
 __all__ = [
     "KEPT_ON_REREGISTER",

@@ -13,11 +13,16 @@ import time
 import uuid
 from collections.abc import Callable
 
-from pdgate.metaserver import logs, registry
+from pdgate.metaserver import registry
 from pdgate.metaserver.errors import HandoffNotFound, InstanceNotFound, InvalidInput, core_errors
 from pdgate.metaserver.guards import check_cursor
 from pdgate.metaserver.metrics import MetaMetrics
-from pdgate.metaserver.models import (
+from pdgate.metaserver.settings import MetaSettings
+from pdgate.metaserver.store.base import Moved, Store
+from prometheus_client import Counter
+
+from pdgate import logs
+from pdgate.models import (
     Handoff,
     HandoffCreate,
     HandoffEvents,
@@ -32,9 +37,6 @@ from pdgate.metaserver.models import (
     Role,
     is_valid_id,
 )
-from pdgate.metaserver.settings import MetaSettings
-from pdgate.metaserver.store.base import Moved, Store
-from prometheus_client import Counter
 
 __all__ = ["MetaService", "check_id"]
 

@@ -14,7 +14,6 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pdgate.metaserver.urls import IPNetwork, parse_networks
 from pydantic import Field, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -24,6 +23,7 @@ from pydantic_settings import (
 )
 
 from pdgate.auth import resolve_secret
+from pdgate.urls import IPNetwork, parse_networks
 
 __all__ = ["ENV_PREFIX", "MetaSettings", "build_parser", "parse_cli"]
 

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import logging
 
-from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.service import MetaService
+
+from pdgate.meta_client import MetaError
 
 __all__ = ["Sweeper"]
 

@@ -8,7 +8,7 @@ status, the OpenAI error `type`, and whether a retry elsewhere can help. Each bo
 mapping table, applied with `map_exceptions`, in the manner of httpx's `_transports/default.py`.
 
     PDGateError                 code -> (status, retryable, OpenAI type): the code's own entry
-    └── one subclass per package where callers catch a family (pdgate.metaserver.client.MetaError,
+    └── one subclass per package where callers catch a family (pdgate.meta_client.MetaError,
         pdgate.router.errors.RouterError, pdgate.connector.transport.base.TransportError, ...)
 
 `retryable` means "the same operation may succeed on another instance or a bit later"; the router's

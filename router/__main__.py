@@ -16,10 +16,11 @@ from collections.abc import Sequence
 
 import uvicorn
 from pdgate.router.app import create_app, serving_protocol
-from pdgate.router.logs import configure_logging
 from pdgate.router.settings import RouterSettings, parse_cli
 from pdgate.router.workers import run_workers, workers_problem
 from pydantic import ValidationError
+
+from pdgate.logs import configure_logging
 
 __all__ = ["main"]
 

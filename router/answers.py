@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pdgate.router.asgi import Message, Send
+
+from pdgate.asgi import Message, Send
 
 __all__ = [
     "PatchingSend",

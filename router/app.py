@@ -33,20 +33,15 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request, Response
-from pdgate.metaserver import claim_seal
-from pdgate.metaserver.client import MetaAPI
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.access import AdminCheck, ClientKeys
-from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.breaker import BreakerConfig
 from pdgate.router.discovery import Discovery
 from pdgate.router.errors import MethodNotAllowed, RouterError, Unauthorized, error_body
 from pdgate.router.fastlane import with_fast_lane
 from pdgate.router.health import health_body
-from pdgate.router.http_pool import HttpPool
 from pdgate.router.loops import is_own_address
-from pdgate.router.meta import PooledMetaClient
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.model_cards import ModelCards
 from pdgate.router.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
@@ -57,14 +52,19 @@ from pdgate.router.proxy import Proxy
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_error
 from pdgate.router.tracing import Tracing, make_tracing
-from pdgate.router.upstream import Upstream
 from pdgate.router.validation import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from pdgate import claim_seal
+from pdgate.asgi import Message, Receive, Scope, Send
 from pdgate.errors import Code, info
+from pdgate.http_pool import HttpPool
+from pdgate.meta_client import MetaAPI
+from pdgate.meta_pooled import PooledMetaClient
 from pdgate.serving import ServerLimits, guarded_protocol
+from pdgate.upstream import Upstream
 
 __all__ = ["PROXY_PATHS", "RouterApp", "create_app", "embedded_meta_settings", "render_openai", "serving_protocol"]
 
@@ -262,7 +262,7 @@ def create_app(
     embedded = meta is None and s.embedded
     msettings = meta_settings or (embedded_meta_settings(s) if embedded else None)
     # The token of the ledger's write routes: the admin check's, and what the router's claims are sealed
-    # with (pdgate.metaserver.claim_seal; the decodes' connectors hold the same token).
+    # with (pdgate.claim_seal; the decodes' connectors hold the same token).
     ledger_token = msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token
     proxy = Proxy(
         s,

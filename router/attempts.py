@@ -29,10 +29,6 @@ from random import Random
 from time import perf_counter
 
 import orjson
-from pdgate.metaserver.client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
-from pdgate.metaserver.contract import RouterClaim, with_claim
-from pdgate.metaserver.models import HandoffCreate, HandoffState
-from pdgate.router.asgi import Send
 from pdgate.router.bodies import SplicedBody, decode_params, kv_params_from_prefill, prefill_params, with_fields
 from pdgate.router.errors import (
     META_FAILURES,
@@ -45,7 +41,6 @@ from pdgate.router.errors import (
     snippet,
     translate,
 )
-from pdgate.router.logs import transfer_id as log_transfer_id
 from pdgate.router.loops import HOP_HEADER, HOP_VALUE
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import Policy
@@ -54,9 +49,14 @@ from pdgate.router.request_flow import MAX_ANSWER, ProxiedRequest, mint_transfer
 from pdgate.router.retry import Verdict, backoff, retry_elsewhere, verdict
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import engine_error, is_sse, relay_stream, send_body
-from pdgate.router.upstream import Upstream, UpstreamResponse
 
+from pdgate.asgi import Send
+from pdgate.contract import RouterClaim, with_claim
 from pdgate.errors import Code, PDGateError
+from pdgate.logs import transfer_id as log_transfer_id
+from pdgate.meta_client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
+from pdgate.models import HandoffCreate, HandoffState
+from pdgate.upstream import Upstream, UpstreamResponse
 
 __all__ = ["Dispatcher"]
 
@@ -89,7 +89,7 @@ class Dispatcher:
         claim_key: bytes | None = None,
     ) -> None:
         s = settings
-        self._claim_key = claim_key  # seals each claim for its decode (pdgate.metaserver.claim_seal)
+        self._claim_key = claim_key  # seals each claim for its decode (pdgate.claim_seal)
         self._pool = pool
         self._meta = meta
         self._upstream = upstream

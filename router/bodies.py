@@ -10,7 +10,7 @@ computes prompt logprobs only by running the prompt, so a decode asked for them 
 KV and recomputes the whole prompt. The prefill computes them instead, and the router carries them from
 the prefill's answer into the client's (`pdgate.router.answers`). Every other field passes through.
 
-The `kv_transfer_params` of both hops are the contract's (`pdgate.metaserver.contract`): the prefill's
+The `kv_transfer_params` of both hops are the contract's (`pdgate.contract`): the prefill's
 request is `prefill_request`, and the decode's is `decode_request` of the prefill's answer. The router
 does not parse that answer: it reads none of its fields, and the decode parses them, naming any it refuses.
 
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pdgate.metaserver.contract import decode_request, prefill_request
 from pdgate.router.errors import BadRequest, PrefillFailed
+
+from pdgate.contract import decode_request, prefill_request
 
 __all__ = [
     "CHAT",

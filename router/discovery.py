@@ -16,7 +16,7 @@ out for one slow answer turns a busy moment into 503s for everyone.
 
 One instance can never stop the others: whatever goes wrong while probing it (any exception, not only
 the upstream errors) is that instance's failed check, and a registry record whose URL breaks the URL
-rule (`pdgate.metaserver.urls`; a record written before the rule, or straight into the store), or that
+rule (`pdgate.urls`; a record written before the rule, or straight into the store), or that
 is this router's own address (possible with an external metaserver), is left out of the pool with a
 warning. So a bad record can neither stop the health loop nor fail start-up.
 Reasons kept for `/health` name the failure, never an address; the log line has the details.
@@ -43,15 +43,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from pdgate.metaserver.client import MetaAPI, MetaError, MetaUnavailable
-from pdgate.metaserver.models import Role
-from pdgate.metaserver.urls import check_engine_url
 from pdgate.router.loops import is_own_address
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.pairing import InstanceView
-from pdgate.router.pool import Pool, static_instance_id
+from pdgate.router.pool import Pool
 from pdgate.router.settings import RouterSettings
-from pdgate.router.upstream import ConnectFailed, ReadTimeout, Upstream, UpstreamError
+
+from pdgate.meta_client import MetaAPI, MetaError, MetaUnavailable
+from pdgate.models import Role
+from pdgate.upstream import ConnectFailed, ReadTimeout, Upstream, UpstreamError
+from pdgate.urls import check_engine_url, static_instance_id
 
 __all__ = ["Discovery"]
 

@@ -38,10 +38,10 @@ from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import orjson
-from pdgate.metaserver.client import MetaError
-from pdgate.router.upstream import ReadTimeout
 
 from pdgate.errors import Code, PDGateError
+from pdgate.meta_client import MetaError
+from pdgate.upstream import ReadTimeout
 
 __all__ = [
     "ERROR_HEADER",

@@ -23,10 +23,11 @@ from typing import Any
 
 import orjson
 from pdgate.router.answers import split_events
-from pdgate.router.asgi import Message, Send
 from pdgate.router.errors import DecodeFailed, RouterError
 from pdgate.router.request_flow import ProxiedRequest
 from pdgate.router.streaming import send_body, send_error
+
+from pdgate.asgi import Message, Send
 
 __all__ = ["ServeOne", "fan_out", "merge_answers", "merge_usage"]
 

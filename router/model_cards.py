@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import orjson
 from pdgate.router.pool import LiveInstance, Pool
-from pdgate.router.upstream import Upstream
+
+from pdgate.upstream import Upstream
 
 __all__ = ["RETRY_S", "ModelCards"]
 

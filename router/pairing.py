@@ -1,7 +1,7 @@
 """Which prefill's KV a decode can take, and why not when none can (pure).
 
 The rule itself (model, block size, KV dtype and layout, transport, tensor-parallel shapes) lives in
-`pdgate.metaserver.contract`, which the connector applies again before it pulls; this module applies it to
+`pdgate.contract`, which the connector applies again before it pulls; this module applies it to
 the router's view of its instances and turns refusals into the sentence the client gets with
 `pd_no_compatible_pair`, naming the instances and the field that differs.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pdgate.metaserver.contract import mismatch
-from pdgate.metaserver.models import Instance, Role, TransportKind
+from pdgate.contract import mismatch
+from pdgate.models import Instance, Role, TransportKind
 
 __all__ = ["InstanceView", "compatible", "explain", "incompatibility"]
 
@@ -20,7 +20,7 @@ __all__ = ["InstanceView", "compatible", "explain", "incompatibility"]
 @dataclass(frozen=True)
 class InstanceView:
     """What the router knows about one instance (one DP rank of an engine). None means "not stated":
-    a wildcard for pairing. A `pdgate.metaserver.contract.KVShape`. Frozen: a refresh replaces views,
+    a wildcard for pairing. A `pdgate.contract.KVShape`. Frozen: a refresh replaces views,
     never edits them."""
 
     id: str

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import orjson
 from pdgate.router.access import ClientKeys
-from pdgate.router.asgi import Receive, Scope, Send
 from pdgate.router.errors import (
     ModelNotFound,
     NoInstance,
@@ -35,7 +34,9 @@ from pdgate.router.loops import HOP_HEADER, HOP_VALUE, LoopDetected
 from pdgate.router.pool import LiveInstance, Pool
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_body, send_error
-from pdgate.router.upstream import Upstream
+
+from pdgate.asgi import Receive, Scope, Send
+from pdgate.upstream import Upstream
 
 __all__ = ["GET_ROUTES", "POST_ROUTES", "Passthrough"]
 

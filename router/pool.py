@@ -14,7 +14,7 @@ Eligible = not draining, model known, last health check passed, breaker lets a r
 (for a prefill) at least one eligible decode can take its KV. Which decodes can take which prefill's KV
 is computed once per change of the instances' compatibility fields, not per request, and by class, not
 by pair: whether a decode can take a prefill's KV depends only on their `InstanceView.compat_key`s
-(the fields `pdgate.metaserver.contract.mismatch` reads), so instances are grouped by key and the rule
+(the fields `pdgate.contract.mismatch` reads), so instances are grouped by key and the rule
 runs once per pair of classes. A fleet has a handful of classes, so one registration or removal costs
 O(P + D) (grouping, plus one decode list per prefill class) instead of O(P x D): at 1,000 x 1,000 it
 took half a second of the event loop per change (bench/pool.py measures both).
@@ -39,28 +39,16 @@ checks both against each other under random changes).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from urllib.parse import urlsplit
 
-from pdgate.metaserver.models import Role
 from pdgate.router.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from pdgate.router.pairing import InstanceView, explain, incompatibility
 from pdgate.router.pairing import compatible as compatible_views
 
-__all__ = ["Lease", "LiveInstance", "Pool", "static_instance_id"]
+from pdgate.models import Role
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._:\-]")
-
-
-def static_instance_id(url: str) -> str:
-    """The instance id of a static (flag-given) instance: derived from its URL, so that `pdgate-sim`
-    started without --instance-id records the same id in the ledger as the router gives it."""
-    parts = urlsplit(url)
-    host = parts.hostname or "localhost"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return _UNSAFE.sub("-", f"{host}-{port}")[:128].lstrip("-._:") or "instance"
+__all__ = ["Lease", "LiveInstance", "Pool"]
 
 
 class LiveInstance:

@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from pdgate.router.asgi import Message, Receive, Scope
+from pdgate.asgi import Message, Receive, Scope
 
 __all__ = ["EXTENSION", "DisconnectHook", "Watch", "watching_protocol"]
 

@@ -36,10 +36,8 @@ from random import Random
 from time import perf_counter
 from typing import Any
 
-from pdgate.metaserver.client import MetaAPI
 from pdgate.router.access import ClientKeys
 from pdgate.router.answers import PatchingSend, PrefillFacts, decode_recomputes, prefill_facts
-from pdgate.router.asgi import Message, Receive, Scope, Send
 from pdgate.router.attempts import Dispatcher
 from pdgate.router.bodies import CHAT, COMPLETIONS, SplicedBody, parse_json, request_facts, split_prompts
 from pdgate.router.errors import (
@@ -55,7 +53,6 @@ from pdgate.router.errors import (
 )
 from pdgate.router.fanout import fan_out
 from pdgate.router.first_token import FirstToken, decode_body, eligible, first_event, read
-from pdgate.router.logs import transfer_id as log_transfer_id
 from pdgate.router.loops import HOP_HEADER, LoopDetected
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.model_cards import ModelCards
@@ -66,8 +63,12 @@ from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import end_stream, send_error
 from pdgate.router.tracing import TRACE_HEADERS, Tracing
-from pdgate.router.upstream import Upstream
 from pdgate.router.validation import check_context, check_pd_support, validate_request
+
+from pdgate.asgi import Message, Receive, Scope, Send
+from pdgate.logs import transfer_id as log_transfer_id
+from pdgate.meta_client import MetaAPI
+from pdgate.upstream import Upstream
 
 __all__ = ["Proxy"]
 

@@ -18,15 +18,16 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
-from pdgate.metaserver.urls import InvalidEngineURL, IPNetwork, check_engine_url, parse_networks
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pdgate.auth import SecretFileError, read_secret_file, resolve_secret
+from pdgate.settings import settings_parser
+from pdgate.urls import InvalidEngineURL, IPNetwork, check_engine_url, parse_networks
 
-__all__ = ["ENV_PREFIX", "POLICY_NAMES", "RouterSettings", "build_parser", "parse_cli", "settings_parser"]
+__all__ = ["ENV_PREFIX", "POLICY_NAMES", "RouterSettings", "build_parser", "parse_cli"]
 
 ENV_PREFIX = "PDGATE_ROUTER_"
 POLICY_NAMES = ("round_robin", "least_load", "power_of_two", "prefix_affinity")
@@ -261,10 +262,6 @@ class RouterSettings(BaseSettings):
         return f"http://{host}:{bound_port or self.port}"
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def build_parser() -> argparse.ArgumentParser:
     return settings_parser(
         RouterSettings,
@@ -272,36 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="pdgate router: OpenAI-compatible front door for prefill/decode disaggregated vLLM.",
         env_prefix=ENV_PREFIX,
     )
-
-
-def settings_parser(
-    cls: type[BaseSettings], *, prog: str, description: str, env_prefix: str
-) -> argparse.ArgumentParser:
-    """argparse flags derived from a settings class: one flag per field, help = description + env + default."""
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=f"{description} Every flag can also be set as an environment variable {env_prefix}<NAME>; "
-        "a flag wins.",
-    )
-    for name, field in cls.model_fields.items():
-        help_text = f"{field.description} [env {env_prefix}{name.upper()}]"
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
-        annotation = field.annotation
-        if annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif get_origin(annotation) is list:
-            kwargs["action"] = "append"
-            kwargs["metavar"] = "URL" if name in ("prefill", "decode") else "KEY"
-        elif get_origin(annotation) is Literal:
-            kwargs["choices"] = list(get_args(annotation))
-        else:
-            kwargs["metavar"] = name.upper()
-        default = field.get_default(call_default_factory=True)
-        if default not in (None, []) and not isinstance(default, bool):
-            help_text += f" (default: {getattr(default, 'value', default)})"
-        kwargs["help"] = help_text
-        parser.add_argument(_flag(name), **kwargs)
-    return parser
 
 
 def parse_cli(argv: Sequence[str] | None = None) -> RouterSettings:

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import orjson
-from pdgate.router.asgi import Send
 from pdgate.router.errors import UPSTREAM_FAILURES, DecodeFailed, RouterError, sse_error, translate
-from pdgate.router.upstream import UpstreamResponse
+
+from pdgate.asgi import Send
+from pdgate.upstream import UpstreamResponse
 
 __all__ = ["SSE", "end_stream", "engine_error", "is_sse", "relay_stream", "send_body", "send_error"]
 

@@ -11,10 +11,6 @@ from dataclasses import asdict
 from typing import Any
 
 import orjson
-from pdgate.metaserver.contract import InvalidTransferParams, KVTransferParams
-from pdgate.metaserver.models import Role
-from pdgate.router.asgi import Receive, Scope, Send
-from pdgate.router.pool import static_instance_id
 from pdgate.sim.holds import Holds
 from pdgate.sim.ledger import Ledger
 from pdgate.sim.settings import Script, SimSettings, Stats, parse_cli
@@ -38,6 +34,11 @@ from pdgate.sim.wire import (
     validate_completion,
     with_length,
 )
+
+from pdgate.asgi import Receive, Scope, Send
+from pdgate.contract import InvalidTransferParams, KVTransferParams
+from pdgate.models import Role
+from pdgate.urls import static_instance_id
 
 __all__ = ["SimApp", "create_app", "main"]
 

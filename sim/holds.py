@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdgate.metaserver.client import MetaError, MetaNotFound
-from pdgate.router.meta import PooledMetaClient
+from pdgate.meta_client import MetaError, MetaNotFound
+from pdgate.meta_pooled import PooledMetaClient
 
 __all__ = ["Holds"]
 

@@ -4,7 +4,7 @@ A prefill records READY and answers the `kv_transfer_params` of the blocks it ho
 checks that its params come from the prefill that holds the handoff, then marks DONE. A decode whose
 params carry the router's claim for it (`KVTransferParams.trusted_until`) makes no claim of its own, as
 the connector does: it marks DONE and checks the record DONE answers with. A mismatch is
-counted and aborted. The params are built and read with `pdgate.metaserver.contract.KVTransferParams`,
+counted and aborted. The params are built and read with `pdgate.contract.KVTransferParams`,
 the same contract the router and the connector use.
 """
 
@@ -16,15 +16,16 @@ import logging
 import time
 from typing import Any
 
-from pdgate.metaserver import claim_seal
-from pdgate.metaserver.client import MetaConflict, MetaError, MetaGone, MetaNotFound
-from pdgate.metaserver.contract import KVTransferParams
-from pdgate.metaserver.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation, Role
-from pdgate.router.http_pool import HttpPool
-from pdgate.router.meta import PooledMetaClient
 from pdgate.sim.holds import Holds
 from pdgate.sim.settings import Script, SimSettings, Stats
 from pdgate.sim.wire import Reject
+
+from pdgate import claim_seal
+from pdgate.contract import KVTransferParams
+from pdgate.http_pool import HttpPool
+from pdgate.meta_client import MetaConflict, MetaError, MetaGone, MetaNotFound
+from pdgate.meta_pooled import PooledMetaClient
+from pdgate.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation, Role
 
 __all__ = ["Ledger"]
 

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from pdgate.metaserver.models import TransportKind
-from pdgate.router.settings import settings_parser
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pdgate.models import TransportKind
+from pdgate.settings import settings_parser
 
 __all__ = ["Script", "SimSettings", "Stats", "parse_cli"]
 

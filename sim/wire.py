@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pdgate.router.asgi import Receive, Send
+
+from pdgate.asgi import Receive, Send
 
 __all__ = [
     "JSON_HEADERS",

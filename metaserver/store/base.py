@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from pdgate.metaserver.models import (
+from pdgate.models import (
     TERMINAL_STATES,
     Handoff,
     HandoffCreate,

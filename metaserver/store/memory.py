@@ -18,7 +18,9 @@ from collections.abc import Callable
 from pdgate.metaserver import ledger, registry
 from pdgate.metaserver.errors import HandoffExists, HandoffNotFound
 from pdgate.metaserver.guards import check_cursor
-from pdgate.metaserver.models import (
+from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
+
+from pdgate.models import (
     TERMINAL_STATES,
     Handoff,
     HandoffCreate,
@@ -29,7 +31,6 @@ from pdgate.metaserver.models import (
     InstanceLoad,
     KVLocation,
 )
-from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
 
 __all__ = ["MemoryStore", "kv_key_seed"]
 

@@ -31,20 +31,8 @@ from typing import Any, TypeVar, cast
 import orjson
 import redis.asyncio as aioredis
 from pdgate.metaserver import ledger, registry
-from pdgate.metaserver.client import MetaError
 from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, StoreFailure, StoreUnavailable
 from pdgate.metaserver.guards import check_cursor
-from pdgate.metaserver.models import (
-    Handoff,
-    HandoffCreate,
-    HandoffEvent,
-    HandoffEvents,
-    HandoffState,
-    Instance,
-    InstanceLoad,
-    InstanceState,
-    KVLocation,
-)
 from pdgate.metaserver.store import wakeups
 from pdgate.metaserver.store.base import LIVE_STATES, LedgerPolicy, Moved, Store
 from pdgate.metaserver.store.keys import INSTANCE_TTL_GRACE_S, Keys, ShardKeys
@@ -56,6 +44,19 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ClusterError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pdgate.meta_client import MetaError
+from pdgate.models import (
+    Handoff,
+    HandoffCreate,
+    HandoffEvent,
+    HandoffEvents,
+    HandoffState,
+    Instance,
+    InstanceLoad,
+    InstanceState,
+    KVLocation,
+)
 
 __all__ = ["RedisStore"]
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
-from pdgate.metaserver.models import (
+from pdgate.metaserver.registry import new_instance
+from pdgate.metaserver.store import Store
+
+from pdgate.models import (
     Handoff,
     HandoffCreate,
     HandoffState,
@@ -14,8 +17,6 @@ from pdgate.metaserver.models import (
     Role,
     TransportAddress,
 )
-from pdgate.metaserver.registry import new_instance
-from pdgate.metaserver.store import Store
 
 S = HandoffState
 PENDING_LEASE = 60.0

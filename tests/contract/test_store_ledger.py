@@ -11,9 +11,9 @@ import asyncio
 import pytest
 from pdgate.metaserver.errors import HandoffExists, HandoffNotFound
 from pdgate.metaserver.ledger import IllegalTransition
-from pdgate.metaserver.models import HandoffState
 from pdgate.metaserver.store import Store
 
+from pdgate.models import HandoffState
 from tests.contract.conftest import MakeStore
 from tests.contract.records import LOC, PENDING_LEASE, READY_LEASE, S, claimed, create, t0
 

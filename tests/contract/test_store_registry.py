@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pdgate.metaserver.models import InstanceLoad, InstanceState, Role, TransportAddress
 from pdgate.metaserver.store import Store
 
+from pdgate.models import InstanceLoad, InstanceState, Role, TransportAddress
 from tests.contract.records import reg, register, t0
 
 

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import httpx
 from openai import OpenAI
 from pdgate.deploy.local.tiny_model import MODEL_NAME
-from pdgate.metaserver.models import Handoff
+
+from pdgate.models import Handoff
 
 __all__ = [
     "MAX_TOKENS",

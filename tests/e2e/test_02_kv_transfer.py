@@ -16,9 +16,9 @@ import pytest
 from openai import OpenAI
 from pdgate.deploy.local.stack import LocalStack
 from pdgate.deploy.local.tiny_model import MODEL_NAME
-from pdgate.metaserver.contract import decode_request, prefill_request
-from pdgate.metaserver.models import HandoffState
 
+from pdgate.contract import decode_request, prefill_request
+from pdgate.models import HandoffState
 from tests.e2e.conftest import Baseline
 from tests.e2e.pdclient import (
     MAX_TOKENS,

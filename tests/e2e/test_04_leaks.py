@@ -15,8 +15,8 @@ import pytest
 from openai import OpenAI
 from pdgate.deploy.local.stack import LocalStack
 from pdgate.deploy.local.tiny_model import MODEL_NAME
-from pdgate.metaserver.models import HandoffState
 
+from pdgate.models import HandoffState
 from tests.e2e.pdclient import (
     Answer,
     chat,

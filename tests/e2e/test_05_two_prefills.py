@@ -13,8 +13,8 @@ import httpx
 import pytest
 from openai import OpenAI
 from pdgate.deploy.local.stack import LocalStack
-from pdgate.metaserver.models import HandoffState, Instance
 
+from pdgate.models import HandoffState, Instance
 from tests.e2e.conftest import Baseline
 from tests.e2e.pdclient import complete, delta, get_handoff, prompt_ids, settled, wait_for
 

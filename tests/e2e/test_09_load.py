@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 from pdgate.deploy.local.stack import LocalStack
-from pdgate.metaserver.models import HandoffState
 
+from pdgate.models import HandoffState
 from tests.e2e.conftest import Baseline
 from tests.e2e.pdclient import (
     Answer,

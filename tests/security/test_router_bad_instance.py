@@ -14,13 +14,13 @@ import time
 
 import pytest
 from pdgate.metaserver.app import policy_from
-from pdgate.metaserver.models import Instance, InstanceRegistration, Role
 from pdgate.metaserver.registry import new_instance
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store import open_store
 from pdgate.router.settings import RouterSettings
 from pydantic import ValidationError
 
+from pdgate.models import Instance, InstanceRegistration, Role
 from tests.integration.router.conftest import Deployment
 from tests.support.ports import wait_until
 from tests.support.redis import RedisServer

@@ -9,8 +9,8 @@ import time
 import httpx
 import openai
 import pytest
-from pdgate.metaserver.models import InstanceRegistration
 
+from pdgate.models import InstanceRegistration
 from tests.integration.router.conftest import Deployment
 from tests.support.ports import wait_until
 

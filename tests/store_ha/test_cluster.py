@@ -15,12 +15,12 @@ from collections import Counter
 import pytest
 import redis
 from pdgate.metaserver.errors import HandoffExists, HandoffNotFound, StoreUnavailable
-from pdgate.metaserver.models import HandoffCreate, HandoffState, KVLocation
 from pdgate.metaserver.store import Store, open_store, wakeups
 from pdgate.metaserver.store.redis import RedisStore
 from redis.crc import key_slot
 
 from pdgate.errors import Code
+from pdgate.models import HandoffCreate, HandoffState, KVLocation
 from tests.store_ha.servers import BOUND_S, RedisClusterServers, redis_cli
 from tests.support.ports import wait_until
 

@@ -10,12 +10,12 @@ from collections import Counter
 import httpx
 import pytest
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient
-from pdgate.metaserver.models import HandoffCreate, HandoffState, InstanceRegistration, KVLocation
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store.keys import Keys
 from redis.crc import key_slot
 
+from pdgate.meta_client import MetaClient
+from pdgate.models import HandoffCreate, HandoffState, InstanceRegistration, KVLocation
 from tests.store_ha.servers import RedisClusterServers
 from tests.support.ports import wait_until
 from tests.support.servers import UvicornThread

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient, MetaConflict, MetaError, MetaGone, MetaUnavailable
-from pdgate.metaserver.models import Handoff, HandoffCreate, HandoffState, KVLocation
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store import open_store
 
 from pdgate.errors import Code
+from pdgate.meta_client import MetaClient, MetaConflict, MetaError, MetaGone, MetaUnavailable
+from pdgate.models import Handoff, HandoffCreate, HandoffState, KVLocation
 from tests.store_ha.servers import BOUND_S, SentinelGroup, crash, redis_cli
 from tests.support.ports import wait_until
 from tests.support.servers import UvicornThread

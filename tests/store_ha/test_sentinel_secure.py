@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 from pdgate.metaserver.errors import StoreUnavailable
-from pdgate.metaserver.models import HandoffCreate, HandoffState
 from pdgate.metaserver.store import open_store
 from pdgate.metaserver.store.redis import RedisStore
 
 from pdgate.errors import Code
+from pdgate.models import HandoffCreate, HandoffState
 from tests.store_ha.secure import DATA_PASSWORD, SENTINEL_PASSWORD, SecureSentinelGroup
 
 pytestmark = pytest.mark.store_ha

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 from pdgate.metaserver.app import create_app, running_service
-from pdgate.metaserver.client import MetaClient
 from pdgate.metaserver.local import LocalMetaClient
 from pdgate.metaserver.settings import MetaSettings
 
+from pdgate.meta_client import MetaClient
 from tests.support.meta import store_url
 from tests.support.redis import RedisServer
 from tests.support.servers import UvicornThread

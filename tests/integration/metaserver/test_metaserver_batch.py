@@ -11,8 +11,10 @@ import httpx
 import orjson
 import pytest
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient, MetaConflict, MetaGone, MetaNotFound, MetaUnauthorized
-from pdgate.metaserver.models import (
+from pdgate.metaserver.settings import MetaSettings
+
+from pdgate.meta_client import MetaClient, MetaConflict, MetaGone, MetaNotFound, MetaUnauthorized
+from pdgate.models import (
     MAX_BATCH_ITEMS,
     BatchAbort,
     BatchClaim,
@@ -24,8 +26,6 @@ from pdgate.metaserver.models import (
     KVLocation,
     Problem,
 )
-from pdgate.metaserver.settings import MetaSettings
-
 from tests.support.meta import uid
 from tests.support.servers import UvicornThread
 

@@ -9,8 +9,9 @@ import asyncio
 from typing import Any
 
 import pytest
-from pdgate.metaserver.client import MetaBadRequest, MetaConflict, MetaGone, MetaNotFound
-from pdgate.metaserver.models import (
+
+from pdgate.meta_client import MetaBadRequest, MetaConflict, MetaGone, MetaNotFound
+from pdgate.models import (
     HandoffCreate,
     HandoffState,
     InstanceLoad,
@@ -21,7 +22,6 @@ from pdgate.metaserver.models import (
     TransportAddress,
     TransportKind,
 )
-
 from tests.support.meta import uid
 
 S = HandoffState

@@ -9,9 +9,9 @@ import httpx
 import orjson
 import pytest
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.models import HandoffState, Problem
 from pdgate.metaserver.settings import MetaSettings
 
+from pdgate.models import HandoffState, Problem
 from tests.support.redis import RedisServer
 from tests.support.servers import UvicornThread
 

@@ -7,8 +7,9 @@ import time
 from typing import Any
 
 import pytest
-from pdgate.metaserver.client import MetaClient, MetaNotFound
-from pdgate.metaserver.models import HandoffCreate, HandoffState, InstanceRegistration, KVLocation, Role
+
+from pdgate.meta_client import MetaClient, MetaNotFound
+from pdgate.models import HandoffCreate, HandoffState, InstanceRegistration, KVLocation, Role
 
 S = HandoffState
 LOC = KVLocation(block_ids=[[1]], num_tokens=16)

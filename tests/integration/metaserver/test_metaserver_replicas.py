@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient, MetaConflict, MetaUnavailable
-from pdgate.metaserver.models import HandoffCreate, HandoffState, KVLocation
 from pdgate.metaserver.settings import MetaSettings
 
+from pdgate.meta_client import MetaClient, MetaConflict, MetaUnavailable
+from pdgate.models import HandoffCreate, HandoffState, KVLocation
 from tests.support.meta import store_url, uid
 from tests.support.ports import free_port
 from tests.support.redis import RedisServer

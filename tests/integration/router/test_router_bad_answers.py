@@ -19,8 +19,8 @@ import httpx
 import openai
 import orjson
 import pytest
-from pdgate.router.pool import static_instance_id
 
+from pdgate.urls import static_instance_id
 from tests.integration.router.conftest import Deployment
 
 MODEL = "m"

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from pdgate.metaserver.models import HandoffState
 
+from pdgate.models import HandoffState
 from tests.integration.router.conftest import Deployment, transfer_ids
 
 TOKEN = "admin-secret"

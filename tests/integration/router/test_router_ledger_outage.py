@@ -22,15 +22,15 @@ from collections.abc import AsyncIterator
 import pytest
 from pdgate.metaserver.app import running_service
 from pdgate.metaserver.local import LocalMetaClient
-from pdgate.metaserver.models import InstanceRegistration, Role
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.breaker import BreakerConfig, BreakerState
 from pdgate.router.discovery import Discovery
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.pool import Pool
 from pdgate.router.settings import RouterSettings
-from pdgate.router.upstream import Upstream
 
+from pdgate.models import InstanceRegistration, Role
+from pdgate.upstream import Upstream
 from tests.support.redis import RedisServer
 
 LEASE_S = 1.0

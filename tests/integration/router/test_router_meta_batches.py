@@ -1,4 +1,4 @@
-"""The router's ledger calls to a separate metaserver ride in batches (`router/meta.py`, issue 12).
+"""The router's ledger calls to a separate metaserver ride in batches (`pdgate/meta_pooled.py`, issue 12).
 
 Real parts: a metaserver app on a real socket (memory store), the router's own `PooledMetaClient` over
 its `HttpPool`, and, for the whole path, a router in front of `pdgate-sim` engines that record every
@@ -18,12 +18,12 @@ import httpx
 import openai
 import pytest
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient, MetaConflict, MetaNotFound, MetaUnavailable
-from pdgate.metaserver.models import HandoffCreate, HandoffState, KVLocation
 from pdgate.metaserver.settings import MetaSettings
-from pdgate.router.http_pool import HttpPool
-from pdgate.router.meta import PooledMetaClient
 
+from pdgate.http_pool import HttpPool
+from pdgate.meta_client import MetaClient, MetaConflict, MetaNotFound, MetaUnavailable
+from pdgate.meta_pooled import PooledMetaClient
+from pdgate.models import HandoffCreate, HandoffState, KVLocation
 from tests.integration.router.conftest import Deployment
 from tests.support.meta import uid
 from tests.support.servers import UvicornThread

@@ -1,4 +1,4 @@
-"""The router's client of a separate metaserver (`router/meta.py`) keeps its connections under a cap:
+"""The router's client of a separate metaserver (`pdgate/meta_pooled.py`) keeps its connections under a cap:
 calls past it wait for a free connection, and a call that cannot get one in time is a typed
 `MetaUnavailable`. The metaserver here is a raw HTTP/1.1 server on a real socket that counts how many
 connections are open at once and answers after a delay, so calls pile up."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pdgate.metaserver.client import MetaUnavailable
-from pdgate.router.http_pool import HttpPool
-from pdgate.router.meta import PooledMetaClient
+
+from pdgate.http_pool import HttpPool
+from pdgate.meta_client import MetaUnavailable
+from pdgate.meta_pooled import PooledMetaClient
 
 
 def _answer(body: bytes) -> bytes:

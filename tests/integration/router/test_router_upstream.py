@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from pdgate.router.http_pool import HttpPool
-from pdgate.router.upstream import ConnectFailed, ConnectionClosed, ProtocolFailure, ReadTimeout
 
+from pdgate.http_pool import HttpPool
+from pdgate.upstream import ConnectFailed, ConnectionClosed, ProtocolFailure, ReadTimeout
 from tests.support.ports import free_port
 from tests.support.servers import UvicornThread
 

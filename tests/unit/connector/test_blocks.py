@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pdgate.connector.blocks import BlockPlan, blocks_for_tokens, plan_pull, prompt_digest, tokens_to_load, tp_sources
 from pdgate.connector.errors import BlockPlanError, TPLayoutError
-from pdgate.metaserver.models import TransportKind
 
 from pdgate.errors import Code
+from pdgate.models import TransportKind
 
 NIXL, LLMDD = TransportKind.NIXL, TransportKind.LLMDATADIST
 

@@ -26,8 +26,8 @@ from pdgate.connector.ranktable_cli import generate, parse_host_spec
 from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult
 from pdgate.connector.transport.factory import make_transport
 from pdgate.connector.transport.llmdatadist import LLMDataDistTransport
-from pdgate.metaserver.models import Handoff, HandoffState
 
+from pdgate.models import Handoff, HandoffState
 from tests.fakes import fake_llmdatadist as fake
 
 NUM_BLOCKS = 32

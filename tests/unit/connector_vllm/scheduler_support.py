@@ -8,11 +8,11 @@ from typing import Any
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.location import EngineFacts
 from pdgate.connector.scheduler import SchedulerHalf
-from pdgate.metaserver.claim_seal import claim_key
-from pdgate.metaserver.contract import RouterClaim, with_claim
-from pdgate.metaserver.models import Handoff, HandoffState, KVLocation, TransportAddress, TransportKind
 from vllm.v1.request import RequestStatus
 
+from pdgate.claim_seal import claim_key
+from pdgate.contract import RouterClaim, with_claim
+from pdgate.models import Handoff, HandoffState, KVLocation, TransportAddress, TransportKind
 from tests.unit.connector_vllm.conftest import BLOCK_SIZE
 
 LAYOUT = "LBHNC/bfloat16/L2/H2/D32/B32"

@@ -15,8 +15,11 @@ from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.control import ControlThread
 from pdgate.connector.messages import Claim, Claimed, ClaimFailed, Register, Registered, Result, Terminal, WriteStats
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient, MetaNotFound
-from pdgate.metaserver.models import (
+from pdgate.metaserver.settings import MetaSettings
+
+from pdgate.errors import Code
+from pdgate.meta_client import MetaClient, MetaNotFound
+from pdgate.models import (
     HandoffCreate,
     HandoffState,
     InstanceRegistration,
@@ -24,9 +27,6 @@ from pdgate.metaserver.models import (
     Role,
     TransportKind,
 )
-from pdgate.metaserver.settings import MetaSettings
-
-from pdgate.errors import Code
 from tests.support.meta import uid
 from tests.support.ports import free_port, wait_until
 from tests.support.servers import UvicornThread

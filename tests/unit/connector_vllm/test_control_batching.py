@@ -28,8 +28,10 @@ from pdgate.connector.messages import (
     WriteStats,
 )
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient
-from pdgate.metaserver.models import (
+from pdgate.metaserver.settings import MetaSettings
+
+from pdgate.meta_client import MetaClient
+from pdgate.models import (
     BatchClaim,
     BatchCreate,
     BatchReady,
@@ -37,8 +39,6 @@ from pdgate.metaserver.models import (
     HandoffState,
     KVLocation,
 )
-from pdgate.metaserver.settings import MetaSettings
-
 from tests.support.meta import store_url, uid
 from tests.support.ports import wait_until
 from tests.support.redis import RedisServer

@@ -15,8 +15,10 @@ from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.control_process import ControlProcess
 from pdgate.connector.messages import Claim, Claimed, Register, Registered, Result
 from pdgate.metaserver.app import create_app
-from pdgate.metaserver.client import MetaClient, MetaNotFound
-from pdgate.metaserver.models import (
+from pdgate.metaserver.settings import MetaSettings
+
+from pdgate.meta_client import MetaClient, MetaNotFound
+from pdgate.models import (
     BatchCreate,
     BatchReady,
     HandoffState,
@@ -24,8 +26,6 @@ from pdgate.metaserver.models import (
     KVLocation,
     Role,
 )
-from pdgate.metaserver.settings import MetaSettings
-
 from tests.support.meta import uid
 from tests.support.ports import wait_until
 from tests.support.servers import UvicornThread

@@ -22,16 +22,16 @@ import pytest
 import torch
 from pdgate.connector import worker
 from pdgate.connector.connector import PDGateConnector
-from pdgate.metaserver.claim_seal import claim_key
-from pdgate.metaserver.client import MetaClient
-from pdgate.metaserver.contract import RouterClaim, with_claim
-from pdgate.metaserver.models import HandoffCreate, HandoffState, Instance
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
+from pdgate.claim_seal import claim_key
+from pdgate.contract import RouterClaim, with_claim
+from pdgate.meta_client import MetaClient
+from pdgate.models import HandoffCreate, HandoffState, Instance
 from tests.fakes import fake_llmdatadist
 from tests.support.meta import uid
 from tests.support.servers import UvicornThread
@@ -175,7 +175,7 @@ def run_until(
 def engines(
     model_dir: Path, metaserver: UvicornThread, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Engine, Engine]]:
-    # The admin token is what the router's claim is sealed with (pdgate.metaserver.claim_seal); this
+    # The admin token is what the router's claim is sealed with (pdgate.claim_seal); this
     # metaserver has none configured and takes any caller on loopback. An indirect parameter adds
     # connector settings for the decode.
     decode_extra: dict[str, Any] = getattr(request, "param", {})

@@ -21,11 +21,11 @@ from pdgate.connector.messages import (
 )
 from pdgate.connector.metadata import PullOutcome, RecvDone
 from pdgate.connector.scheduler import SchedulerHalf, idle_step
-from pdgate.metaserver.contract import with_claim
-from pdgate.metaserver.models import KVLocation
 from vllm.v1.request import RequestStatus
 
+from pdgate.contract import with_claim
 from pdgate.errors import Code
+from pdgate.models import KVLocation
 from tests.unit.connector_vllm.conftest import make_blocks, make_request
 from tests.unit.connector_vllm.scheduler_support import d_params, finish, half, handoff, p_params, router_claimed
 

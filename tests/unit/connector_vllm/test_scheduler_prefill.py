@@ -21,10 +21,10 @@ from pdgate.connector.messages import (
     Terminal,
 )
 from pdgate.connector.scheduler import SchedulerHalf
-from pdgate.metaserver.models import HandoffState, KVLocation
 from vllm.v1.request import RequestStatus
 
 from pdgate.errors import Code
+from pdgate.models import HandoffState, KVLocation
 from tests.unit.connector_vllm.conftest import BLOCK_SIZE, make_request
 from tests.unit.connector_vllm.scheduler_support import LAYOUT, finish, half, p_params
 

@@ -22,9 +22,9 @@ import pytest
 from pdgate.deploy.local.procs import ManagedProcess, free_port, wait_http
 from pdgate.deploy.local.tiny_model import MODEL_NAME, build_tiny_model
 from pdgate.deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec
-from pdgate.metaserver.client import MetaClient
-from pdgate.metaserver.models import HandoffCreate, HandoffState, Instance, Role
 
+from pdgate.meta_client import MetaClient
+from pdgate.models import HandoffCreate, HandoffState, Instance, Role
 from tests.support.meta import uid
 from tests.support.ports import wait_until
 from tests.support.servers import UvicornThread

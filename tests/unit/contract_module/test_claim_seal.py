@@ -1,4 +1,4 @@
-"""The router's claim seal (`pdgate.metaserver.claim_seal`) and the decode's trust in a claim
+"""The router's claim seal (`pdgate.claim_seal`) and the decode's trust in a claim
 (`KVTransferParams.trusted_until`): only a claim the router sealed, unchanged, for this decode, is trusted."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 import orjson
 import pytest
-from pdgate.metaserver import claim_seal
-from pdgate.metaserver.contract import KVTransferParams, RouterClaim, decode_request, with_claim
 
+from pdgate import claim_seal
 from pdgate.auth import derive_key
+from pdgate.contract import KVTransferParams, RouterClaim, decode_request, with_claim
 
 KEY = claim_seal.claim_key("the-admin-token")
 LOCATION: dict[str, Any] = {

@@ -1,10 +1,11 @@
-"""pdgate.metaserver.contract: the one P/D compatibility rule (fields, TP layouts, wildcards)."""
+"""pdgate.contract: the one P/D compatibility rule (fields, TP layouts, wildcards)."""
 
 from __future__ import annotations
 
 import pytest
-from pdgate.metaserver.contract import KVFacts, Mismatch, mismatch, source_rank, tp_mismatch
-from pdgate.metaserver.models import TransportKind
+
+from pdgate.contract import KVFacts, Mismatch, mismatch, source_rank, tp_mismatch
+from pdgate.models import TransportKind
 
 NIXL, LLMDD = TransportKind.NIXL, TransportKind.LLMDATADIST
 P = KVFacts(model="m", block_size=16, kv_dtype="bf16", kv_layout="L", transport=NIXL, tp_size=2)

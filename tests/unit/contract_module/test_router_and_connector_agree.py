@@ -2,7 +2,7 @@
 
 `router/pairing.incompatibility()` accepted a tp=1 prefill with a tp=2 decode for replicated KV over NIXL,
 while the decode's connector refused the same pair (`tp_sources(1, 2, True)` raised TPLayoutError): the
-router picked a pair that the decode then failed. Both now apply `pdgate.metaserver.contract`; this test
+router picked a pair that the decode then failed. Both now apply `pdgate.contract`; this test
 holds them to it over every TP pair, replication and transport, through each side's own entry point (the
 router's pairing and the decode's plan for a KV location).
 """
@@ -14,8 +14,9 @@ import itertools
 import pytest
 from pdgate.connector.errors import LocationError
 from pdgate.connector.location import EngineFacts, plan_for
-from pdgate.metaserver.models import KVLocation, Role, TransportAddress, TransportKind
 from pdgate.router.pairing import InstanceView, incompatibility
+
+from pdgate.models import KVLocation, Role, TransportAddress, TransportKind
 
 TPS = (1, 2, 3, 4, 8)
 TRANSPORTS = (TransportKind.NIXL, TransportKind.LLMDATADIST)

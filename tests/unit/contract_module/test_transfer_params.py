@@ -1,12 +1,13 @@
-"""pdgate.metaserver.contract.KVTransferParams: one constructor per hop, one parser that names the field."""
+"""pdgate.contract.KVTransferParams: one constructor per hop, one parser that names the field."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from pdgate.metaserver.claim_seal import claim_key
-from pdgate.metaserver.contract import (
+
+from pdgate.claim_seal import claim_key
+from pdgate.contract import (
     InvalidTransferParams,
     KVTransferParams,
     RouterClaim,
@@ -14,9 +15,8 @@ from pdgate.metaserver.contract import (
     prefill_request,
     with_claim,
 )
-from pdgate.metaserver.models import KVLocation
-
 from pdgate.errors import Code, PDGateError
+from pdgate.models import KVLocation
 
 
 def test_the_prefill_request_is_the_wire_form_of_the_typed_params() -> None:

@@ -1,4 +1,4 @@
-"""`metaserver.batcher.Batcher` over a real in-process service (memory store): what rides together, what each
+"""`pdgate.batcher.Batcher` over a real in-process service (memory store): what rides together, what each
 caller gets back, and that an unreachable metaserver reaches every caller as its own MetaUnavailable."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 from pdgate.metaserver.app import running_service
-from pdgate.metaserver.batcher import Batcher
-from pdgate.metaserver.client import MetaClient, MetaConflict, MetaError, MetaNotFound, MetaUnavailable
 from pdgate.metaserver.local import LocalMetaClient
-from pdgate.metaserver.models import BatchAbort, BatchClaim, BatchCreate, BatchItem, Handoff, HandoffState
 from pdgate.metaserver.settings import MetaSettings
 
+from pdgate.batcher import Batcher
+from pdgate.meta_client import MetaClient, MetaConflict, MetaError, MetaNotFound, MetaUnavailable
+from pdgate.models import BatchAbort, BatchClaim, BatchCreate, BatchItem, Handoff, HandoffState
 from tests.support.ports import free_port
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import types
 
 import pdgate.metaserver
-from pdgate.metaserver import client, models
+
+from pdgate import meta_client as client
+from pdgate import models
 
 
 def test_all_is_exactly_the_public_names() -> None:

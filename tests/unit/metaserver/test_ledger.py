@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pdgate.metaserver import ledger
 from pdgate.metaserver.ledger import ALLOWED, LAPSES, MOVES, IllegalTransition
-from pdgate.metaserver.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffState, KVLocation
+
+from pdgate.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffState, KVLocation
 
 S = HandoffState
 LOC = KVLocation(block_ids=[[1, 2]], num_tokens=20)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import inspect
 
-from pdgate.metaserver.client import MetaAPI, MetaClient
 from pdgate.metaserver.local import LocalMetaClient
+
+from pdgate.meta_client import MetaAPI, MetaClient
 
 
 def test_same_methods_and_signatures_as_metaclient() -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from pdgate.metaserver import client, errors
+from pdgate.metaserver import errors
 from pdgate.metaserver.ledger import IllegalTransition
-from pdgate.metaserver.models import HandoffState, Problem
 from pdgate.metaserver.registry import RegistrationInvalid
 
+from pdgate import meta_client as client
 from pdgate.errors import CODES, PDGateError
+from pdgate.models import HandoffState, Problem
 
 
 def test_illegal_transition_is_409_while_live_and_410_when_terminal() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from pdgate.metaserver import registry
-from pdgate.metaserver.models import InstanceLoad, InstanceRegistration, InstanceState, Role, TransportAddress
+
+from pdgate.models import InstanceLoad, InstanceRegistration, InstanceState, Role, TransportAddress
 
 
 def reg(role: Role = Role.PREFILL, **kw: object) -> InstanceRegistration:

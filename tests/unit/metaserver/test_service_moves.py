@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 from pdgate.metaserver import errors
-from pdgate.metaserver.models import HandoffCreate, KVLocation
 from pdgate.metaserver.service import MetaService
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store.memory import MemoryStore
+
+from pdgate.models import HandoffCreate, KVLocation
 
 
 def _count(svc: MetaService, before: str, after: str) -> float:

@@ -9,12 +9,12 @@ import orjson
 import pytest
 from pdgate.router import validation
 from pdgate.router.answers import PatchingSend, PrefillFacts, patch_answer, prefill_facts, split_events
-from pdgate.router.asgi import Message
 from pdgate.router.bodies import kv_params_from_prefill
 from pdgate.router.errors import BadRequest, ContextTooLong, UnsupportedByPD
 from pdgate.router.fanout import merge_answers, merge_usage
 from pdgate.router.validation import check_context, check_pd_support
 
+from pdgate.asgi import Message
 from pdgate.errors import Code
 
 

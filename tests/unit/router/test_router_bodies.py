@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from pdgate.metaserver.contract import RouterClaim, with_claim
 from pdgate.router.bodies import (
     CHAT,
     COMPLETIONS,
@@ -20,6 +19,8 @@ from pdgate.router.bodies import (
     with_fields,
 )
 from pdgate.router.errors import BadRequest, PrefillFailed
+
+from pdgate.contract import RouterClaim, with_claim
 
 
 def test_prefill_body_rewrites_only_the_pd_fields() -> None:

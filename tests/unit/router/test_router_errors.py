@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from pdgate.metaserver.client import MetaUnavailable
 from pdgate.router.errors import (
     ERROR_HEADER,
     META_FAILURES,
@@ -20,9 +19,10 @@ from pdgate.router.errors import (
     sse_error,
     translate,
 )
-from pdgate.router.upstream import ConnectFailed, ConnectionClosed, ReadTimeout
 
 from pdgate.errors import PDGateError
+from pdgate.meta_client import MetaUnavailable
+from pdgate.upstream import ConnectFailed, ConnectionClosed, ReadTimeout
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,11 @@ back. Failures in the moments before the outage was noticed are forgiven; failur
 
 from __future__ import annotations
 
-from pdgate.metaserver.models import Role
 from pdgate.router.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from pdgate.router.pairing import InstanceView
 from pdgate.router.pool import Pool
+
+from pdgate.models import Role
 
 P = InstanceView(id="p", role=Role.PREFILL, url="http://p:1", model="m")
 D = InstanceView(id="d", role=Role.DECODE, url="http://d:1", model="m")

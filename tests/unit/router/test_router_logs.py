@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pdgate.router.logs import TransferIdFilter, transfer_id
+from pdgate.logs import TransferIdFilter, transfer_id
 
 
 def test_records_carry_the_transfer_id() -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from pdgate.metaserver.models import Role, TransportKind
 from pdgate.router.pairing import InstanceView, compatible, explain, incompatibility
+
+from pdgate.models import Role, TransportKind
 
 P = InstanceView(
     id="p1", role=Role.PREFILL, url="http://p1", model="m", tp_size=2, block_size=16, kv_dtype="auto",

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from pdgate.metaserver.models import Role
 from pdgate.router.breaker import BreakerConfig, BreakerState
 from pdgate.router.pairing import InstanceView
-from pdgate.router.pool import Pool, static_instance_id
+from pdgate.router.pool import Pool
+
+from pdgate.models import Role
+from pdgate.urls import static_instance_id
 
 P1 = InstanceView(id="p1", role=Role.PREFILL, url="http://p1", model="m", block_size=16)
 P2 = replace(P1, id="p2", url="http://p2")
@@ -98,7 +100,7 @@ def test_counts_by_role_and_availability() -> None:
 
 
 def test_static_instance_id_is_a_valid_metaserver_id() -> None:
-    from pdgate.metaserver.models import is_valid_id
+    from pdgate.models import is_valid_id
 
     for url in ("http://127.0.0.1:8100", "https://[::1]:9000", "http://engine-a.local", "http://x_y:1"):
         assert is_valid_id(static_instance_id(url)), url

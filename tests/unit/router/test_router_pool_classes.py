@@ -1,7 +1,7 @@
 """pool.py pairs compatibility classes, not instances (issue 12): same choices as pair by pair, far less work.
 
 The oracle is the pair-by-pair pool the router had before: every prefill checked against every decode
-with the rule itself (`pairing.compatible`, i.e. `pdgate.metaserver.contract.mismatch`), in id order.
+with the rule itself (`pairing.compatible`, i.e. `pdgate.contract.mismatch`), in id order.
 Random fleets mix every compatibility field, wildcards (None) included, and random availability
 (health, draining, open breakers); the grouped pool must give the same candidate lists in the same
 order, hence the same least-load choice, and never a pair the rule refuses.
@@ -13,14 +13,15 @@ from dataclasses import replace
 from random import Random
 
 import pytest
-from pdgate.metaserver.contract import KVShape
-from pdgate.metaserver.models import Role, TransportKind
 from pdgate.router import pool as pool_module
 from pdgate.router.bodies import RequestFacts
 from pdgate.router.breaker import BreakerConfig
 from pdgate.router.pairing import InstanceView, compatible
 from pdgate.router.policies import make_policy
 from pdgate.router.pool import LiveInstance, Pool
+
+from pdgate.contract import KVShape
+from pdgate.models import Role, TransportKind
 
 
 def _view(rng: Random, i: int, role: Role) -> InstanceView:

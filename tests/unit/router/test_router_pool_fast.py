@@ -13,10 +13,11 @@ from dataclasses import replace
 from random import Random
 
 import pytest
-from pdgate.metaserver.models import Role
 from pdgate.router.breaker import BreakerConfig
 from pdgate.router.pairing import InstanceView
 from pdgate.router.pool import LiveInstance, Pool
+
+from pdgate.models import Role
 
 OPEN_S = 5.0
 

@@ -12,15 +12,16 @@ import httpx
 import orjson
 import pytest
 from pdgate.metaserver.app import running_service
-from pdgate.metaserver.claim_seal import claim_key
-from pdgate.metaserver.client import MetaAPI
-from pdgate.metaserver.contract import KVTransferParams
 from pdgate.metaserver.local import LocalMetaClient
-from pdgate.metaserver.models import HandoffState, InstanceRegistration, KVLocation, Role
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.router.app import RouterApp, create_app
 from pdgate.router.settings import RouterSettings
-from pdgate.router.upstream import HttpxUpstream
+
+from pdgate.claim_seal import claim_key
+from pdgate.contract import KVTransferParams
+from pdgate.meta_client import MetaAPI
+from pdgate.models import HandoffState, InstanceRegistration, KVLocation, Role
+from pdgate.upstream import HttpxUpstream
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [[1, 2]]}
 ANSWER = {
@@ -115,7 +116,7 @@ def client(app: RouterApp) -> httpx.AsyncClient:
 async def test_the_claim_is_sealed_with_the_ledger_token_for_the_decode_it_names(
     meta: MetaAPI, engines: Engines
 ) -> None:
-    """With a ledger token the router seals each claim (pdgate.metaserver.claim_seal): the decode it was
+    """With a ledger token the router seals each claim (pdgate.claim_seal): the decode it was
     made for, holding the same token, trusts it; another decode, another token, or no token does not."""
     app, lifespan = await serve(meta, engines, metaserver_token="the-ledger-token")
     async with lifespan, client(app) as c:

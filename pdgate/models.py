@@ -15,8 +15,9 @@ import re
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pdgate.metaserver.urls import check_engine_url
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdgate.urls import check_engine_url
 
 __all__ = [
     "CONTRACT_VERSION",

@@ -110,3 +110,15 @@ def check_engine_url(url: str, allowed: Sequence[IPNetwork] = ()) -> str:
             nets = ", ".join(str(n) for n in allowed)
             raise InvalidEngineURL(f"host {host} is outside the allowed engine networks ({nets})")
     return url[:-1] if url.endswith("/") else url
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:\-]")
+
+
+def static_instance_id(url: str) -> str:
+    """The instance id of a static (flag-given) instance: derived from its URL, so that `pdgate-sim`
+    started without --instance-id records the same id in the ledger as the router gives it."""
+    parts = urlsplit(url)
+    host = parts.hostname or "localhost"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return _UNSAFE.sub("-", f"{host}-{port}")[:128].lstrip("-._:") or "instance"

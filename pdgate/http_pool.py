@@ -6,7 +6,7 @@ parser uvicorn already uses) fits its budget. Results are in `bench/results/`.
 
 What it does and no more: one connection per in-flight request, idle connections reused per origin
 (LIFO, dropped after `keepalive_s` so an engine's keep-alive timeout never races us), bodies read in
-chunks with back-pressure (`pdgate.router.http1`), and cancellation or `close()` before the end
+chunks with back-pressure (`pdgate.http1`), and cancellation or `close()` before the end
 *aborts* the connection, which is how an engine learns to abort the request. A request written to a
 reused connection that the engine closed while idle is sent once more on a fresh one.
 """
@@ -17,8 +17,8 @@ import asyncio
 import ssl as _ssl
 from urllib.parse import urlsplit
 
-from pdgate.router.http1 import Http1Connection
-from pdgate.router.upstream import ConnectFailed, ConnectionClosed, Headers, ProtocolFailure, find_header
+from pdgate.http1 import Http1Connection
+from pdgate.upstream import ConnectFailed, ConnectionClosed, Headers, ProtocolFailure, find_header
 
 __all__ = ["HttpPool", "Origin", "PoolResponse", "request_bytes"]
 

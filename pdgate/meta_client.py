@@ -1,7 +1,7 @@
 """MetaClient: the one async client of the metaserver, used by the router and the connector.
 
 No other module formats a metaserver URL. Every answer is parsed into the models of
-`pdgate.metaserver.models`; every failure is raised as a `MetaError`, a `pdgate.errors.PDGateError`
+`pdgate.models`; every failure is raised as a `MetaError`, a `pdgate.errors.PDGateError`
 whose `code` (a `pdgate.errors.Code`) is the problem body's `code`, so a caller decides on types (retry
 on `MetaUnavailable`, give up on `MetaGone`) or codes, never on strings.
 
@@ -25,7 +25,10 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import httpx
 import orjson
-from pdgate.metaserver.models import (
+from pydantic import BaseModel
+
+from pdgate.errors import Code, PDGateError, info
+from pdgate.models import (
     AbortBody,
     BatchBody,
     BatchClaim,
@@ -49,9 +52,6 @@ from pdgate.metaserver.models import (
     RegisterResponse,
     Role,
 )
-from pydantic import BaseModel
-
-from pdgate.errors import Code, PDGateError, info
 
 __all__ = [
     "MetaAPI",
@@ -222,7 +222,7 @@ class MetaClient:
 
     # -- transport --------------------------------------------------------------------------
 
-    async def _call(  # extension point: a subclass may send over another HTTP layer (router/meta.py)
+    async def _call(  # extension point: a subclass may send over another HTTP layer (pdgate/meta_pooled.py)
         self,
         method: str,
         path: str,
@@ -332,7 +332,7 @@ class MetaClient:
 
     async def _single(self, item: BatchItem) -> Handoff | MetaError:
         # The single routes themselves (`MetaClient.x(self, ...)`), not a subclass's override: one that
-        # batches its calls (router/meta.py) would send the item straight back into a batch.
+        # batches its calls (pdgate/meta_pooled.py) would send the item straight back into a batch.
         try:
             if isinstance(item, BatchCreate):
                 body = HandoffCreate.model_validate(item.model_dump(exclude={"op"}))

@@ -30,7 +30,7 @@ router's are plain functions on dicts because it runs them on every request and 
 The router's claim (`RouterClaim`, the `claimed_by`/`claim_deadline`/`claim_lease_s` fields): the router
 claims the handoff in the ledger for the decode it picked before it sends the request, and says so here.
 A decode that finds a claim made for its own instance id, sealed by the router (`claim_seal`, see
-`pdgate.metaserver.claim_seal`: a client cannot forge one), skips its own claim round trip and pulls at
+`pdgate.claim_seal`: a client cannot forge one), skips its own claim round trip and pulls at
 once (`trusted_until`); a pull it saw finish before `trusted_until` read blocks the prefill still held
 (the record was CLAIMED for it, so neither expiry nor another decode's DONE could free them). Only the
 router writes these fields: `decode_request` drops any the prefill's answer carries, and the router
@@ -45,11 +45,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast
 
-from pdgate.metaserver import claim_seal
-from pdgate.metaserver.models import MAX_KV_KEY, KVLocation, TransportKind, is_valid_id
 from pydantic import ValidationError
 
+from pdgate import claim_seal
 from pdgate.errors import Code, PDGateError
+from pdgate.models import MAX_KV_KEY, KVLocation, TransportKind, is_valid_id
 
 __all__ = [
     "TP_GE_TRANSPORTS",
@@ -255,7 +255,7 @@ class KVTransferParams:
     claimed_by: str | None = None
     claim_deadline: float | None = None
     claim_lease_s: float | None = None
-    claim_seal: str | None = None  # the router's HMAC over its claim (`pdgate.metaserver.claim_seal`)
+    claim_seal: str | None = None  # the router's HMAC over its claim (`pdgate.claim_seal`)
     siblings: int | None = None  # vLLM's n: the decode requests that share this handoff (one DONE after all)
     extra: Mapping[str, Any] = field(default_factory=dict)  # untyped keys, passed on verbatim
 

@@ -14,7 +14,7 @@ time is `MetaUnavailable` like any unreachable metaserver.
 Why batches (`batches`, --metaserver-batches): per client request the router makes two ledger calls (the
 create before the prefill, the claim before the decode), so as single calls the metaserver cost the
 router two of its four upstream round trips per request. A lone call goes as its single route; a call
-made while another is out goes through `pdgate.metaserver.batcher`, so the calls of requests in flight
+made while another is out goes through `pdgate.batcher`, so the calls of requests in flight
 ride together (`POST /v1/handoffs/batch`, at most `batches` such requests out at once). Each caller
 still gets its own record or the typed `MetaError` its single call would raise, so the router's rules
 (a fresh transfer id on `handoff_exists`, the claim's long poll while PENDING) are unchanged. A
@@ -33,9 +33,12 @@ from typing import Any
 from urllib.parse import urlencode
 
 import orjson
-from pdgate.metaserver.batcher import Batcher
-from pdgate.metaserver.client import MetaClient, MetaUnavailable, error_from_answer
-from pdgate.metaserver.models import (
+from pydantic import BaseModel
+
+from pdgate.batcher import Batcher
+from pdgate.http_pool import HttpPool
+from pdgate.meta_client import MetaClient, MetaUnavailable, error_from_answer
+from pdgate.models import (
     BatchAbort,
     BatchClaim,
     BatchCreate,
@@ -46,9 +49,7 @@ from pdgate.metaserver.models import (
     HandoffCreate,
     KVLocation,
 )
-from pdgate.router.http_pool import HttpPool
-from pdgate.router.upstream import ReadTimeout
-from pydantic import BaseModel
+from pdgate.upstream import ReadTimeout
 
 __all__ = ["PooledMetaClient"]
 

@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from pdgate.metaserver.client import MetaError
-from pdgate.metaserver.models import MAX_BATCH_ITEMS, BatchItem, Handoff
+from pdgate.meta_client import MetaError
+from pdgate.models import MAX_BATCH_ITEMS, BatchItem, Handoff
 
 __all__ = ["Batcher", "SendBatch"]
 

@@ -1,6 +1,6 @@
 """What the proxy needs from an HTTP client to engines: the `Upstream` protocol and its exception tree.
 
-`HttpPool` (`pdgate.router.http_pool`) implements it over sockets and is what the router runs on;
+`HttpPool` (`pdgate.http_pool`) implements it over sockets and is what the router runs on;
 `HttpxUpstream` here implements it over an `httpx.AsyncClient`, so unit tests can script engines with
 `httpx.MockTransport`. The proxy maps these exceptions to router errors through one table
 (`pdgate.router.errors.UPSTREAM_FAILURES`).

@@ -14,7 +14,8 @@ import asyncio
 from collections import deque
 
 import httptools
-from pdgate.router.upstream import ConnectionClosed, ProtocolFailure, ReadTimeout, UpstreamError
+
+from pdgate.upstream import ConnectionClosed, ProtocolFailure, ReadTimeout, UpstreamError
 
 __all__ = ["HIGH_WATER", "Http1Connection"]
 
