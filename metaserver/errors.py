@@ -32,6 +32,7 @@ The pure cores (`ledger`, `registry`) raise their own `PDGateError`s, which know
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from types import TracebackType
 from typing import Any
 
@@ -74,6 +75,7 @@ __all__ = [
     "from_validation_error",
     "problem_body",
     "problem_response",
+    "title",
     "to_problem",
 ]
 
@@ -170,18 +172,13 @@ class core_errors:  # used like the function it was: `with core_errors(tid):`
             raise from_core(exc, self.about) from None
 
 
-_TITLES = {
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    409: "Conflict",
-    410: "Gone",
-    413: "Content Too Large",
-    422: "Unprocessable Content",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
+def title(status: int) -> str:
+    """The problem's `title`: the status's reason phrase from `http.HTTPStatus`, so every status a code can
+    carry (429 included) has its own, with no table here to fall behind `pdgate.errors.CODES`."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
 
 
 def from_validation_error(exc: ValidationError, where: str = "body") -> InvalidInput:
@@ -196,7 +193,7 @@ def from_validation_error(exc: ValidationError, where: str = "body") -> InvalidI
 def to_problem(exc: MetaError, *, instance: str | None = None) -> Problem:
     extra: dict[str, Any] = {"instance": instance} if instance else {}
     return Problem(
-        title=_TITLES.get(exc.status, "Error"),
+        title=title(exc.status),
         status=exc.status,
         detail=exc.detail,
         code=exc.code.value if isinstance(exc.code, Code) else str(exc.code),

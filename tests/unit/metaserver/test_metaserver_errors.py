@@ -82,3 +82,16 @@ def test_core_errors_lets_other_exceptions_and_clean_exits_through() -> None:
     with pytest.raises(errors.IllegalState) as err, errors.core_errors("t1"):
         raise IllegalTransition(HandoffState.READY, HandoffState.DONE)
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_every_status_a_code_carries_has_its_own_title() -> None:
+    """429 (too many long-polls) was titled "Error": titles come from http.HTTPStatus, not a short table."""
+    from http import HTTPStatus
+
+    from pdgate.metaserver.guards import TooManyLongPolls
+
+    body = orjson.loads(errors.problem_body(TooManyLongPolls("busy")))
+    assert (body["status"], body["title"]) == (429, "Too Many Requests")
+    for info in CODES.values():
+        assert errors.title(info.status) == HTTPStatus(info.status).phrase != "Error"
+    assert errors.title(599) == "Error"
