@@ -1,6 +1,6 @@
 """pdgate.connector.metadata: the per-step metadata, pull outcomes, transport addresses.
 
-(The typed kv_transfer_params are pdgate.contract's: tests/unit/contract_module.)"""
+(The typed kv_transfer_params are pdgate.contract's: tests/unit/pairing_rules.)"""
 
 from __future__ import annotations
 
