@@ -221,8 +221,11 @@ class InstanceRegistration(_Model):
     tp_size: int = Field(1, ge=1, le=4096)
     pp_size: int = Field(1, ge=1, le=4096)
     block_size: int = Field(16, ge=1, le=1 << 20)
-    kv_dtype: str = Field("auto", max_length=64)
-    kv_layout: str = Field("", max_length=128, description="layout tag; P and D must match")
+    # None (not stated) is the only "any" of the pairing rule (`pdgate.contract.mismatch`): a default of
+    # "auto" or "" would be a value, and a registrant that left these out would never pair with an engine
+    # that states its resolved dtype (bfloat16) or its layout tag.
+    kv_dtype: str | None = Field(None, max_length=64, description="KV dtype; absent: pairs with any")
+    kv_layout: str | None = Field(None, max_length=128, description="layout tag; P and D must match; absent: any")
     kv_replicated: bool = Field(
         False, description="KV identical on every TP rank (MLA): lets a D with smaller TP pull from P"
     )

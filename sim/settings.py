@@ -33,8 +33,8 @@ class SimSettings(BaseSettings):
     block_size: int = Field(16, ge=1, description="KV block size advertised")
     dp_size: int = Field(1, ge=1, description="data-parallel ranks (one registry record each)")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size advertised")
-    kv_dtype: str = Field("auto", description="KV dtype advertised")
-    kv_layout: str = Field("", description="KV layout tag advertised")
+    kv_dtype: str | None = Field(None, description="KV dtype advertised (absent: pairs with any)")
+    kv_layout: str | None = Field(None, description="KV layout tag advertised (absent: pairs with any)")
     kv_replicated: bool = Field(False, description="advertise KV replicated on every TP rank")
     transport: TransportKind = Field(TransportKind.SIM, description="transport kind advertised")
     token_ids: bool = Field(

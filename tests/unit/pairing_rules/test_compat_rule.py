@@ -64,3 +64,17 @@ def test_the_prefills_replication_flag_decides() -> None:
     p = KVFacts(tp_size=4, kv_replicated=True, transport=NIXL)
     assert mismatch(p, KVFacts(tp_size=2)) is None
     assert mismatch(KVFacts(tp_size=4, transport=NIXL), KVFacts(tp_size=2, kv_replicated=True)) is not None
+
+
+def test_a_registration_that_omits_kv_dtype_and_layout_pairs_with_a_resolved_engine() -> None:
+    """The registration defaults were "auto" and "": values, not "any", so an engine registered without them
+    never paired with a connector that resolved its dtype to bfloat16 and stated its layout tag."""
+    from pdgate.models import InstanceRegistration
+
+    bare = InstanceRegistration(id="p1", role="prefill", url="http://10.0.0.1:8000", model="m", transport=NIXL)
+    assert bare.kv_dtype is None and bare.kv_layout is None
+    connector = KVFacts(model="m", block_size=16, kv_dtype="bfloat16", kv_layout="NHD-h8", transport=NIXL, tp_size=1)
+    assert mismatch(bare, connector) is None
+    assert mismatch(connector, bare) is None
+    stated = bare.model_copy(update={"kv_dtype": "fp8"})
+    assert mismatch(stated, connector) == Mismatch("kv_dtype", "fp8", "bfloat16")  # a stated value still counts
