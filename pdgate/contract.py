@@ -1,25 +1,8 @@
-"""The prefill/decode contract: which prefill's KV a decode can take, and the `kv_transfer_params` of a handoff.
+"""The prefill/decode contract: the `kv_transfer_params` of a handoff, and (re-exported from
+`pdgate.pairing`) the rule of which prefill's KV a decode can take.
 
-The router, the connector and the simulator must agree on both facts, so they are held here once.
-
-The compatibility rule (`mismatch`, `tp_mismatch`, `source_rank`). A decode can take a prefill's KV when both
-run the same model with the same block size, KV dtype and KV layout, over the same transport, and their
-tensor-parallel (TP) shapes line up:
-
-* Equal TP: decode rank r reads prefill rank r (each rank holds the same heads).
-* Unequal TP needs KV replicated on every TP rank (MLA models). Every prefill rank then holds all of it, so
-  decode rank r reads prefill rank `r * P_tp // D_tp`, whichever side is larger: a larger prefill spreads
-  the decode ranks over its ranks, a larger decode lets several of its ranks read one prefill rank, which a
-  one-sided read (NIXL) allows.
-* Transports in `TP_GE_TRANSPORTS` (llm_datadist) link each decode rank to a prefill rank of its own, so
-  with them the prefill's TP must also be at least the decode's.
-* Sharded KV with unequal TP would need the heads re-cut across ranks, which no transport here does.
-
-A field one side does not state (None) matches anything: a static instance tells the router little. The
-router applies the rule to pick a pair; the decode applies it again to the location it is about to pull
-from, so a pair the router let through (it could not see a field) fails before a byte moves, with the same
-sentence. Mismatched pairs are refused before dispatch because elsewhere they produce garbled output or
-hangs (DP/TP mismatches in vllm-ascend #16144, sglang #15674).
+The router, the connector and the simulator must agree on both facts, so they are held once: the pairing
+rule (`mismatch`, `tp_mismatch`, `source_rank`) in `pdgate.pairing`, the params here.
 
 `kv_transfer_params` (`KVTransferParams`): the dict vLLM carries on a request and returns with a finished
 prefill. Each hop has one constructor: the router's request to a prefill (`prefill_request`), the prefill's
@@ -43,13 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, cast
 
 from pydantic import ValidationError
 
 from pdgate import claim_seal
 from pdgate.errors import Code, PDGateError
-from pdgate.models import MAX_KV_KEY, KVLocation, TransportKind, is_valid_id
+from pdgate.models import MAX_KV_KEY, KVLocation, is_valid_id
+from pdgate.pairing import TP_GE_TRANSPORTS, KVFacts, KVShape, Mismatch, mismatch, source_rank, tp_mismatch
 
 __all__ = [
     "TP_GE_TRANSPORTS",
@@ -66,125 +50,6 @@ __all__ = [
     "tp_mismatch",
     "with_claim",
 ]
-
-# Transports whose decode ranks each link to one prefill rank of their own: they need P tp >= D tp.
-TP_GE_TRANSPORTS: frozenset[TransportKind] = frozenset({TransportKind.LLMDATADIST})
-
-
-# ---- the compatibility rule ------------------------------------------------------------------------
-
-
-class KVShape(Protocol):
-    """What the rule compares about one side. None: not stated, matches anything.
-
-    `kv_replicated` is a property of the model (MLA); the rule reads the prefill's, the side whose every
-    rank must hold all of the KV. The router's `InstanceView` is a `KVShape`; the connector builds `KVFacts`.
-    """
-
-    @property
-    def model(self) -> str | None: ...
-    @property
-    def block_size(self) -> int | None: ...
-    @property
-    def kv_dtype(self) -> str | None: ...
-    @property
-    def kv_layout(self) -> str | None: ...
-    @property
-    def transport(self) -> TransportKind | None: ...
-    @property
-    def tp_size(self) -> int | None: ...
-    @property
-    def kv_replicated(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class KVFacts:
-    """A `KVShape` assembled from parts (a ledger location on one side, an engine's facts on the other)."""
-
-    model: str | None = None
-    block_size: int | None = None
-    kv_dtype: str | None = None
-    kv_layout: str | None = None
-    transport: TransportKind | None = None
-    tp_size: int | None = None
-    kv_replicated: bool = False
-
-
-class Mismatch(NamedTuple):
-    """Why a decode cannot take a prefill's KV: the field that differs and both values.
-
-    A named tuple: the router builds one for every refused pair of its pool, so it must be cheap."""
-
-    field: str  # model | block_size | kv_dtype | kv_layout | transport | tp_size
-    prefill: Any
-    decode: Any
-    transport: TransportKind | None = None  # set when the transport is what forbids the TP pair
-
-    def describe(self, prefill: str = "the prefill", decode: str = "the decode") -> str:
-        """One sentence naming both sides (instance ids in the router, roles in the connector)."""
-        p, d = self.prefill, self.decode
-        if self.field == "model":
-            return f"{decode} serves model {d}, {prefill} serves {p}"
-        if self.field == "kv_layout":
-            return f"{decode} has kv_layout {d!r}, {prefill} has {p!r}"
-        if self.field == "transport":
-            return f"{decode} uses transport {_name(d)}, {prefill} uses {_name(p)}"
-        if self.field == "tp_size":
-            if self.transport is not None:
-                return f"{decode} has tp {d} > {prefill}'s tp {p} ({self.transport.value} needs P tp >= D tp)"
-            return f"{decode} has tp {d}, {prefill} has tp {p} and its KV is not replicated"
-        return f"{decode} has {self.field} {d}, {prefill} has {p}"
-
-
-def _name(value: Any) -> str:
-    return str(value.value) if isinstance(value, TransportKind) else str(value)
-
-
-def mismatch(p: KVShape, d: KVShape) -> Mismatch | None:
-    """None when decode `d` can take prefill `p`'s KV, else the first field that differs."""
-    # Written out field by field: the router evaluates this for every prefill/decode pair of its pool.
-    a: Any
-    b: Any
-    a, b = p.model, d.model
-    if a is not None and b is not None and a != b:
-        return Mismatch("model", a, b)
-    a, b = p.block_size, d.block_size
-    if a is not None and b is not None and a != b:
-        return Mismatch("block_size", a, b)
-    a, b = p.kv_dtype, d.kv_dtype
-    if a is not None and b is not None and a != b:
-        return Mismatch("kv_dtype", a, b)
-    a, b = p.kv_layout, d.kv_layout
-    if a is not None and b is not None and a != b:
-        return Mismatch("kv_layout", a, b)
-    a, b = p.transport, d.transport
-    if a is not None and b is not None and a != b:
-        return Mismatch("transport", a, b)
-    a, b = p.tp_size, d.tp_size
-    if a is None or b is None or a == b:
-        return None
-    return tp_mismatch(a, b, kv_replicated=p.kv_replicated, transport=p.transport or d.transport)
-
-
-def tp_mismatch(
-    prefill_tp: int, decode_tp: int, *, kv_replicated: bool, transport: TransportKind | None
-) -> Mismatch | None:
-    """The TP part of the rule (see the module docstring): None when every decode rank has a source."""
-    if prefill_tp == decode_tp:
-        return None
-    if not kv_replicated:
-        return Mismatch("tp_size", prefill_tp, decode_tp)
-    if prefill_tp < decode_tp and transport in TP_GE_TRANSPORTS:
-        return Mismatch("tp_size", prefill_tp, decode_tp, transport=transport)
-    return None
-
-
-def source_rank(decode_rank: int, prefill_tp: int, decode_tp: int) -> int:
-    """The prefill TP rank that decode rank `decode_rank` reads, for a pair `tp_mismatch` accepted."""
-    return decode_rank * prefill_tp // decode_tp
-
-
-# ---- kv_transfer_params ----------------------------------------------------------------------------
 
 
 class InvalidTransferParams(PDGateError):

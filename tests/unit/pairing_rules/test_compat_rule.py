@@ -1,11 +1,11 @@
-"""pdgate.contract: the one P/D compatibility rule (fields, TP layouts, wildcards)."""
+"""pdgate.pairing: the one P/D compatibility rule (fields, TP layouts, wildcards)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdgate.contract import KVFacts, Mismatch, mismatch, source_rank, tp_mismatch
 from pdgate.models import TransportKind
+from pdgate.pairing import KVFacts, Mismatch, mismatch, source_rank, tp_mismatch
 
 NIXL, LLMDD = TransportKind.NIXL, TransportKind.LLMDATADIST
 P = KVFacts(model="m", block_size=16, kv_dtype="bf16", kv_layout="L", transport=NIXL, tp_size=2)
@@ -78,3 +78,11 @@ def test_a_registration_that_omits_kv_dtype_and_layout_pairs_with_a_resolved_eng
     assert mismatch(connector, bare) is None
     stated = bare.model_copy(update={"kv_dtype": "fp8"})
     assert mismatch(stated, connector) == Mismatch("kv_dtype", "fp8", "bfloat16")  # a stated value still counts
+
+
+def test_pdgate_contract_still_exports_the_rule_itself() -> None:
+    """The rule moved to pdgate.pairing; its importers through pdgate.contract get the same objects."""
+    from pdgate import contract, pairing
+
+    for name in pairing.__all__:
+        assert getattr(contract, name) is getattr(pairing, name) and name in contract.__all__
