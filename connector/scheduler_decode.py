@@ -169,24 +169,8 @@ class DecodeSide:
         local_hit = self._sync.pop(req_id, None)
         prompt_ok = self._prompt_checked.pop(req_id, True)
         if num_external_tokens <= 0:
-            # Nothing to load: the prefix was cached here, or the prompt is not the one the prefill's KV
-            # belongs to (`same_prompt`: computed here instead). Either way the prefill frees at once.
             if kv is not None:
-                transfer_id = kv.require_transfer_id()
-                if prompt_ok:
-                    self._out.bump("recv_released")
-                    self._out.send(Abort(transfer_id, "decode did not need the KV (local prefix cache hit)"))
-                    return
-                self._out.bump("prompt_mismatch")
-                logger.error(
-                    "transfer %s: decode %s's prompt does not start with the %s tokens the prefill's KV belongs "
-                    "to; released it, the prompt is computed here",
-                    transfer_id,
-                    req_id,
-                    kv.remote_num_tokens,
-                    extra=about(transfer_id),
-                )
-                self._out.send(Abort(transfer_id, "the decode's prompt differs from the one the prefill computed"))
+                self._release(req_id, kv, prompt_ok)
             return
         group = blocks.blocks[0] if blocks.blocks else ()
         sync = local_hit is not None
@@ -276,6 +260,27 @@ class DecodeSide:
             extra=about(transfer_id),
         )
 
+    def _release(self, req_id: str, kv: KVTransferParams, prompt_ok: bool) -> None:
+        """A request that loads nothing: its prefix was cached here, or its prompt is not the one the
+        prefill's KV belongs to (`same_prompt`: computed here instead). Released through its share, so a
+        sibling that still reads the handoff keeps it (`siblings.py`); alone, the prefill frees at once."""
+        transfer_id = kv.require_transfer_id()
+        if prompt_ok:
+            self._out.bump("recv_released")
+            reason = "decode did not need the KV (local prefix cache hit)"
+        else:
+            self._out.bump("prompt_mismatch")
+            logger.error(
+                "transfer %s: decode %s's prompt does not start with the %s tokens the prefill's KV belongs "
+                "to; released it, the prompt is computed here",
+                transfer_id,
+                req_id,
+                kv.remote_num_tokens,
+                extra=about(transfer_id),
+            )
+            reason = "the decode's prompt differs from the one the prefill computed"
+        self._siblings.release(transfer_id, kv.siblings or 1, reason)
+
     def request_finished(self, request: Any, *, now: float) -> None:
         req_id = request.request_id
         self._prompt_checked.pop(req_id, None)
@@ -287,14 +292,14 @@ class DecodeSide:
             return
         # Finished before it was ever scheduled (aborted, rejected): tell the prefill to free now.
         try:
-            transfer_id = read_decode_params(request.kv_transfer_params).require_transfer_id()
+            kv = read_decode_params(request.kv_transfer_params)
         except InvalidTransferParams:
             self._out.bump("bad_params")
             return
         self._out.bump("recv_released")
-        if self._siblings.leave_unscheduled(transfer_id):  # its siblings still load
-            return
-        self._out.send(Abort(transfer_id, "decode request ended before its KV was pulled"))
+        self._siblings.release(
+            kv.require_transfer_id(), kv.siblings or 1, "decode request ended before its KV was pulled"
+        )
 
     def on_worker_output(self, outcomes: Sequence[PullOutcome], *, now: float) -> None:
         """Per-rank pull outcomes (aggregated over the workers by vLLM, possibly over several steps)."""

@@ -477,6 +477,51 @@ def test_a_sibling_that_ends_unscheduled_does_not_free_the_others_kv() -> None:
     assert h.take_commands() == [Done("t-1")]
 
 
+def test_a_sibling_that_reads_nothing_does_not_abort_the_handoff_another_one_reads() -> None:
+    h = half()
+    params = _router_claimed() | {"siblings": 2}
+    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2]), 40, now=0.0)
+    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4], cached=2), 0, now=0.0)
+    assert h.take_commands() == []  # the other sibling still reads the prefill's blocks
+    h.build([], now=0.0)
+    h.on_worker_output([PullOutcome("0_d", "t-1", 0, True, nblocks=2, reported=True)], now=0.1)
+    assert h.take_commands() == [Done("t-1")]  # the share completes: the prefill frees
+    assert (h.counters["recv_ok"], h.counters["recv_released"]) == (1, 1)
+
+
+def test_a_sibling_that_reads_nothing_first_leaves_the_claim_to_the_one_that_loads() -> None:
+    h = half()
+    params = d_params("t-1", num_tokens=40, siblings=2)
+    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2], cached=2), 0, now=0.0)
+    assert h.take_commands() == []
+    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.0)
+    assert h.take_commands() == [Claim("t-1")]
+    h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.1)
+    (plan,) = h.build([], now=0.1).pulls
+    h.on_worker_output([PullOutcome(plan.req_id, "t-1", 0, True, nblocks=2)], now=0.2)
+    assert h.build([], now=0.2).recv_done == (RecvDone("1_d", True),)
+    assert h.take_commands() == [Done("t-1")]
+
+
+def test_siblings_that_all_read_nothing_release_the_prefill_once() -> None:
+    h = half()
+    params = d_params("t-1", num_tokens=40, siblings=2)
+    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2], cached=2), 0, now=0.0)
+    assert h.take_commands() == []
+    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4], cached=2), 0, now=0.0)
+    (abort,) = h.take_commands()
+    assert isinstance(abort, Abort) and abort.transfer_id == "t-1" and "local prefix cache" in abort.reason
+
+
+def test_a_sibling_that_ends_before_the_others_are_scheduled_waits_for_them() -> None:
+    h = half()
+    params = d_params("t-1", num_tokens=40, siblings=2)
+    assert h.request_finished(make_request("0_d", 40, params), [], now=0.0) == (False, None)
+    assert h.take_commands() == []  # its sibling has yet to read the prefill's blocks
+    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.0)
+    assert h.take_commands() == [Claim("t-1")]
+
+
 def test_without_a_count_a_sibling_joins_while_the_others_load_and_a_late_one_fails() -> None:
     h = half()
     params = _router_claimed()
