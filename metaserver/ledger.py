@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import cast
 
 from pdgate.errors import Code, PDGateError
 from pdgate.models import TERMINAL_STATES, Handoff, HandoffCreate, HandoffEvent, HandoffState, KVLocation
@@ -43,6 +44,7 @@ __all__ = [
     "ALLOWED",
     "CLAIMED_STATE",
     "FIRST_STATE",
+    "KV_KEYS_PER_MS",
     "LAPSES",
     "MOVES",
     "Claimant",
@@ -55,6 +57,7 @@ __all__ = [
     "create",
     "done",
     "event_for",
+    "kv_key_floor",
     "lapse",
     "mark_ready",
     "refused",
@@ -66,6 +69,21 @@ S = HandoffState
 FIRST_STATE = S.PENDING
 # The state in which a record has a claimant (`decode_instance_id`); the claimant rules apply in it.
 CLAIMED_STATE = S.CLAIMED
+
+
+# The kv_key clock floor, one formula for both stores (the memory store calls `kv_key_floor`; the Redis
+# store's create.lua gets `KV_KEYS_PER_MS` as CFG.kv_keys_per_ms and computes the same from Redis TIME).
+# A counter that lost its last writes (a restart of the memory store, a replica promoted before it caught
+# up, an AOF that lost its last second, a flushed key) jumps past every key its predecessor issued,
+# unless that one issued over KV_KEYS_PER_MS keys per millisecond or the clocks disagree by more than
+# the restart took. With a shard's counter (kv_key = counter * buckets + bucket), the counter's floor is
+# `kv_key_floor(now) // buckets`. Every value stays below 2**53 (exact in a double, so in Lua) until 2248.
+KV_KEYS_PER_MS = 1024
+
+
+def kv_key_floor(now: float) -> int:
+    """The least kv_key a store issues at epoch time `now` (whole milliseconds * `KV_KEYS_PER_MS`)."""
+    return int(now * 1000) * KV_KEYS_PER_MS
 
 
 class Lease(str, Enum):
@@ -106,6 +124,16 @@ class Move:
     @property
     def terminal(self) -> bool:
         return self.to in TERMINAL_STATES
+
+    @property
+    def reason_from(self) -> str | None:
+        """Where the record's `reason` comes from on this move: "value" (the caller's), "fixed" (`reason`,
+        with the state left), or None (untouched). The one precedence rule for both interpreters, which
+        read this instead of deciding it: the caller's value wins over a fixed reason (an operator's
+        words say more than the table's default)."""
+        if self.field == "reason":
+            return "value"
+        return "fixed" if self.reason is not None else None
 
 
 _LIVE = frozenset(s for s in S if s not in TERMINAL_STATES)
@@ -204,8 +232,8 @@ def apply(
     }
     if move.field is not None:
         update[move.field] = value
-    if move.reason is not None:
-        update["reason"] = move.reason % rec.state.value
+    if move.reason_from == "fixed":
+        update["reason"] = cast(str, move.reason) % rec.state.value
     if move.claimant is Claimant.TAKE:
         update.update(decode_instance_id=caller, claims=rec.claims + 1)
     return rec.model_copy(update=update)

@@ -32,13 +32,12 @@ from pdgate.models import (
     KVLocation,
 )
 
-__all__ = ["MemoryStore", "kv_key_seed"]
+__all__ = ["MemoryStore", "feed_seed"]
 
 
-def kv_key_seed(now: float) -> int:
-    """First kv_key of a fresh counter: epoch seconds << 20, so a restarted (or flushed) store does not
-    reissue a key that a prefill may still hold, unless it issued over 2^20 keys per second on average.
-    Stays below 2^53 (exact in a double, so in Redis Lua too) until the year 2242."""
+def feed_seed(now: float) -> int:
+    """First sequence number of a fresh event feed: epoch seconds << 20 (see `_Feed`). Stays below 2^53
+    until the year 2242. (kv_keys have their own clock floor: `ledger.kv_key_floor`.)"""
     return int(now) << 20
 
 
@@ -51,7 +50,7 @@ class _Feed:
 
     def __init__(self, maxlen: int, now: float) -> None:
         self.items: deque[tuple[int, HandoffEvent]] = deque(maxlen=maxlen)
-        self.seq = kv_key_seed(now)
+        self.seq = feed_seed(now)
         self.last_append = now
         self.signal = asyncio.Event()
 
@@ -73,7 +72,7 @@ class MemoryStore(Store):
         self._instances: dict[str, Instance] = {}
         self._handoffs: dict[str, Handoff] = {}
         self._clock = clock
-        self._kv_key = kv_key_seed(clock())
+        self._kv_key = 0  # the last kv_key issued; each create takes max(last + 1, ledger.kv_key_floor)
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, tiebreak, transfer_id), lazily invalidated
         self._vanish: list[tuple[float, int, str]] = []  # terminal records: (drop at, tiebreak, transfer_id)
         self._tiebreak = itertools.count()
@@ -181,7 +180,7 @@ class MemoryStore(Store):
                 raise HandoffExists(
                     f"handoff {transfer_id} already exists", current_state=self._handoffs[transfer_id].state
                 )
-            self._kv_key += 1
+            self._kv_key = max(self._kv_key + 1, ledger.kv_key_floor(self._clock()))
             rec = ledger.create(
                 body,
                 transfer_id=transfer_id,

@@ -59,6 +59,7 @@ def _move_row(move: ledger.Move) -> dict[str, Any]:
         "claimant": move.claimant,
         "below_max_claims": move.below_max_claims,
         "reason": move.reason,
+        "reason_from": move.reason_from,
         "terminal": move.terminal,
         "lapsed_sources": move.lapsed_sources,
     }
@@ -80,6 +81,7 @@ def config(keys: Keys, policy: LedgerPolicy) -> dict[str, Any]:
         "max_claims": policy.max_claims,
         "moves": {name: _move_row(move) for name, move in ledger.MOVES.items()},
         "lapses": ledger.LAPSES,
+        "kv_keys_per_ms": ledger.KV_KEYS_PER_MS,
         "claimed": ledger.CLAIMED_STATE,
         "pending": ledger.FIRST_STATE,
         "kept": registry.KEPT_ON_REREGISTER,

@@ -7,7 +7,8 @@
 --   CFG.buckets number of ledger shards (kv_key's shard bits; 1 on one Redis)
 --   CFG.terminal_ttl_ms  CFG.events_maxlen  CFG.events_ttl_s  CFG.max_claims     retention (LedgerPolicy)
 --   CFG.moves   ledger.MOVES, name -> {sources = {STATE = true}, to, lease, field, claimant,
---               below_max_claims, reason, terminal, lapsed_sources = {STATE = true}}
+--               below_max_claims, reason, reason_from, terminal, lapsed_sources = {STATE = true}}
+--   CFG.kv_keys_per_ms  ledger.KV_KEYS_PER_MS (the kv_key clock floor, create.lua)
 --   CFG.lapses  ledger.LAPSES (move names, tried in order)   CFG.claimed  ledger.CLAIMED_STATE
 --   CFG.pending ledger.FIRST_STATE (a new record's state; leaving it wakes long-polls)
 --   CFG.kept    registry.KEPT_ON_REREGISTER
@@ -112,20 +113,20 @@ local function apply_move(m, key, tid, now, rec, caller, value, lease)
   elseif not applies(m, rec) then
     return {'illegal', state}
   end
+  -- where `reason` comes from is decided in ledger.Move.reason_from, not here
   local reason = nil
-  if m.reason then
+  if m.reason_from == 'fixed' then
     reason = string.format(m.reason, state)
+  elseif m.reason_from == 'value' then
+    reason = value
   end
   if m.terminal then
-    if m.field == 'reason' then
-      reason = value
-    end
     finish(key, tid, state, m.to, reason, now)
     return nil
   end
   local deadline = deadline_after(now, m.lease == 'record' and rec[3] or lease)
   local fields = {'state', m.to, 'updated_at', now, 'deadline', deadline}
-  if m.field then
+  if m.field and m.field ~= 'reason' then
     table.insert(fields, m.field)
     table.insert(fields, value)
   end

@@ -1,12 +1,10 @@
 -- Create a PENDING handoff with a fresh kv_key (unique, never a hash of the id).
 -- kv_key = counter * CFG.buckets + bucket: the shard bits keep the keys of different shards apart with
--- no cross-shard call. The shard's counter goes up by one per key and never falls below the clock floor
--- (this server's TIME in ms << 10, shared among the buckets): a counter that lost its last writes (a
--- replica promoted before it caught up, an AOF that lost its last second, a flushed key) jumps past every
--- key its predecessor issued, unless that one issued over ~1M keys per second per shard or the two
--- servers' clocks disagree by more than the failover took.
--- Lua numbers are doubles: every value stays below 2^53 (until the year 2248) and is formatted with
--- '%.0f', never tostring, so every digit survives.
+-- no cross-shard call. The shard's counter goes up by one per key and never falls below the clock floor,
+-- ledger.kv_key_floor (why, and its bounds, are written there) of this server's TIME, divided among the
+-- buckets; CFG.kv_keys_per_ms is ledger.KV_KEYS_PER_MS.
+-- Lua numbers are doubles: every value stays below 2^53 and is formatted with '%.0f', never tostring,
+-- so every digit survives.
 -- KEYS[3] the shard's kv_key counter. ARGV[3] bucket (0..CFG.buckets-1), ARGV[4] prefill instance id,
 -- ARGV[5] request id ('' = none), ARGV[6] PENDING deadline, ARGV[7] READY lease (s).
 local key = KEYS[2]
@@ -15,7 +13,7 @@ if existing then
   return {'exists', existing}
 end
 local t = redis.call('TIME')
-local floor = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) * 1024 / CFG.buckets)
+local floor = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) * CFG.kv_keys_per_ms / CFG.buckets)
 local counter = tonumber(redis.call('GET', KEYS[3]) or '0') + 1
 if counter < floor then
   counter = floor

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
+from pdgate.metaserver.ledger import kv_key_floor
 from pdgate.metaserver.store import open_store
 from pdgate.metaserver.store.keys import Keys, ttl_ms
-from pdgate.metaserver.store.memory import MemoryStore, kv_key_seed
+from pdgate.metaserver.store.memory import MemoryStore, feed_seed
 from pdgate.metaserver.store.redis import RedisStore, _split_url
 
 
@@ -38,9 +39,10 @@ def test_ttl_ms_never_zero() -> None:
     assert ttl_ms(0.0001) == 1 and ttl_ms(1.5) == 1500
 
 
-def test_kv_key_seed_is_exact_in_a_double() -> None:
-    seed = kv_key_seed(4102444800.0)  # year 2100
-    assert seed < 2**53 and float(seed) == seed
+def test_kv_key_floor_and_feed_seed_are_exact_in_a_double() -> None:
+    for seed in (kv_key_floor(4102444800.0), feed_seed(4102444800.0)):  # year 2100
+        assert seed < 2**53 and float(seed) == seed
+    assert kv_key_floor(8.7e9) < 2**53  # year 2245
 
 
 def test_open_store_picks_by_scheme() -> None:
