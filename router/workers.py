@@ -15,7 +15,8 @@ What each worker has of its own, and why that stays coherent:
 - load: each counts its own in-flight requests; the policies take the larger of that and the load the
   engine reports to the registry, which every worker reads, so the workers share that figure;
 - the ledger: one ledger, because it lives in the store. `--workers > 1` therefore needs either
-  `--metaserver URL` or an embedded metaserver on `--store redis://...`: N in-process `memory://`
+  `--metaserver URL` or an embedded metaserver on a shared store (every scheme of
+  `metaserver.store.SCHEMES` but `memory://`: Redis, Sentinel, Cluster, TLS or not): N in-process `memory://`
   stores would be N ledgers that do not know each other's handoffs (a decode sent by worker 1 could not
   claim a handoff that worker 2 recorded), so that combination is refused at start (status 2). Every
   worker then runs an embedded metaserver replica on the same Redis, which is what replicas are for
@@ -33,9 +34,10 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from pdgate.metaserver.store import SCHEMES
 from pdgate.router.settings import RouterSettings
 
-__all__ = ["listening_socket", "run_workers", "workers_problem"]
+__all__ = ["listening_socket", "run_workers", "shared_store", "workers_problem"]
 
 log = logging.getLogger("pdgate.router.workers")
 
@@ -43,9 +45,19 @@ _CRASHES_ALLOWED = 5  # within _CRASH_WINDOW_S: then the router stops instead of
 _CRASH_WINDOW_S = 60.0
 
 
+_PROCESS_LOCAL = "memory"  # the one store scheme whose state lives in the process that opened it
+
+
+def shared_store(url: str) -> bool:
+    """Whether every process that opens `url` sees the same ledger: any scheme the metaserver's stores
+    know (`metaserver.store.SCHEMES`, the one table of them; schemes are case-insensitive) but memory://."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    return scheme in SCHEMES and scheme != _PROCESS_LOCAL
+
+
 def workers_problem(settings: RouterSettings) -> str | None:
     """Why these settings cannot run with their `--workers`, or None."""
-    if settings.workers > 1 and settings.embedded and not settings.store.startswith(("redis://", "rediss://")):
+    if settings.workers > 1 and settings.embedded and not shared_store(settings.store):
         return (
             f"--workers {settings.workers} needs one ledger for all workers: give --store redis://... to the "
             f"embedded metaserver, or --metaserver URL (the store {settings.store.split('://')[0]}:// would be "

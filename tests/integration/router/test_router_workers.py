@@ -16,12 +16,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from pdgate.router.settings import RouterSettings
+from pdgate.router.workers import shared_store, workers_problem
 
 from tests.integration.router.conftest import Sim, start_sims
 from tests.support.ports import free_port
@@ -69,19 +71,24 @@ def _send(url: str, n: int) -> list[str]:
     return failures
 
 
-def _wait_registered(url: str, sims: list[Sim]) -> None:
-    deadline = time.monotonic() + 30
-    want = {s.id for s in sims}
+def _wait_every_worker(url: str, ok: Callable[[frozenset[str]], bool], what: str, timeout: float = 30) -> None:
+    """Until `ok(available instance ids)` holds for every worker that answers /health (deadline: `timeout`)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         seen = set()
-        for _ in range(8):  # several connections: every worker must list them
+        for _ in range(8):  # several connections: every worker must agree
             with httpx.Client(timeout=5) as http:
                 body = http.get(url + "/health").json()
             seen.add(frozenset(i["id"] for i in body["instances"] if i["available"]))
-        if all(want <= s for s in seen):
+        if all(ok(s) for s in seen):
             return
         time.sleep(0.2)
-    raise TimeoutError(f"not every worker lists {want}")
+    raise TimeoutError(f"not every worker {what}")
+
+
+def _wait_registered(url: str, sims: list[Sim]) -> None:
+    want = {s.id for s in sims}
+    _wait_every_worker(url, lambda available: want <= available, f"lists {want}")
 
 
 def test_workers_share_one_ledger_and_all_drop_a_dead_decode(router: tuple[str, subprocess.Popen[bytes]]) -> None:
@@ -97,7 +104,8 @@ def test_workers_share_one_ledger_and_all_drop_a_dead_decode(router: tuple[str, 
         assert d0.count("claimed") > 0 and d1.count("claimed") > 0
 
         d1.stop(signal.SIGKILL)
-        time.sleep(HEALTH_S + HEALTH_TIMEOUT_S + 1.0)  # one health round of every worker, with slack
+        # Every worker's health round takes it out of rotation (at most HEALTH_S + HEALTH_TIMEOUT_S each).
+        _wait_every_worker(url, lambda available: d1.id not in available, f"dropped {d1.id}")
         assert _send(url, 40) == []  # no worker sends a request to the dead decode
     finally:
         for s in sims:
@@ -121,3 +129,30 @@ def test_workers_without_a_shared_store_are_refused() -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "--workers 2 needs one ledger" in done.stderr and "--store redis://" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "store",
+    [
+        "redis://r:6379/0",
+        "REDIS://r:6379/0",
+        "rediss://r:6380/0",
+        "unix:///run/redis.sock",
+        "redis+sentinel://s1:26379,s2:26379/mymaster/0",
+        "rediss+sentinel://s1:26379/mymaster",
+        "redis+cluster://c1:7000,c2:7001/0",
+        "Rediss+Cluster://c1:7000",
+    ],
+)
+def test_workers_accept_every_shared_store(store: str) -> None:
+    """Every store the metaserver opens on a server is one ledger for all workers (issue 21, finding 8)."""
+    settings = RouterSettings(workers=4, store=store)
+    assert shared_store(store) and workers_problem(settings) is None
+
+
+@pytest.mark.parametrize("store", ["memory://", "MEMORY://", "nosuch://x"])
+def test_workers_refuse_a_store_of_one_process(store: str) -> None:
+    problem = workers_problem(RouterSettings(workers=2, store=store))
+    assert problem is not None and "one ledger per worker" in problem
+    assert workers_problem(RouterSettings(workers=1, store=store)) is None
+    assert workers_problem(RouterSettings(workers=2, store=store, metaserver="http://m:8300")) is None
