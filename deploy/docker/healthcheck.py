@@ -2,8 +2,9 @@
 """Container healthcheck: exit 0 when GET URL answers 2xx within the timeout, 1 otherwise.
 
 The slim images have no curl; Python is there in every one of them. The URL is the first argument,
-else $PDGATE_HEALTHCHECK_URL, else /health on the port the service's own settings name
-(PDGATE_ROUTER_PORT for the router, PDGATE_PORT for the metaserver).
+else $PDGATE_HEALTHCHECK_URL, else /health on the port the service's own settings name: PDGATE_ROUTER_PORT
+for the router, PDGATE_METASERVER_PORT for the metaserver (or its older name PDGATE_PORT, which the
+metaserver still reads; the new name wins there too), else 8300.
 
 usage: pdgate-healthcheck [URL] [--timeout SECONDS]
 """
@@ -17,9 +18,11 @@ import urllib.request
 
 
 def default_url(env: dict[str, str]) -> str:
+    """The URL to probe when none is given: the container's own service port, from its environment."""
     if env.get("PDGATE_HEALTHCHECK_URL"):
         return env["PDGATE_HEALTHCHECK_URL"]
-    port = env.get("PDGATE_ROUTER_PORT") or env.get("PDGATE_PORT") or "8300"
+    # The metaserver's own order (metaserver/settings.py): the new name first, then the older one.
+    port = env.get("PDGATE_ROUTER_PORT") or env.get("PDGATE_METASERVER_PORT") or env.get("PDGATE_PORT") or "8300"
     return f"http://127.0.0.1:{port}/health"
 
 

@@ -128,7 +128,7 @@ def test_engines_use_the_host_network_and_gate_themselves(rendered: dict[str, An
 def test_healthchecks_point_at_the_ports_the_services_listen_on(rendered: dict[str, Any]) -> None:
     services = rendered["head"]["services"]
     assert services["metaserver"]["healthcheck"]["test"][-1] == (
-        f"http://127.0.0.1:{services['metaserver']['environment']['PDGATE_PORT']}/health"
+        f"http://127.0.0.1:{services['metaserver']['environment']['PDGATE_METASERVER_PORT']}/health"
     )
     assert services["router"]["healthcheck"]["test"][-1] == (
         f"http://127.0.0.1:{services['router']['environment']['PDGATE_ROUTER_PORT']}/health"
@@ -157,7 +157,7 @@ def test_head_publishes_on_the_env_files_ports(env: dict[str, dict[str, str]], r
         return published_ports(services[name])
 
     bind = h["PDGATE_HEAD_BIND_ADDR"]
-    assert published("metaserver") == {(bind, int(h["PDGATE_METASERVER_PORT"]), 8300)}
+    assert published("metaserver") == {(bind, int(h["PDGATE_HEAD_METASERVER_PORT"]), 8300)}
     assert published("router") == {(bind, int(h["PDGATE_ROUTER_PORT"]), 8000)}
     assert published("redis") == {(h["PDGATE_REDIS_PUBLISH_ADDR"], int(h["PDGATE_REDIS_PORT"]), 6379)}
     obs = h["PDGATE_OBSERVABILITY_BIND_ADDR"]
@@ -165,20 +165,38 @@ def test_head_publishes_on_the_env_files_ports(env: dict[str, dict[str, str]], r
     assert published("grafana") == {(obs, int(h["PDGATE_GRAFANA_PORT"]), 3000)}
 
 
+def test_the_metaservers_published_port_is_not_its_own_port_setting(env: dict[str, dict[str, str]]) -> None:
+    """The env files name the host port the head publishes; the metaserver reads PDGATE_METASERVER_PORT as
+    its own --port. Were they one name, another published port would move the port it listens on away from
+    the one published and probed (8300 inside its network)."""
+    from pdgate.metaserver.settings import COMMAND_ENV_PREFIX, MetaSettings
+
+    own = {COMMAND_ENV_PREFIX + name.upper() for name in MetaSettings.model_fields}
+    for role, values in env.items():
+        assert not own & set(values), role
+    services = render(ENV_FILES["head"], {"PDGATE_HEAD_METASERVER_PORT": "9300"})["services"]
+    assert {port for _, port, _ in published_ports(services["metaserver"])} == {9300}
+    assert {inner for _, _, inner in published_ports(services["metaserver"])} == {8300}
+    assert services["metaserver"]["environment"]["PDGATE_METASERVER_PORT"] == "8300"
+    assert services["metaserver"]["healthcheck"]["test"][-1] == "http://127.0.0.1:8300/health"
+
+
 def test_head_services_are_wired_to_each_other(env: dict[str, dict[str, str]], rendered: dict[str, Any]) -> None:
     h = env["head"]
     services = rendered["head"]["services"]
     m = services["metaserver"]["environment"]
     r = services["router"]["environment"]
-    assert m["PDGATE_HOST"] == "0.0.0.0"
-    assert m["PDGATE_STORE"] == f"redis://:{h['PDGATE_REDIS_PASSWORD']}@redis:6379/0"
-    assert m["PDGATE_ADMIN_TOKEN"] == h["PDGATE_ADMIN_TOKEN"]
-    assert m["PDGATE_INSTANCE_LEASE_S"] == h["PDGATE_INSTANCE_LEASE_S"]
+    assert m["PDGATE_METASERVER_HOST"] == "0.0.0.0"
+    assert m["PDGATE_METASERVER_STORE"] == f"redis://:{h['PDGATE_REDIS_PASSWORD']}@redis:6379/0"
+    assert m["PDGATE_METASERVER_ADMIN_TOKEN"] == h["PDGATE_ADMIN_TOKEN"]
+    assert m["PDGATE_METASERVER_INSTANCE_LEASE_S"] == h["PDGATE_INSTANCE_LEASE_S"]
     assert r["PDGATE_ROUTER_HOST"] == "0.0.0.0"
-    assert r["PDGATE_ROUTER_METASERVER"] == f"http://metaserver:{m['PDGATE_PORT']}"
+    assert r["PDGATE_ROUTER_METASERVER"] == f"http://metaserver:{m['PDGATE_METASERVER_PORT']}"
     assert r["PDGATE_ROUTER_METASERVER_TOKEN"] == h["PDGATE_ADMIN_TOKEN"]
     # Engines are told where to reach the metaserver: the head's address, not the service name.
-    assert r["PDGATE_ROUTER_ADVERTISE_METASERVER"] == f"http://{h['PDGATE_HEAD_ADDR']}:{h['PDGATE_METASERVER_PORT']}"
+    assert (
+        r["PDGATE_ROUTER_ADVERTISE_METASERVER"] == f"http://{h['PDGATE_HEAD_ADDR']}:{h['PDGATE_HEAD_METASERVER_PORT']}"
+    )
     assert r["PDGATE_ROUTER_PREFILL_POLICY"] == h["PDGATE_ROUTER_PREFILL_POLICY"]
     assert r["PDGATE_ROUTER_DECODE_POLICY"] == h["PDGATE_ROUTER_DECODE_POLICY"]
 
@@ -194,7 +212,7 @@ def test_engines_take_their_identity_from_their_env_file(role: str, env: dict[st
         assert v["PDGATE_ENGINE_FLAVOUR"] == flavour
         assert v["PDGATE_ENGINE_ADVERTISE_ADDR"] == "10.9.8.7"
         assert v["VLLM_HOST_IP"] == "10.9.8.7"
-        assert v["PDGATE_METASERVER_URL"] == f"http://{e['PDGATE_HEAD_ADDR']}:{e['PDGATE_METASERVER_PORT']}"
+        assert v["PDGATE_METASERVER_URL"] == f"http://{e['PDGATE_HEAD_ADDR']}:{e['PDGATE_HEAD_METASERVER_PORT']}"
         assert v["PDGATE_METASERVER_TOKEN"] == e["PDGATE_ADMIN_TOKEN"]
         assert v["PDGATE_ENGINE_PORT"] == e[f"PDGATE_{R}_PORT"]
         assert v["PDGATE_ENGINE_KV_PORT"] == e[f"PDGATE_{R}_KV_PORT"]
@@ -268,7 +286,7 @@ def test_cluster_wide_values_agree_across_hosts(env: dict[str, dict[str, str]]) 
     head_text = ENV_FILES["head"].read_text()
     section = head_text.split("cluster-wide", 1)[1].split("# ----", 1)[0]
     cluster_keys = set(re.findall(r"^([A-Z_][A-Z0-9_]*)=", section, re.M))
-    assert {"PDGATE_HEAD_ADDR", "PDGATE_METASERVER_PORT", "PDGATE_ADMIN_TOKEN"} <= cluster_keys
+    assert {"PDGATE_HEAD_ADDR", "PDGATE_HEAD_METASERVER_PORT", "PDGATE_ADMIN_TOKEN"} <= cluster_keys
     for key in cluster_keys:
         values = {role: values.get(key) for role, values in env.items()}
         assert len(set(values.values())) == 1, f"{key} differs between env files: {values}"

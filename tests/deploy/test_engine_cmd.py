@@ -65,7 +65,7 @@ def test_cpu_engine_command_is_accepted_by_the_connector(role: str, services: di
     addr = env["PDGATE_ENGINE_ADVERTISE_ADDR"]
     assert parsed.url == f"http://{addr}:{port}"
     assert parsed.instance_id == f"{role}-{addr}-{port}" == cfg["engine_id"]
-    assert parsed.metaserver_url == f"http://{files['PDGATE_HEAD_ADDR']}:{files['PDGATE_METASERVER_PORT']}"
+    assert parsed.metaserver_url == f"http://{files['PDGATE_HEAD_ADDR']}:{files['PDGATE_HEAD_METASERVER_PORT']}"
     assert parsed.metaserver_token == files["PDGATE_ADMIN_TOKEN"]
     assert parsed.transport == "nixl"
     assert parsed.model == files["PDGATE_SERVED_MODEL_NAME"]
@@ -316,6 +316,18 @@ def test_healthcheck_exit_status_follows_the_endpoint(health_server: http.server
     health_server.status = 503  # type: ignore[attr-defined]
     assert _healthcheck(url) == 1
     assert _healthcheck(f"http://127.0.0.1:{free_port()}/health", "--timeout", "1") == 1
+
+
+def test_healthcheck_finds_the_metaservers_port_by_its_new_name_then_its_older_one(
+    health_server: http.server.HTTPServer,
+) -> None:
+    """The metaserver's port is PDGATE_METASERVER_PORT (PDGATE_PORT, its older name, still works; the new
+    name wins, as in the metaserver itself). Before, only PDGATE_PORT was read: 8300 was probed instead."""
+    port, dead = str(health_server.server_address[1]), str(free_port())
+    assert _healthcheck("--timeout", "2", env={"PDGATE_METASERVER_PORT": port}) == 0
+    assert _healthcheck("--timeout", "2", env={"PDGATE_METASERVER_PORT": port, "PDGATE_PORT": dead}) == 0
+    assert _healthcheck("--timeout", "2", env={"PDGATE_PORT": port}) == 0
+    assert _healthcheck("--timeout", "2", env={"PDGATE_METASERVER_PORT": dead, "PDGATE_PORT": port}) == 1
 
 
 def test_tiny_model_defaults_match_the_model_builder() -> None:

@@ -200,7 +200,7 @@ def test_engine_hosts_reach_the_head_only_through_the_bridge(rehearsal: Rehearsa
 
 
 def test_engines_register_themselves_with_their_advertised_addresses(rehearsal: Rehearsal) -> None:
-    token = rehearsal.head_services["metaserver"]["environment"]["PDGATE_ADMIN_TOKEN"]
+    token = rehearsal.head_services["metaserver"]["environment"]["PDGATE_METASERVER_ADMIN_TOKEN"]
     expected = sorted(_expected_ids(rehearsal).values())
     got = rehearsal.client("wait-instances", token, json.dumps(expected), "60", timeout=120)
     assert got == expected, f"registry: {got}\n{rehearsal.logs()}"
@@ -243,7 +243,7 @@ def test_requests_from_the_head_reach_every_engine_host(rehearsal: Rehearsal) ->
 
 
 def test_a_stopped_host_leaves_the_rotation_within_its_lease_and_rejoins_when_started(rehearsal: Rehearsal) -> None:
-    token = rehearsal.head_services["metaserver"]["environment"]["PDGATE_ADMIN_TOKEN"]
+    token = rehearsal.head_services["metaserver"]["environment"]["PDGATE_METASERVER_ADMIN_TOKEN"]
     ids = _expected_ids(rehearsal)
     record = rehearsal.client("instance", token, ids["prefill-b"])
     assert record is not None

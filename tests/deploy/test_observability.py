@@ -103,7 +103,7 @@ def test_prometheus_scrapes_the_head_services_where_they_listen(head: dict[str, 
     config = yaml.safe_load((COMPOSE_DIR / "prometheus/prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     router_port = head["router"]["environment"]["PDGATE_ROUTER_PORT"]
-    meta_port = head["metaserver"]["environment"]["PDGATE_PORT"]
+    meta_port = head["metaserver"]["environment"]["PDGATE_METASERVER_PORT"]
     assert jobs["pdgate-router"]["static_configs"][0]["targets"] == [f"router:{router_port}"]
     assert jobs["pdgate-metaserver"]["static_configs"][0]["targets"] == [f"metaserver:{meta_port}"]
     # Extra hosts come from files in the mounted folder; the examples parse as file_sd target lists.
