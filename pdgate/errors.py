@@ -72,6 +72,8 @@ class Code(str, Enum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded", CodeInfo(400, openai_type=_BAD)
     BODY_TOO_LARGE = "body_too_large", CodeInfo(413, openai_type=_BAD)
     REQUEST_TOO_LARGE = "request_too_large", CodeInfo(413, openai_type=_BAD)
+    URL_TOO_LONG = "url_too_long", CodeInfo(414, openai_type=_BAD)  # refused by pdgate.serving as it arrives
+    HEADERS_TOO_LARGE = "headers_too_large", CodeInfo(431, openai_type=_BAD)  # the same, for the request head
     INVALID_API_KEY = "invalid_api_key", CodeInfo(401, openai_type=_BAD)
     UNAUTHORIZED = "unauthorized", CodeInfo(401, openai_type=_BAD)
     FORBIDDEN = "forbidden", CodeInfo(403, openai_type=_BAD)

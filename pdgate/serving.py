@@ -15,6 +15,11 @@ silent connections pass it. The checks belong where the bytes arrive, in the HTT
   arrived) does not count as the client's stall;
 - size: a `Content-Length` over `max_body_bytes` gets 413 at once, before any of the body is read,
   and the connection is closed; a chunked body is bounded by the application while it reads;
+- head: a URL over `max_url_bytes` gets 414 and a request head (request line and headers) over
+  `max_header_bytes` gets 431, counted as the bytes arrive, before the head is complete. Why in bytes
+  and not only in time: the parser joins a header's bytes chunk by chunk (a cost that grows with the
+  square of its size), so a 32 MB header sent at full speed held the loop for seconds within the header
+  timeout, and was then served. nginx, Envoy and h11 refuse past a few tens of KB; so do we;
 - connections: past `max_connections` open connections a new one gets 503 with `Retry-After: 1` and is
   closed before any byte is read. Why not uvicorn's `limit_concurrency`: it counts only after reading
   the headers (a slow client still holds a slot) and cannot say Retry-After. Why 503 and not a reset:
@@ -66,6 +71,8 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     max_body_bytes: int = 1 << 20
     max_connections: int = 4096
+    max_header_bytes: int = 64 << 10  # request line and headers together (nginx's large buffers: 4 x 8 KiB)
+    max_url_bytes: int = 8 << 10  # the request target (nginx: one 8 KiB buffer; h11: its head limit)
 
 
 def _raw_response(code: Code, render: Render, detail: str, extra: list[bytes] | None = None) -> bytes:
@@ -107,6 +114,8 @@ class _Guarded(HttpToolsProtocol):
         self._phase = _NOTHING
         self._deadline = 0.0
         self._refused = False
+        self._in_head = True  # from a request's first byte until its headers are complete
+        self._head_bytes = 0  # bytes read while `_in_head`
 
     # -- the deadline ---------------------------------------------------------------------------
     def _time(self, phase: int, seconds: float) -> None:
@@ -201,17 +210,35 @@ class _Guarded(HttpToolsProtocol):
         if self._phase == _IDLE:  # a keep-alive connection's next request: timed from its first byte
             self._time(_HEADERS, self.policy.limits.header_timeout_s)
         super().data_received(data)
+        if self._in_head and not self._refused:
+            # Counted after the parser took the chunk: a chunk that completes the head is not counted, one
+            # that does not is all head. The parser reads at most one chunk past the limit.
+            self._head_bytes += len(data)
+            if self._head_bytes > self.policy.limits.max_header_bytes:
+                detail = f"request head over the limit of {self.policy.limits.max_header_bytes} bytes"
+                self._refuse(Code.HEADERS_TOO_LARGE, detail)
 
     def on_message_begin(self) -> None:
         if self._refused:
             return
+        self._in_head = True
+        self._head_bytes = 0
         super().on_message_begin()
         if self._phase == _NOTHING:  # a request pipelined behind one in progress
             self._time(_HEADERS, self.policy.limits.header_timeout_s)
 
+    def on_url(self, url: bytes) -> None:
+        if self._refused:
+            return
+        if len(self.url) + len(url) > self.policy.limits.max_url_bytes:
+            self._refuse(Code.URL_TOO_LONG, f"URL over the limit of {self.policy.limits.max_url_bytes} bytes")
+            return
+        super().on_url(url)
+
     def on_headers_complete(self) -> None:
         if self._refused:
             return
+        self._in_head = False
         self._phase = _NOTHING
         declared = self._declared_length()
         if declared is not None and declared > self.policy.limits.max_body_bytes:
