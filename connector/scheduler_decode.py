@@ -43,6 +43,7 @@ the load fails (its blocks as load errors in that same step, so vLLM drops the t
 recomputes the request); DONE goes out once the pull is known, off the path.
 
 Siblings (vLLM's n > 1) share one claim and one end (DONE after the last one settled): `siblings.py`.
+The loads in progress, and the bookkeeping every end shares (report, settle, count, log): `decode_recv.py`.
 
 Pure bookkeeping like the rest of the scheduler half: `now` is an argument, I/O leaves as commands.
 """
@@ -50,7 +51,6 @@ Pure bookkeeping like the rest of the scheduler half: `now` is an argument, I/O 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -58,14 +58,14 @@ from typing import Any
 from pdgate.connector.blocks import tokens_to_load
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.decode_load import blocks_to_fill, may_load_sync, read_decode_params, same_prompt
-from pdgate.connector.decode_recv import Recv, RecvState, reported
+from pdgate.connector.decode_recv import Loads, Recv, RecvState
 from pdgate.connector.errors import LocationError
 from pdgate.connector.location import EngineFacts, plan_for, plan_from_location
 from pdgate.connector.logs import about
-from pdgate.connector.messages import Abort, Claim, Claimed, ClaimFailed, DoneResult
+from pdgate.connector.messages import Claim, Claimed, ClaimFailed, DoneResult
 from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan
 from pdgate.connector.outbox import Outbox
-from pdgate.connector.siblings import Siblings
+from pdgate.connector.siblings import Share, Siblings
 
 from pdgate import claim_seal
 from pdgate.contract import InvalidTransferParams, KVTransferParams
@@ -80,7 +80,6 @@ logger = logging.getLogger(__name__)
 # this long, a step or two, because the control thread sending DONE takes the engine core's GIL from the
 # thread that sends that token out (measured: ~2 ms more from the step's end to the API server).
 _SETTLE_AFTER_S = 0.003
-_CLAIM_SAMPLES = 4096  # the latest claim latencies kept for the stats snapshot
 
 # A claim that failed for one of these left nothing to abort: the record is terminal or unknown.
 _NOTHING_TO_ABORT = frozenset({Code.HANDOFF_TERMINAL, Code.HANDOFF_NOT_FOUND, Code.NOT_FOUND})
@@ -94,18 +93,14 @@ class DecodeSide:
         self._facts = facts
         self._out = out
         self._claim_key = claim_seal.claim_key(cfg.metaserver_token)  # None: no router claim is trusted
-        self._recv: dict[str, Recv] = {}  # req_id -> pull in progress
-        self._recv_by_transfer: dict[str, list[str]] = {}  # transfer_id -> req ids loading it
         self._siblings = Siblings(out)  # what the requests loading one handoff share, until DONE/abort
+        self._loads = Loads(out, self._siblings, facts.world_size)  # the pulls in progress, and their ends
         self._consumed: set[str] = set()  # req ids whose handoff was set up or released
         self._new_pulls: list[RecvPlan] = []
-        self._new_done: list[RecvDone] = []
         # req id -> its local (block-aligned) hit, for the requests last answered "load synchronously"
         self._sync: dict[str, int] = {}
         self._prompt_checked: dict[str, bool] = {}  # req id -> `same_prompt`, until its allocation
         self._settle_next: list[Recv] = []  # synchronous loads pulled, to settle at the next step
-        # Claim latency (ms) of the latest loads, from allocation to the claim in hand (0 for the router's).
-        self._claim_ms: deque[float] = deque(maxlen=_CLAIM_SAMPLES)
 
     # ---- vLLM hooks ---------------------------------------------------------------------------------
 
@@ -155,6 +150,9 @@ class DecodeSide:
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, *, now: float) -> None:
+        """vLLM allocated the request's blocks: release its handoff when it loads nothing (`_release`),
+        else start its load: an early pull from the params' location (`_plan_early`), then its claim
+        (`_claim`: the router's, its own, or a sibling's)."""
         req_id = request.request_id
         if req_id in self._consumed:
             return
@@ -176,58 +174,75 @@ class DecodeSide:
         sync = local_hit is not None
         hit, local = blocks_to_fill(group, num_external_tokens, self._facts.block_size, local_hit)
         self._out.bump("recv_started")
-        if kv is None:
-            self._fail_unstarted(req_id, local, sync=sync)
+        if kv is None or self._too_late(req_id, kv.require_transfer_id()):
+            self._loads.fail_unstarted(req_id, local, sync=sync)
             return
         transfer_id = kv.require_transfer_id()
-        if self._siblings.get(transfer_id) is None and transfer_id in self._recv_by_transfer:
-            # Its siblings' DONE already went out: too late to join.
-            logger.error(
-                "transfer %s: a decode request (%s) carries it after its siblings finished; failing it",
-                transfer_id,
-                req_id,
-                extra=about(transfer_id),
-            )
-            self._fail_unstarted(req_id, local, sync=sync)
-            return
         share, first = self._siblings.join(transfer_id, kv.siblings or 1)
         deadline = now + self._cfg.ready_wait_s + self._cfg.pull_timeout_s + self._cfg.free_margin_s
         rec = Recv(req_id, transfer_id, local, hit, num_external_tokens, deadline, sync=sync, started_at=now)
-        self._recv[req_id] = rec
-        self._recv_by_transfer.setdefault(transfer_id, []).append(req_id)
+        self._loads.add(rec)
         trusted_until = kv.trusted_until(self._facts.instance_id, self._claim_key)
         if trusted_until is None and kv.claimed_by == self._facts.instance_id:
             self._out.bump("claims_untrusted")  # unsealed, forged, or under another token: we claim ourselves
+        if self._plan_early(rec, kv, trusted_until, now):
+            self._claim(rec, kv, share, first=first, trusted_until=trusted_until, now=now)
+
+    def _too_late(self, req_id: str, transfer_id: str) -> bool:
+        """Whether the request carries a handoff whose siblings' DONE already went out: too late to join."""
+        if self._siblings.get(transfer_id) is not None or not self._loads.members(transfer_id):
+            return False
+        logger.error(
+            "transfer %s: a decode request (%s) carries it after its siblings finished; failing it",
+            transfer_id,
+            req_id,
+            extra=about(transfer_id),
+        )
+        return True
+
+    def _plan_early(self, rec: Recv, kv: KVTransferParams, trusted_until: float | None, now: float) -> bool:
+        """Start the pull from the params' location (the prefill's copy of its READY record) before any
+        claim answers; under the router's claim the plan carries its bound. False: the load failed (a
+        synchronous load has no claim to wait for)."""
         location = kv.location()
-        if location is not None and kv.kv_key is not None:
-            try:
-                rec.early = plan_for(
-                    location,
-                    self._facts,
-                    transfer_id=transfer_id,
-                    kv_key=kv.kv_key,
-                    req_id=req_id,
-                    local_block_ids=local,
-                    hit_blocks=hit,
-                )
-                if trusted_until is not None:
-                    rec.early = replace(rec.early, trusted_until=trusted_until, sync=sync)
-            except LocationError as exc:
-                if sync:  # vLLM computes it in this step: no claim can come in time, the load fails now
-                    self._fail(rec, exc.code, exc.message, abort=True)
-                    return
-                # Only a hint: the claimed record decides (and fails the load if it is this same location).
-                logger.debug(
-                    "transfer %s: no early pull (%s): %s",
-                    transfer_id,
-                    exc.code.value,
-                    exc.message,
-                    extra=about(transfer_id),
-                )
-            else:
-                rec.state = RecvState.PULLING
-                rec.pull_started_at = now
-                self._new_pulls.append(rec.early)
+        if location is None or kv.kv_key is None:
+            return True
+        try:
+            plan = plan_for(
+                location,
+                self._facts,
+                transfer_id=rec.transfer_id,
+                kv_key=kv.kv_key,
+                req_id=rec.req_id,
+                local_block_ids=rec.local_block_ids,
+                hit_blocks=rec.hit_blocks,
+            )
+        except LocationError as exc:
+            if rec.sync:  # vLLM computes it in this step: no claim can come in time, the load fails now
+                self._loads.fail(rec, exc.code, exc.message, abort=True)
+                return False
+            # Only a hint: the claimed record decides (and fails the load if it is this same location).
+            logger.debug(
+                "transfer %s: no early pull (%s): %s",
+                rec.transfer_id,
+                exc.code.value,
+                exc.message,
+                extra=about(rec.transfer_id),
+            )
+            return True
+        if trusted_until is not None:
+            plan = replace(plan, trusted_until=trusted_until, sync=rec.sync)
+        rec.early = plan
+        rec.state = RecvState.PULLING
+        rec.pull_started_at = now
+        self._new_pulls.append(plan)
+        return True
+
+    def _claim(
+        self, rec: Recv, kv: KVTransferParams, share: Share, *, first: bool, trusted_until: float | None, now: float
+    ) -> None:
+        """Who claims `rec`'s handoff: the router did (no round trip), this request (the first sibling to
+        load), or a sibling, whose claim is in flight or already answered."""
         if rec.early is not None and trusted_until is not None:
             # The router claimed it for us (module docstring): no round trip before the pull.
             rec.claimed = rec.by_router = True
@@ -235,29 +250,29 @@ class DecodeSide:
             assert kv.claim_lease_s is not None
             rec.claim_lease_s = kv.claim_lease_s
             self._out.bump("claims_by_router")
-            if sync:
+            if rec.sync:
                 self._out.bump("recv_sync")
-        elif sync:
+        elif rec.sync:
             # Checked in get_num_new_matched_tokens; only a claim that stopped verifying since lands here.
-            self._fail(rec, Code.LOCATION_MISMATCH, "no usable router claim for a synchronous load", abort=True)
+            self._loads.fail(rec, Code.LOCATION_MISMATCH, "no usable router claim for a synchronous load", abort=True)
             return
         elif first:
-            self._out.send(Claim(transfer_id))
+            self._out.send(Claim(rec.transfer_id))
         elif share.claim_failed is not None:  # a sibling's claim already failed
             failed = share.claim_failed
-            self._fail(rec, failed.code, failed.message, abort=failed.code not in _NOTHING_TO_ABORT)
+            self._loads.fail(rec, failed.code, failed.message, abort=failed.code not in _NOTHING_TO_ABORT)
             return
         elif share.handoff is not None:  # a sibling's claim answered: pull where it says
             self._apply_claim(rec, share.handoff, now)
             return
         logger.debug(
             "transfer %s: decode %s %s, %d local blocks (%d cached)",
-            transfer_id,
-            req_id,
+            rec.transfer_id,
+            rec.req_id,
             "pulls under the router's claim" if rec.by_router else "claims",
-            len(local),
-            hit,
-            extra=about(transfer_id),
+            len(rec.local_block_ids),
+            rec.hit_blocks,
+            extra=about(rec.transfer_id),
         )
 
     def _release(self, req_id: str, kv: KVTransferParams, prompt_ok: bool) -> None:
@@ -304,7 +319,7 @@ class DecodeSide:
     def on_worker_output(self, outcomes: Sequence[PullOutcome], *, now: float) -> None:
         """Per-rank pull outcomes (aggregated over the workers by vLLM, possibly over several steps)."""
         for oc in outcomes:
-            rec = self._recv.get(oc.req_id)
+            rec = self._loads.get(oc.req_id)
             if rec is None or rec.transfer_id != oc.transfer_id or rec.state is not RecvState.PULLING:
                 continue  # a late outcome for a request already failed (deadline) or finished
             rec.outcomes[oc.tp_rank] = oc
@@ -319,7 +334,7 @@ class DecodeSide:
             if failed:
                 first = failed[0]
                 code = first.code or Code.TRANSPORT_ERROR
-                self._fail(rec, code, f"tp rank {first.tp_rank}: {first.message}", abort=True)
+                self._loads.fail(rec, code, f"tp rank {first.tp_rank}: {first.message}", abort=True)
             else:
                 rec.pulled_at = now
                 if rec.sync:
@@ -340,7 +355,7 @@ class DecodeSide:
         share = self._siblings.get(result.transfer_id)
         if share is not None:
             share.handoff = result.handoff
-        for rec in self._members(result.transfer_id):
+        for rec in self._loads.members(result.transfer_id):
             if not rec.claimed:
                 self._apply_claim(rec, result.handoff, now)
 
@@ -349,9 +364,9 @@ class DecodeSide:
         share = self._siblings.get(result.transfer_id)
         if share is not None:
             share.claim_failed = result
-        for rec in self._members(result.transfer_id):
+        for rec in self._loads.members(result.transfer_id):
             if not rec.claimed:
-                self._fail(rec, result.code, result.message, abort=result.code not in _NOTHING_TO_ABORT)
+                self._loads.fail(rec, result.code, result.message, abort=result.code not in _NOTHING_TO_ABORT)
 
     def on_done(self, result: DoneResult, now: float) -> None:
         if result.code is not None:
@@ -359,14 +374,14 @@ class DecodeSide:
             # the handoff had already ended (the router aborted it: its client went away) is the race
             # that abort is for, counted apart.
             self._out.bump("done_refused" if result.valid else "done_after_end")
-        for rec in self._members(result.transfer_id):
+        for rec in self._loads.members(result.transfer_id):
             if rec.state is not RecvState.CONFIRMING:
                 continue
             if result.valid:
-                self._complete_ok(rec, now)
+                self._loads.complete_ok(rec, now)
             else:
                 code = result.code or Code.INTERNAL
-                self._fail(rec, code, result.message or "", abort=code is not Code.HANDOFF_TERMINAL)
+                self._loads.fail(rec, code, result.message or "", abort=code is not Code.HANDOFF_TERMINAL)
 
     # ---- per step -----------------------------------------------------------------------------------
 
@@ -374,11 +389,13 @@ class DecodeSide:
         """Settle the synchronous loads of the step before, fail the loads past their deadline, then hand
         over the new pulls and the finished loads."""
         self._settle_sync(now)
-        for rec in list(self._recv.values()):
+        for rec in self._loads.all():
             if now >= rec.deadline:
-                self._fail(rec, Code.KV_LOAD_TIMEOUT, f"KV load still {rec.state.value} at its deadline", abort=True)
-        pulls, done = tuple(self._new_pulls), tuple(self._new_done)
-        self._new_pulls, self._new_done = [], []
+                self._loads.fail(
+                    rec, Code.KV_LOAD_TIMEOUT, f"KV load still {rec.state.value} at its deadline", abort=True
+                )
+        pulls, done = tuple(self._new_pulls), tuple(self._loads.take_done())
+        self._new_pulls = []
         return pulls, done
 
     def _settle_sync(self, now: float, req_id: str | None = None) -> None:
@@ -395,13 +412,13 @@ class DecodeSide:
     @property
     def loading(self) -> int:
         """Requests whose KV load is in progress."""
-        return len(self._recv)
+        return len(self._loads)
+
+    def claim_latency_ms(self) -> list[float]:
+        """The claim latency of the latest loads (ms, oldest first), for the stats snapshot."""
+        return self._loads.claim_latency_ms()
 
     # ---- internals ----------------------------------------------------------------------------------
-
-    def _members(self, transfer_id: str) -> list[Recv]:
-        """The requests loading `transfer_id` (siblings, or the one request)."""
-        return [self._recv[r] for r in self._recv_by_transfer.get(transfer_id, ()) if r in self._recv]
 
     def _apply_claim(self, rec: Recv, handoff: Handoff, now: float) -> None:
         """The ledger's claimed record for `rec`: pull where it says, or check the early pull against it."""
@@ -415,7 +432,7 @@ class DecodeSide:
                 hit_blocks=rec.hit_blocks,
             )
         except LocationError as exc:
-            self._fail(rec, exc.code, exc.message, abort=True)
+            self._loads.fail(rec, exc.code, exc.message, abort=True)
             return
         rec.claimed = True
         rec.claim_lease_s = handoff.lease_s
@@ -425,7 +442,7 @@ class DecodeSide:
             self._new_pulls.append(plan)
             return
         if plan != rec.early:
-            self._fail(
+            self._loads.fail(
                 rec,
                 Code.LOCATION_MISMATCH,
                 "the ledger's KV location differs from the one in kv_transfer_params (pulled from the latter)",
@@ -435,108 +452,21 @@ class DecodeSide:
         if rec.state is RecvState.PULLED:
             self._pulled_and_claimed(rec, now)
 
-    def _settle(self, rec: Recv, *, ok: bool, abort: str | None = None) -> None:
-        """`rec` pulled (`ok`) or failed; once every sibling did, DONE (any pulled) or the abort goes out."""
-        if not rec.settled and self._siblings.settle(rec.transfer_id, ok=ok, abort=abort):
-            rec.settled = True
-            return
-        if abort is not None and not ok:  # its DONE went out and failed: give the handoff up
-            self._out.send(Abort(rec.transfer_id, abort))
-
-    def claim_latency_ms(self) -> list[float]:
-        """The claim latency of the latest loads (ms, oldest first), for the stats snapshot."""
-        return list(self._claim_ms)
-
-    def _unreported(self, rec: Recv) -> frozenset[int] | None:
-        """The TP ranks that still need a RecvDone (None: all): under the router's claim a worker may have
-        reported the request itself."""
-        if not rec.by_router:
-            return None
-        return frozenset(r for r in range(self._facts.world_size) if not reported(rec.outcomes.get(r)))
-
     def _pulled_under_router_claim(self, rec: Recv, now: float) -> None:
         """Every rank pulled. Those that finished within the router's claim already reported the request
         (same step); DONE goes out now (after the last sibling), off the path. A rank past the bound waits
         for DONE (see top)."""
-        self._settle(rec, ok=True)
-        if self._unreported(rec):
+        self._loads.settle(rec, ok=True)
+        if self._loads.unreported(rec):
             rec.state = RecvState.CONFIRMING
         else:
-            self._complete_ok(rec, now)
+            self._loads.complete_ok(rec, now)
 
     def _pulled_and_claimed(self, rec: Recv, now: float) -> None:
         """Report the load now if the pull ended within the claim lease; else wait for DONE (see top)."""
-        self._settle(rec, ok=True)
+        self._loads.settle(rec, ok=True)
         # Half the lease: room for the metaserver's clock running at another rate than ours.
         if now - rec.started_at < rec.claim_lease_s / 2:
-            self._complete_ok(rec, now)
+            self._loads.complete_ok(rec, now)
         else:
             rec.state = RecvState.CONFIRMING
-
-    def _complete_ok(self, rec: Recv, now: float) -> None:
-        # claim: until the claim's answer; pull: from the plan to every worker's outcome (it overlaps the
-        # claim when it started early); confirm: from the later of the two to the report.
-        claimed = rec.claimed_at if rec.claimed_at is not None else now
-        pulled = rec.pulled_at if rec.pulled_at is not None else now
-        pull_from = rec.pull_started_at if rec.pull_started_at is not None else claimed
-        pull_s = max((o.elapsed_s for o in rec.outcomes.values()), default=0.0)
-        self._claim_ms.append((claimed - rec.started_at) * 1e3)
-        if rec.sync:
-            # Heard of after the forward it fed: the pull's share of the path is what the step waited.
-            waited = max((o.waited_s for o in rec.outcomes.values()), default=0.0)
-            total, pull, confirm = waited, waited, 0.0
-        else:
-            total, pull = now - rec.started_at, max(pulled - pull_from, 0.0)
-            confirm = max(now - max(claimed, pulled), 0.0)
-        logger.info(
-            "transfer %s: %s loaded %d tokens in %.1f ms (claim %.1f, pull %.1f [transport %.1f], confirm %.1f)%s",
-            rec.transfer_id,
-            rec.req_id,
-            rec.num_tokens,
-            total * 1e3,
-            (claimed - rec.started_at) * 1e3,
-            pull * 1e3,
-            pull_s * 1e3,
-            confirm * 1e3,
-            (" under the router's claim" if rec.by_router else "") + (", synchronously" if rec.sync else ""),
-            extra=about(rec.transfer_id),
-        )
-        self._drop(rec)
-        ranks = self._unreported(rec)
-        if ranks is None or ranks:
-            self._new_done.append(RecvDone(rec.req_id, True, ranks=ranks))
-        self._out.bump("recv_ok")
-        self._out.bump("tokens_loaded", rec.num_tokens)
-
-    def _fail(self, rec: Recv, code: Code, message: str, *, abort: bool) -> None:
-        logger.warning(
-            "transfer %s: KV load for %s failed (%s): %s",
-            rec.transfer_id,
-            rec.req_id,
-            code.value,
-            message,
-            extra=about(rec.transfer_id),
-        )
-        self._drop(rec)
-        ranks = self._unreported(rec)
-        if ranks is None or ranks:
-            self._new_done.append(RecvDone(rec.req_id, False, rec.local_block_ids, ranks=ranks, sync=rec.sync))
-        self._count_failure(len(rec.local_block_ids))
-        self._settle(rec, ok=False, abort=f"decode KV load failed: {code.value}: {message}"[:1000] if abort else None)
-
-    def _fail_unstarted(self, req_id: str, local: tuple[int, ...], *, sync: bool = False) -> None:
-        self._new_done.append(RecvDone(req_id, False, local, sync=sync))
-        self._count_failure(len(local))
-
-    def _drop(self, rec: Recv) -> None:
-        self._recv.pop(rec.req_id, None)
-        members = self._recv_by_transfer.get(rec.transfer_id)
-        if members is not None:
-            if rec.req_id in members:
-                members.remove(rec.req_id)
-            if not members:
-                del self._recv_by_transfer[rec.transfer_id]
-
-    def _count_failure(self, nblocks: int) -> None:
-        self._out.bump("recv_failed")
-        self._out.bump("invalid_blocks", nblocks)

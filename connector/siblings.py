@@ -9,8 +9,8 @@ A sibling that reads nothing (its prefix was cached here, its prompt differs, it
 released through its share too (`release`): it settles as one that read nothing, so it never ends the
 handoff under a sibling that still reads it. A request without siblings is a share of one.
 
-Pure bookkeeping for `scheduler_decode.DecodeSide`, which owns the per-request state; this module owns
-only what the siblings share and the rule for the end. Engine-core thread only.
+Pure bookkeeping for `scheduler_decode.DecodeSide`; the per-request state lives in `decode_recv.py`, this
+module holds only what the siblings share and the rule for the end. Engine-core thread only.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 One worker per TP rank (vLLM worker process). The model-runner thread only touches plain Python state
 here and two `queue.SimpleQueue`s; the transport lives entirely on one background thread
 ("pdgate-xfer"), which constructs it, registers the KV regions, submits pulls, polls, and hands
-`PullOutcome`s back. NIXL is not thread-safe and llm_datadist serialises its calls, so "one owning
-thread" is the transport contract (`connector/transport/base.py`), not just tidiness.
+`PullOutcome`s back (`transfer_thread.py`). NIXL is not thread-safe and llm_datadist serialises its
+calls, so "one owning thread" is the transport contract (`connector/transport/base.py`), not just tidiness.
 
 Per step (`StepMetadata` from the scheduler half):
   pulls     -> submitted to the thread; the outcome travels back to the scheduler half in the worker
@@ -24,20 +24,18 @@ Per step (`StepMetadata` from the scheduler half):
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.errors import ConfigError
-from pdgate.connector.logs import about
 from pdgate.connector.metadata import PullOutcome, RecvDone, StepMetadata
-from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport, TransportError
+from pdgate.connector.transfer_thread import Holding, PullJob, TransferThread
+from pdgate.connector.transport.base import KVRegion, Transport
 
 from pdgate.errors import Code
 
@@ -45,11 +43,6 @@ __all__ = ["WorkerHalf", "kv_device_index", "regions_from_kv_caches"]
 
 logger = logging.getLogger(__name__)
 
-# Poll cadence of the transfer thread (seconds). Pull in flight: start fast, back off to the cap.
-_POLL_MIN_S = 0.0001
-_POLL_MAX_S = 0.002
-_HOLD_POLL_S = 0.0005  # prefill holding blocks: the target side must progress emulated READs
-_IDLE_POLL_S = 0.1
 # An idle engine step (`StepMetadata.idle`: no request computes, the engine only polls KV transfers) lets
 # `get_finished` block this long for a pull in flight to end, instead of returning at once. Without it the
 # engine spun through empty steps (vLLM sleeps 1 ms after each, and each is a round trip to the worker
@@ -58,7 +51,6 @@ _IDLE_POLL_S = 0.1
 # after it ends, and the spinning no longer takes CPU from the transfer thread and the prefill. Blocking
 # costs nothing when no request computes; a request that arrives meanwhile waits at most this long.
 _IDLE_WAIT_S = 0.005
-_START_TIMEOUT_S = 120.0
 
 
 def regions_from_kv_caches(kv_caches: Mapping[str, Any]) -> list[KVRegion]:
@@ -127,172 +119,6 @@ def kv_device_index(kv_caches: Mapping[str, Any]) -> int | None:
     return index or 0
 
 
-# ---- messages to the transfer thread ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Pull:
-    req_id: str
-    transfer_id: str
-    kv_key: int
-    remote: Mapping[str, Any]
-    remote_block_ids: tuple[int, ...]
-    local_block_ids: tuple[int, ...]
-    timeout_s: float | None = None  # None: the transport's own deadline
-
-
-@dataclass(frozen=True)
-class _Holding:
-    count: int
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-@dataclass(frozen=True)
-class _Started:
-    address: dict[str, Any] | None
-    error: BaseException | None
-
-
-class _TransferThread:
-    """Owns the transport. Everything it shares with other threads goes through its two queues."""
-
-    def __init__(
-        self,
-        factory: Callable[[], Transport],
-        regions: Sequence[KVRegion],
-        *,
-        tp_rank: int,
-        corrupt: bool,
-    ) -> None:
-        self._factory = factory
-        self._regions = tuple(regions)
-        self._tp_rank = tp_rank
-        self._corrupt = corrupt
-        self.inbox: queue.SimpleQueue[_Pull | _Holding | _Stop] = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue[PullOutcome] = queue.SimpleQueue()
-        self._started: queue.SimpleQueue[_Started] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"pdgate-xfer-tp{tp_rank}", daemon=True)
-
-    def start(self, timeout: float = _START_TIMEOUT_S) -> dict[str, Any]:
-        self._thread.start()
-        try:
-            started = self._started.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"the KV transport did not start within {timeout:.0f}s") from None
-        if started.error is not None:
-            raise started.error
-        assert started.address is not None
-        return started.address
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self.inbox.put(_Stop())
-        self._thread.join(timeout)
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            transport = self._factory()
-            transport.register(self._regions)
-            address = transport.local_address()
-        except BaseException as exc:
-            self._started.put(_Started(None, exc))
-            return
-        self._started.put(_Started(address, None))
-        inflight: dict[str, _Pull] = {}
-        holding = 0
-        delay = _POLL_MIN_S
-        try:
-            while True:
-                if inflight:
-                    timeout: float | None = delay
-                    delay = min(delay * 2, _POLL_MAX_S)
-                elif holding:
-                    timeout = _HOLD_POLL_S
-                else:
-                    timeout = _IDLE_POLL_S
-                msgs = []
-                try:
-                    msgs.append(self.inbox.get(timeout=timeout))
-                    while True:
-                        msgs.append(self.inbox.get_nowait())
-                except queue.Empty:
-                    pass
-                for msg in msgs:
-                    if isinstance(msg, _Stop):
-                        return
-                    if isinstance(msg, _Holding):
-                        holding = msg.count
-                    else:
-                        self._submit(transport, msg, inflight)
-                        delay = _POLL_MIN_S
-                for result in transport.poll():
-                    self._finish(result, inflight)
-                served = transport.drain_served()
-                if served and logger.isEnabledFor(logging.DEBUG):
-                    logger.debug("peers finished reading %s", served)
-        finally:
-            transport.close()
-
-    def _submit(self, transport: Transport, job: _Pull, inflight: dict[str, _Pull]) -> None:
-        # The transport keys a pull by its id: siblings of one handoff (vLLM's n > 1) each pull the same
-        # transfer into their own blocks, so a second one in flight gets an id of its own.
-        key = job.transfer_id if job.transfer_id not in inflight else f"{job.transfer_id}#{job.req_id}"
-        req = PullRequest(
-            transfer_id=key,
-            kv_key=job.kv_key,
-            remote=job.remote,
-            remote_block_ids=job.remote_block_ids,
-            local_block_ids=job.local_block_ids,
-            timeout_s=job.timeout_s,
-        )
-        inflight[key] = job
-        try:
-            transport.start_pull(req)
-        except TransportError as exc:
-            self._finish(PullResult.failure(key, exc), inflight)
-
-    def _finish(self, result: PullResult, inflight: dict[str, _Pull]) -> None:
-        job = inflight.pop(result.transfer_id, None)
-        if job is None:
-            logger.warning(
-                "transport reported unknown transfer %s", result.transfer_id, extra=about(result.transfer_id)
-            )
-            return
-        if result.ok and self._corrupt:
-            _xor_blocks(self._regions, job.local_block_ids)
-        err = result.error
-        self.outbox.put(
-            PullOutcome(
-                req_id=job.req_id,
-                transfer_id=job.transfer_id,
-                tp_rank=self._tp_rank,
-                ok=result.ok,
-                code=err.code if err is not None else None,
-                message=str(err) if err is not None else None,
-                nbytes=result.nbytes,
-                nblocks=len(job.local_block_ids) if result.ok else 0,
-                elapsed_s=result.elapsed_s,
-            )
-        )
-
-
-def _xor_blocks(regions: Iterable[KVRegion], block_ids: Iterable[int]) -> None:
-    """TEST ONLY (`corrupt_pulled_bytes`): flip bits of the pulled blocks, in host memory."""
-    import numpy as np
-
-    ids = list(block_ids)
-    for region in regions:
-        for b in ids:
-            buf = (ctypes.c_uint8 * region.block_len).from_address(region.block_addr(b))
-            np.ctypeslib.as_array(buf)[...] ^= 0x5A
-
-
 class WorkerHalf:
     """See the module docstring. Model-runner thread only (apart from the transfer thread it owns)."""
 
@@ -308,7 +134,7 @@ class WorkerHalf:
         self._wall = wall
         self.tp_rank = tp_rank
         self._factory = transport_factory
-        self._thread: _TransferThread | None = None
+        self._thread: TransferThread | None = None
         self.address: dict[str, Any] | None = None
         self.device_index: int | None = None  # accelerator of the KV cache, known once it is registered
         self._inflight: dict[str, str] = {}  # req_id -> transfer_id of a pull still writing
@@ -335,7 +161,7 @@ class WorkerHalf:
         if self._thread is not None:
             raise RuntimeError("register_kv_caches called twice")
         self.device_index = kv_device_index(kv_caches)
-        thread = _TransferThread(self._factory, regions, tp_rank=self.tp_rank, corrupt=self._cfg.corrupt_pulled_bytes)
+        thread = TransferThread(self._factory, regions, tp_rank=self.tp_rank, corrupt=self._cfg.corrupt_pulled_bytes)
         self.address = thread.start()
         self._thread = thread
         logger.info(
@@ -378,7 +204,7 @@ class WorkerHalf:
             if plan.sync:
                 self._sync_started[plan.req_id] = time.perf_counter()
             self._thread.inbox.put(
-                _Pull(
+                PullJob(
                     plan.req_id,
                     plan.transfer_id,
                     plan.kv_key,
@@ -402,7 +228,7 @@ class WorkerHalf:
             self._holding.difference_update(step.frees)
             self._frees.update(step.frees)
             if self._thread is not None:
-                self._thread.inbox.put(_Holding(len(self._holding)))
+                self._thread.inbox.put(Holding(len(self._holding)))
         if self._sync_started:
             self._await_sync()
 

@@ -28,7 +28,7 @@ from pdgate.connector.transport.base import (
     PullTimeout,
 )
 from pdgate.connector.transport.nixl import NixlTransport
-from pdgate.connector.worker import _IDLE_POLL_S
+from pdgate.connector.transfer_thread import _IDLE_POLL_S
 
 from tests.integration.nixl_peer import PREFIX, REGION_NAMES, prefill_block, prefill_buffer
 
