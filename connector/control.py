@@ -8,7 +8,8 @@ that the scheduler half drains at its next hook. The feed's liveness is a single
 
 Per command, the retry rules (decided on the client's exception types, never on messages):
   MarkReady  retry while unreachable, up to the handoff lease; gone/unknown/refused -> free now.
-  Claim      long-poll while PENDING, up to `ready_wait_s`; gone/unknown/claimed elsewhere -> fail.
+  Claim      `pdgate.claim_wait`'s rule: long-poll while PENDING, up to `ready_wait_s`; retry while
+             unreachable; gone/unknown/claimed by another decode -> fail.
   Done       retry while unreachable for a few seconds; gone -> the KV may have been freed: invalid;
              a conflict (our claim lapsed back to READY) -> the record is live, the KV was held: valid.
   Abort      best effort, a few retries; gone/unknown are fine (nothing to abort).
@@ -65,7 +66,7 @@ from pdgate.connector.messages import (
 from pdgate.connector.registration import Registrar, backoff
 
 from pdgate.batcher import Batcher
-from pdgate.errors import Code
+from pdgate.claim_wait import ClaimRefused, ClaimRule, claim_handoff
 from pdgate.http_pool import HttpPool
 from pdgate.meta_client import MetaClient, MetaConflict, MetaError, MetaGone, MetaNotFound, MetaUnavailable
 from pdgate.meta_pooled import PooledMetaClient
@@ -75,6 +76,7 @@ from pdgate.models import (
     BatchClaim,
     BatchDone,
     BatchReady,
+    Handoff,
     HandoffState,
     InstanceLoad,
     RegisterResponse,
@@ -88,6 +90,21 @@ _LONG_POLL_CAP_S = 10.0
 _STATS_EVERY_S = 0.2
 _MAX_IN_FLIGHT = 2  # batch requests out at once (see the module docstring)
 _REPORT_EVERY_S = 30.0
+
+
+class _BatchedClaims:
+    """The claim wait's view of the metaserver: claims ride in the batcher, long-polls go alone."""
+
+    def __init__(self, batcher: Batcher, meta: MetaClient) -> None:
+        self._batcher = batcher
+        self._meta = meta
+
+    async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
+        item = BatchClaim(transfer_id=transfer_id, decode_instance_id=decode_instance_id, lease_s=lease_s)
+        return await self._batcher.call(item)
+
+    async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff:
+        return await self._meta.get_handoff(transfer_id, wait)
 
 
 class _LeanMetaClient(PooledMetaClient):
@@ -319,50 +336,22 @@ class ControlThread:
             return
 
     async def _claim(self, cmd: Claim) -> None:
-        transfer_id = cmd.transfer_id
-        me = self._instance_id()
-        deadline = self._clock() + self._cfg.ready_wait_s
-        attempt = 0
-        while True:
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                self._emit(ClaimFailed(transfer_id, Code.KV_NOT_READY, f"not READY within {self._cfg.ready_wait_s}s"))
-                return
-            try:
-                h = await self.batcher.call(
-                    BatchClaim(transfer_id=transfer_id, decode_instance_id=me, lease_s=self._cfg.claim_lease_s)
-                )
-                self._emit(Claimed(transfer_id, h))
-                return
-            except MetaConflict as exc:
-                if exc.current_state not in (None, HandoffState.PENDING, HandoffState.READY):
-                    self._emit(ClaimFailed(transfer_id, exc.code, f"claimed elsewhere: {exc.detail}"))
-                    return
-                # Still PENDING (the prefill's READY is on its way): wait for the record to move.
-                try:
-                    h = await self._meta.get_handoff(transfer_id, wait=min(remaining, _LONG_POLL_CAP_S))
-                except MetaError:
-                    await asyncio.sleep(backoff(attempt, base=0.02, cap=0.5))
-                    attempt += 1
-                    continue
-                if h.state in TERMINAL_STATES:
-                    self._emit(
-                        ClaimFailed(transfer_id, Code.HANDOFF_TERMINAL, f"handoff became {h.state.value}: {h.reason}")
-                    )
-                    return
-            except MetaGone as exc:
-                state = exc.current_state.value if exc.current_state else "terminal"
-                self._emit(ClaimFailed(transfer_id, exc.code, f"handoff is {state}: {exc.detail}"))
-                return
-            except MetaNotFound as exc:
-                self._emit(ClaimFailed(transfer_id, exc.code, exc.detail))
-                return
-            except MetaUnavailable:
-                await asyncio.sleep(backoff(attempt, base=0.05, cap=1.0))
-                attempt += 1
-            except MetaError as exc:
-                self._emit(ClaimFailed(transfer_id, exc.code, exc.detail))
-                return
+        """Claim through the batcher, waiting as `pdgate.claim_wait` says (the rule the simulator and the
+        router follow too); a decode never takes another decode's claim."""
+        rule = ClaimRule(self._cfg.ready_wait_s, poll_cap_s=_LONG_POLL_CAP_S)
+        try:
+            h = await claim_handoff(
+                _BatchedClaims(self.batcher, self._meta),
+                cmd.transfer_id,
+                self._instance_id(),
+                rule=rule,
+                lease_s=self._cfg.claim_lease_s,
+                clock=self._clock,
+            )
+        except ClaimRefused as exc:
+            self._emit(ClaimFailed(cmd.transfer_id, exc.code, exc.message))
+            return
+        self._emit(Claimed(cmd.transfer_id, h))
 
     async def _done(self, cmd: Done) -> None:
         transfer_id = cmd.transfer_id

@@ -29,6 +29,7 @@ from random import Random
 from time import perf_counter
 
 import orjson
+from pdgate.router import first_token
 from pdgate.router.bodies import SplicedBody, decode_params, kv_params_from_prefill, prefill_params, with_fields
 from pdgate.router.errors import (
     META_FAILURES,
@@ -49,13 +50,15 @@ from pdgate.router.request_flow import MAX_ANSWER, ProxiedRequest, mint_transfer
 from pdgate.router.retry import Verdict, backoff, retry_elsewhere, verdict
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import engine_error, is_sse, relay_stream, send_body
+from pydantic import ValidationError
 
 from pdgate.asgi import Send
-from pdgate.contract import RouterClaim, with_claim
+from pdgate.claim_wait import ClaimRefused, ClaimRule, claim_handoff
+from pdgate.contract import InvalidTransferParams, KVTransferParams, RouterClaim, with_claim
 from pdgate.errors import Code, PDGateError
 from pdgate.logs import transfer_id as log_transfer_id
 from pdgate.meta_client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
-from pdgate.models import HandoffCreate, HandoffState
+from pdgate.models import Handoff, HandoffCreate, KVLocation
 from pdgate.upstream import Upstream, UpstreamResponse
 
 __all__ = ["Dispatcher"]
@@ -203,12 +206,7 @@ class Dispatcher:
                 v = verdict(resp.status)
                 if v == Verdict.OK:
                     try:
-                        req.prefill_answer, kv = kv_params_from_prefill(data)
-                        req.decode_kv = decode_params(kv, req.tid, req.kv_key, self._engine_meta)
-                        req.decode_kv_json = orjson.dumps(req.decode_kv)  # encoded once; fails here, not later
-                        # Only a prefill that names the handoff records READY in the ledger (pdgate's
-                        # connector, the simulator); vLLM's stock NixlConnector does not: no claim then.
-                        req.ledger_prefill = kv.get("transfer_id") == req.tid
+                        self._take_answer(req, data)
                     except Exception as exc:  # the prefill's answer cannot be decoded from: its failure
                         lease.failed()
                         detail = exc.message if isinstance(exc, PDGateError) else f"{type(exc).__name__}: {exc}"
@@ -228,6 +226,26 @@ class Dispatcher:
             raise
         finally:
             self._m.prefill.observe(perf_counter() - t)
+
+    def _take_answer(self, req: ProxiedRequest, data: bytes) -> None:
+        """Check the prefill's answer in full and keep what the decode and the client's answer take from
+        it. Anything wrong in it (a field `KVTransferParams.parse` refuses, a `kv_key` other than the
+        handoff's, a first token `first_token.check` refuses) raises here, while the client has seen
+        nothing: the caller makes it this prefill's failure, counted by its breaker and retried on
+        another prefill."""
+        req.prefill_answer, params = kv_params_from_prefill(data)
+        kv = req.prefill_kv = KVTransferParams.parse(params)
+        if kv.kv_key is not None and kv.kv_key != req.kv_key:
+            raise InvalidTransferParams("kv_transfer_params.kv_key is not the handoff's")
+        # Only a prefill that names the handoff records READY in the ledger (pdgate's connector, the
+        # simulator); vLLM's stock NixlConnector does not: no claim then.
+        req.ledger_prefill = kv.transfer_id == req.tid
+        if req.first_token:
+            first_token.check(req.prefill_answer, req.body.get("prompt"))
+        req.decode_kv = decode_params(params, req.tid, req.kv_key, self._engine_meta)
+        # Encoded once; fails here, not later. Without `remote_location`: each attempt adds the one the
+        # ledger holds for its claim (`_sealed_claim`), else the prefill's hint.
+        req.decode_kv_json = orjson.dumps({k: v for k, v in req.decode_kv.items() if k != "remote_location"})
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -275,48 +293,50 @@ class Dispatcher:
         earlier attempt holds the claim, the router gave up on that decode's answer, so it takes the claim
         back: it renews it in that decode's name with a lease of a millisecond, the sweeper returns the
         record to READY (keeping the claims count, so `max_claims` still bounds a record), and `d` claims
-        it. Gone (410) is the request's end: the KV expired or was aborted.
+        it. Gone (410) is the request's end: the KV expired or was aborted. The rule is `pdgate.claim_wait`'s,
+        the one the decodes follow; only the router passes a `holder` to take back.
         """
         if not req.ledger_prefill:
             return None
-        meta = self._meta()
-        deadline = perf_counter() + _CLAIM_WAIT_S
-        released = False
-        while True:
-            try:
-                h = await meta.claim(req.tid, d.id)
-                break
-            except MetaGone as exc:
+        prev = req.last_decode  # the earlier attempt's decode: the only claim the router takes back
+        rule = ClaimRule(
+            _CLAIM_WAIT_S,
+            retry_unavailable=False,  # an unreachable metaserver: the decode claims, the request goes on
+            poll_cap_s=5.0,
+            release_lease_s=_RELEASE_LEASE_S,
+            release_poll_s=_RELEASE_POLL_S,
+        )
+        try:
+            h = await claim_handoff(
+                self._meta(), req.tid, d.id, rule=rule, holder=prev if prev != d.id else None, clock=perf_counter
+            )
+        except ClaimRefused as exc:
+            if exc.code is Code.HANDOFF_TERMINAL:
                 req.abort_reason = "kv_expired"
                 raise KVExpired(f"the KV of transfer {req.tid} is gone before decode {d.id} could claim it") from exc
-            except MetaConflict as exc:
-                left = deadline - perf_counter()
-                if left <= 0:
-                    log.warning("handoff %s: not claimable for %s in time (%s); the decode claims", req.tid, d.id, exc)
-                    return None
-                prev = req.last_decode
-                if exc.current_state is HandoffState.PENDING:
-                    try:
-                        await meta.get_handoff(req.tid, wait=min(left, 5.0))
-                    except MetaError:
-                        return None
-                elif exc.current_state is HandoffState.CLAIMED and prev is not None and prev != d.id:
-                    if not released:
-                        released = True
-                        try:
-                            await meta.claim(req.tid, prev, _RELEASE_LEASE_S)
-                        except MetaError:
-                            pass  # not prev's any more (lapsed, taken): the next claim says what it is now
-                    await asyncio.sleep(_RELEASE_POLL_S)
-                else:  # held by a decode this request was not sent to: leave it to the decode
-                    return None
-            except MetaError as exc:
-                log.warning("handoff %s: claim for %s failed (%s); the decode claims", req.tid, d.id, exc)
-                return None
+            log.warning("handoff %s: claim for %s refused (%s); the decode claims", req.tid, d.id, exc)
+            return None
         if h.deadline is None:
             return None
         claim = RouterClaim(d.id, h.deadline, max(h.deadline - h.updated_at, 0.0))
-        return claim.sealed(self._claim_key, transfer_id=req.tid, location=req.decode_kv.get("remote_location"))
+        return self._sealed_claim(req, claim, h)
+
+    def _sealed_claim(self, req: ProxiedRequest, claim: RouterClaim, h: Handoff) -> RouterClaim:
+        """`claim` sealed over the location the ledger's record holds, which from now on is the
+        `remote_location` every decode attempt gets (when the prefill's answer carried one: without it
+        the decode waits for its claim's record anyway). Never the prefill's own copy: a prefill could
+        name any address there, and a sealed location is one the decode pulls from without asking."""
+        hint = req.prefill_kv.remote_location if req.prefill_kv is not None else None
+        if hint is None:
+            return claim.sealed(self._claim_key, transfer_id=req.tid, location=None)
+        location = None if h.location is None else h.location.model_dump(mode="json", exclude_none=True)
+        if not _same_location(hint, h.location):
+            log.warning("handoff %s: the prefill's remote_location is not the ledger's; the ledger's is sent", req.tid)
+        if location is None:
+            req.decode_kv.pop("remote_location", None)
+        else:
+            req.decode_kv["remote_location"] = location
+        return claim.sealed(self._claim_key, transfer_id=req.tid, location=location)
 
     async def _decode_once(self, req: ProxiedRequest, d: LiveInstance, send: Send) -> str:
         where = f"decode {d.id}"
@@ -326,7 +346,11 @@ class Dispatcher:
         siblings = n if type(n) is int and n > 1 else 1  # vLLM's decode fans it into n requests on one handoff
         # `decode_request` left no router keys in `decode_kv`, so the claim's fields are spliced onto its
         # encoding, as the params are onto the body's: neither is encoded again per attempt.
-        kv_json = with_fields(req.decode_kv_json, with_claim({}, claim, siblings=siblings))
+        fields = with_claim({}, claim, siblings=siblings)
+        location = req.decode_kv.get("remote_location")  # the ledger's once claimed, else the prefill's hint
+        if location is not None:
+            fields["remote_location"] = location
+        kv_json = with_fields(req.decode_kv_json, fields)
         assert req.spliced is not None
         payload = req.spliced.decode(orjson.Fragment(kv_json))
         req.last_decode = d.id
@@ -435,3 +459,11 @@ def _check_json_answer(data: bytes, where: str) -> None:
         raise DecodeFailed(f"{where} answered 200 with a body that is not JSON ({exc})") from exc
     if not isinstance(parsed, dict):
         raise DecodeFailed(f"{where} answered 200 with JSON that is not an object")
+
+
+def _same_location(hint: object, ledger: KVLocation | None) -> bool:
+    """Whether the prefill's `remote_location` says what the ledger's record says (defaults filled in)."""
+    try:
+        return ledger is not None and KVLocation.model_validate(hint) == ledger
+    except ValidationError:
+        return False

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 
 from pdgate.sim.holds import Holds
@@ -21,15 +20,20 @@ from pdgate.sim.settings import Script, SimSettings, Stats
 from pdgate.sim.wire import Reject
 
 from pdgate import claim_seal
+from pdgate.claim_wait import ClaimRefused, ClaimRule, claim_handoff
 from pdgate.contract import KVTransferParams
+from pdgate.errors import Code
 from pdgate.http_pool import HttpPool
-from pdgate.meta_client import MetaConflict, MetaError, MetaGone, MetaNotFound
+from pdgate.meta_client import MetaError, MetaGone, MetaNotFound
 from pdgate.meta_pooled import PooledMetaClient
-from pdgate.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation, Role
+from pdgate.models import Handoff, InstanceLoad, InstanceRegistration, KVLocation, Role
 
 __all__ = ["Ledger"]
 
 log = logging.getLogger("pdgate.sim")
+
+# A claim refused for one of these found nothing left to claim: the KV expired or was aborted.
+_GONE = frozenset({Code.HANDOFF_TERMINAL, Code.HANDOFF_NOT_FOUND, Code.NOT_FOUND})
 
 
 class Ledger:
@@ -187,8 +191,9 @@ class Ledger:
         return answer.to_dict()
 
     async def claim(self, kv: KVTransferParams, rank: int, meta_url: str | None) -> None:
-        """Claim the handoff (waiting while it is PENDING or claimed by another decode), check that the
-        params come from the prefill that holds it, and mark it DONE."""
+        """Claim the handoff as the connector does (`pdgate.claim_wait`: waiting while it is PENDING, failing
+        when another decode holds it), check that the params come from the prefill that holds it, and
+        mark it DONE."""
         engine = kv.remote_engine_id
         tid = kv.transfer_id
         if not engine:
@@ -213,25 +218,11 @@ class Ledger:
                 raise bad
             self.stats.inc("claimed")
             return
-        deadline = time.monotonic() + self.s.claim_wait_s
-        while True:
-            try:
-                h = await meta.claim(tid, me, self.s.claim_lease_s)
-                break
-            except (MetaGone, MetaNotFound) as exc:
-                self.stats.inc("kv_expired")
-                raise Reject(410, f"handoff {tid} is gone: {exc.detail}", "kv_expired") from exc
-            except MetaConflict as exc:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Reject(504, f"handoff {tid} was not claimable within {self.s.claim_wait_s:g} s") from exc
-                if exc.current_state is HandoffState.PENDING:
-                    await meta.get_handoff(tid, wait=min(left, 10.0))
-                else:  # another decode holds the claim: its lease lapses back to READY
-                    await asyncio.sleep(min(left, 0.05))
-            except MetaError as exc:
-                self.stats.inc("ledger_errors")
-                raise Reject(503, f"ledger unavailable: {exc.detail}", "ledger_error") from exc
+        rule = ClaimRule(self.s.claim_wait_s)
+        try:
+            h = await claim_handoff(meta, tid, me, rule=rule, lease_s=self.s.claim_lease_s)
+        except ClaimRefused as exc:
+            raise self._refused(tid, exc) from exc
         bad = self._mismatch(h, engine, tid)
         if bad is not None:
             with contextlib.suppress(MetaError):
@@ -243,6 +234,20 @@ class Ledger:
             self.stats.inc("ledger_errors")
             raise Reject(500, f"could not record DONE for {tid}: {exc.detail}", "ledger_error") from exc
         self.stats.inc("claimed")
+
+    def _refused(self, tid: str, exc: ClaimRefused) -> Reject:
+        """The answer to a claim `pdgate.claim_wait` refused (counted): gone -> 410, not claimable in
+        time -> 504, claimed by another decode -> 409, the metaserver unreachable or refusing -> 503."""
+        if exc.code in _GONE:
+            self.stats.inc("kv_expired")
+            return Reject(410, f"handoff {tid} is gone: {exc.message}", "kv_expired")
+        if exc.code is Code.KV_NOT_READY:
+            return Reject(504, f"handoff {tid}: {exc.message}", exc.code.value)
+        if exc.code is Code.ILLEGAL_TRANSITION:
+            self.stats.inc("claimed_elsewhere")
+            return Reject(409, f"handoff {tid}: {exc.message}", exc.code.value)
+        self.stats.inc("ledger_errors")
+        return Reject(503, f"ledger unavailable: {exc.message}", "ledger_error")
 
     def _mismatch(self, h: Handoff, engine: str, tid: str) -> Reject | None:
         """None when the params name the engine that holds the handoff's KV; else the refusal (counted)."""

@@ -146,6 +146,26 @@ def test_claim_of_an_aborted_handoff_fails_as_gone(
     assert failed.code is Code.HANDOFF_TERMINAL
 
 
+def test_claim_of_a_handoff_another_decode_holds_fails_at_once(
+    control_and_url: tuple[ControlThread, ConnectorConfig], metaserver: UvicornThread
+) -> None:
+    """The connector's side of `pdgate.claim_wait`'s rule (the simulator's is in
+    tests/integration/metaserver/test_claim_wait.py): the other decode's claim lapses in half a second,
+    well within `ready_wait_s`, so a connector that waited it out would report Claimed instead."""
+    control, _ = control_and_url
+    url = metaserver.url
+    prefill = uid("p")
+    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=prefill)))
+    loc = KVLocation(block_ids=[[3, 4]], num_tokens=40, block_size=32, transport=TransportKind.NIXL)
+    meta(url, lambda c: c.mark_ready(h.transfer_id, loc))
+    meta(url, lambda c: c.claim(h.transfer_id, uid("other-decode"), lease_s=0.5))
+    control.submit([Claim(h.transfer_id)])
+    collector = Collector(control)
+    failed = collector.wait_for(ClaimFailed)
+    assert failed.code is Code.ILLEGAL_TRANSITION and "another decode" in failed.message
+    assert not [r for r in collector.results if isinstance(r, Claimed)]
+
+
 def test_feed_reports_terminal_states_and_stays_alive(
     control_and_url: tuple[ControlThread, ConnectorConfig], metaserver: UvicornThread
 ) -> None:
