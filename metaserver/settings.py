@@ -3,16 +3,17 @@
 Every field is settable as an environment variable `PDGATE_METASERVER_<FIELD>` (e.g.
 `PDGATE_METASERVER_STORE`), the rule of every pdgate command (`PDGATE_<COMMAND>_<FLAG>`), or by its older
 name `PDGATE_<FIELD>` (still read; the new name wins), and as a CLI flag `--<field-with-dashes>` (e.g.
-`--store`); a flag wins over the environment. `parse_cli` builds
-the flags from the fields, so `pdgate-metaserver --help` documents each one with its env var and
-default, and a new field cannot be forgotten in the CLI.
+`--store`); a flag wins over the environment. `parse_cli` builds the flags from the fields
+(`pdgate.settings`, the one parser of every pdgate command), so `pdgate-metaserver --help` documents each
+one with both its env names and its default, and a new field cannot be forgotten in the CLI. The older
+names are the metaserver's alone (`settings_customise_sources` below), so they live here.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import (
@@ -23,6 +24,7 @@ from pydantic_settings import (
 )
 
 from pdgate.auth import resolve_secret
+from pdgate.settings import parse_settings, settings_parser
 from pdgate.urls import IPNetwork, parse_networks
 
 __all__ = ["ENV_PREFIX", "MetaSettings", "build_parser", "parse_cli"]
@@ -132,35 +134,17 @@ class MetaSettings(BaseSettings):
         return parse_networks(self.allowed_engine_networks) if self.allowed_engine_networks else ()
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The flags of `pdgate-metaserver`, from the fields (pdgate.settings), each naming both env names."""
+    return settings_parser(
+        MetaSettings,
         prog="pdgate-metaserver",
-        description="pdgate metaserver: instance registry and KV handoff ledger. "
-        f"Every flag can also be set as an environment variable {COMMAND_ENV_PREFIX}<NAME> (or by its older "
-        f"name {ENV_PREFIX}<NAME>); a flag wins.",
+        description="pdgate metaserver: instance registry and KV handoff ledger.",
+        env_prefix=COMMAND_ENV_PREFIX,
+        legacy_prefix=ENV_PREFIX,
     )
-    for name, field in MetaSettings.model_fields.items():
-        env = COMMAND_ENV_PREFIX + name.upper()
-        help_text = f"{field.description} [env {env}, or {ENV_PREFIX}{name.upper()}]"
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-        if field.annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["metavar"] = name.upper()
-        if name == "log_level":
-            kwargs["choices"] = ["critical", "error", "warning", "info", "debug"]
-            kwargs.pop("metavar")
-        if field.default is not None:
-            kwargs["help"] = f"{help_text} (default: {field.default})"
-        parser.add_argument(_flag(name), **kwargs)
-    return parser
 
 
 def parse_cli(argv: Sequence[str] | None = None) -> MetaSettings:
     """Flags given on the command line override the environment, which overrides the defaults."""
-    args = vars(build_parser().parse_args(argv))
-    return MetaSettings(**args)
+    return parse_settings(MetaSettings, build_parser(), argv)

@@ -21,6 +21,7 @@ from pdgate.router.workers import run_workers, workers_problem
 from pydantic import ValidationError
 
 from pdgate.logs import configure_logging
+from pdgate.settings import invalid_settings
 
 __all__ = ["main"]
 
@@ -29,8 +30,7 @@ def _settings(argv: Sequence[str] | None) -> RouterSettings:
     try:
         return parse_cli(argv)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
-        print(f"pdgate-router: invalid settings: {problems}", file=sys.stderr)
+        print(f"pdgate-router: invalid settings: {invalid_settings(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

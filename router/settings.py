@@ -24,7 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pdgate.auth import SecretFileError, read_secret_file, resolve_secret
-from pdgate.settings import settings_parser
+from pdgate.settings import parse_settings, settings_parser
 from pdgate.urls import InvalidEngineURL, IPNetwork, check_engine_url, parse_networks
 
 __all__ = ["ENV_PREFIX", "POLICY_NAMES", "RouterSettings", "build_parser", "parse_cli"]
@@ -90,8 +90,16 @@ class RouterSettings(BaseSettings):
         description="comma-separated CIDRs (e.g. 10.0.0.0/8,fd00::/8): instance URLs whose host is not a literal "
         "address inside one of them are refused (static instances at start-up, registrations with 422)",
     )
-    prefill: UrlList = Field(default_factory=list, description="static prefill instance base URL (repeatable)")
-    decode: UrlList = Field(default_factory=list, description="static decode instance base URL (repeatable)")
+    prefill: UrlList = Field(
+        default_factory=list,
+        description="static prefill instance base URL (repeatable)",
+        json_schema_extra={"metavar": "URL"},
+    )
+    decode: UrlList = Field(
+        default_factory=list,
+        description="static decode instance base URL (repeatable)",
+        json_schema_extra={"metavar": "URL"},
+    )
     model: str | None = Field(
         None, description="model of the static instances (default: learned from their GET /v1/models)"
     )
@@ -109,6 +117,7 @@ class RouterSettings(BaseSettings):
     # -- clients ----------------------------------------------------------------------------
     api_key: UrlList = Field(
         default_factory=list,
+        json_schema_extra={"metavar": "KEY"},
         description="client API key accepted as 'Authorization: Bearer KEY' (repeatable; prefer the "
         "environment or --api-key-file)",
     )
@@ -263,6 +272,7 @@ class RouterSettings(BaseSettings):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of `pdgate-router`, from the fields (pdgate.settings)."""
     return settings_parser(
         RouterSettings,
         prog="pdgate-router",
@@ -273,5 +283,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_cli(argv: Sequence[str] | None = None) -> RouterSettings:
     """Flags given on the command line override the environment, which overrides the defaults."""
-    args = vars(build_parser().parse_args(argv))
-    return RouterSettings(**args)
+    return parse_settings(RouterSettings, build_parser(), argv)

