@@ -279,7 +279,7 @@ def create_app(
         tracing=tracing,
         claim_key=claim_seal.claim_key(ledger_token),
     )
-    passthrough = Passthrough(s, pool, lambda: holder["upstream"], clock)
+    passthrough = Passthrough(s, pool, lambda: holder["upstream"], clock, metrics.trace_dropped.inc)
     metrics.inflight.set_function(lambda: proxy.inflight)
     discovery = Discovery(s, pool, lambda: holder["meta"], lambda: holder["upstream"], metrics, clock)
     admin = AdminCheck(ledger_token)

@@ -81,6 +81,11 @@ class RouterMetrics:
         self.health_checks = Counter(
             "pdgate_router_health_checks", "Active health checks, by outcome", ["outcome"], registry=r
         )
+        self.trace_dropped = Counter(
+            "pdgate_router_trace_context_dropped",
+            "Requests whose malformed traceparent/tracestate was not forwarded to the engines",
+            registry=r,
+        )
         self._error_children: dict[str, Counter] = {}
 
     def error(self, code: str) -> None:

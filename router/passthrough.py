@@ -34,6 +34,7 @@ from pdgate.router.loops import HOP_HEADER, HOP_VALUE, LoopDetected
 from pdgate.router.pool import LiveInstance, Pool
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_body, send_error
+from pdgate.router.tracing import TRACE_HEADERS, trace_context
 
 from pdgate.asgi import Receive, Scope, Send
 from pdgate.upstream import Upstream
@@ -59,16 +60,22 @@ POST_ROUTES = frozenset(
 GET_ROUTES = frozenset({"/version"})
 _TRIES = 3  # distinct instance URLs asked before giving up
 _MAX_ANSWER = 64 << 20
-_FORWARD = frozenset({b"traceparent", b"tracestate", b"x-request-id"})
+_FORWARD = frozenset({b"x-request-id"})
 
 
 class Passthrough:
     """The ASGI handler of `POST_ROUTES` and `GET_ROUTES`."""
 
     def __init__(
-        self, settings: RouterSettings, pool: Pool, upstream: Callable[[], Upstream], clock: Callable[[], float]
+        self,
+        settings: RouterSettings,
+        pool: Pool,
+        upstream: Callable[[], Upstream],
+        clock: Callable[[], float],
+        trace_dropped: Callable[[], object] = lambda: None,
     ) -> None:
         self._pool = pool
+        self._trace_dropped = trace_dropped  # counts a malformed trace context that was not forwarded
         self._upstream = upstream
         self._clock = clock
         self._keys = ClientKeys(settings.api_key)
@@ -88,6 +95,7 @@ class Passthrough:
         method: str = scope["method"]
         auth: bytes | None = None
         headers: list[tuple[bytes, bytes]] = [(HOP_HEADER, HOP_VALUE)]
+        trace: list[tuple[bytes, bytes]] = []
         for name, value in scope["headers"]:
             if name == b"authorization":
                 auth = value
@@ -97,6 +105,13 @@ class Passthrough:
                 )
             elif name in _FORWARD:
                 headers.append((name, value))
+            elif name in TRACE_HEADERS:
+                trace.append((name, value))
+        if trace:  # only a well-formed trace context goes on to the engine
+            kept, dropped = trace_context(trace)
+            headers += kept
+            if dropped:
+                self._trace_dropped()
         if not self._keys.allows(auth):
             raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
         if self._upstream_auth is not None:
@@ -104,6 +119,8 @@ class Passthrough:
         elif self._forward_auth and auth is not None:
             headers.append((b"authorization", auth))
         body = await _read(receive, self._max_body) if method == "POST" else b""
+        if body is None:  # the client left (or was cut off) before its body was whole: nothing is sent on
+            return
         if body:
             headers.append((b"content-type", b"application/json"))
         query: bytes = scope.get("query_string", b"")
@@ -165,13 +182,15 @@ def _model_of(body: bytes) -> str | None:
     return model if isinstance(model, str) else None
 
 
-async def _read(receive: Receive, limit: int) -> bytes:
+async def _read(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when the client went away first. Why None and not what arrived:
+    an engine that got a cut body (an empty one, before) would answer a request nobody sent."""
     parts: list[bytes] = []
     size = 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
-            return b""
+            return None
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:

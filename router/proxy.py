@@ -62,7 +62,7 @@ from pdgate.router.protocol import Watch
 from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import end_stream, send_error
-from pdgate.router.tracing import TRACE_HEADERS, Tracing
+from pdgate.router.tracing import TRACE_HEADERS, Tracing, trace_context
 from pdgate.router.validation import check_context, check_pd_support, validate_request
 
 from pdgate.asgi import Message, Receive, Scope, Send
@@ -142,6 +142,10 @@ class Proxy:
                 extra.append((name, value))
             elif name == HOP_HEADER:
                 hop = True
+        if extra:  # only a well-formed trace context goes on to the engines
+            extra, dropped = trace_context(extra)
+            if dropped:
+                self._m.trace_dropped.inc()
         tid = mint_transfer_id()
         req = ProxiedRequest(endpoint, tid, rid or tid.encode(), auth if self._forward_auth else None, extra)
         try:

@@ -9,17 +9,79 @@ the prefill's and the decode's vLLM spans then hang under the router's phases, a
 as one trace. Exported over OTLP/HTTP in batches, off the request path.
 
 OpenTelemetry is an optional extra (`pip install 'pdgate[tracing]'`), imported only when asked for.
+
+Only a well-formed trace context reaches an engine (`trace_context`): one W3C `traceparent`, and a
+`tracestate` within the spec's limits (32 list members, 512 characters) beside it. Why: both headers
+went to the engines unchecked, so `garbage; rm -rf /`, a 4 MB value or 500 copies of the header reached
+every prefill and decode (with fan-out, one 1 MB header became 128 MB sent to the engines). A malformed
+one is dropped and counted (`pdgate_router_trace_context_dropped`); the request then starts a new trace,
+as the spec says a receiver does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["TRACE_HEADERS", "Tracing", "make_tracing"]
+__all__ = ["TRACE_HEADERS", "Tracing", "make_tracing", "trace_context"]
 
 TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+TRACESTATE_MEMBERS = 32  # the spec's limits on what a vendor must propagate
+TRACESTATE_CHARS = 512
+
+# version-traceid-parentid-flags, lowercase hex; version ff and all-zero ids are invalid (checked below).
+_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_ZERO_TRACE = b"0" * 32
+_ZERO_PARENT = b"0" * 16
+# key: simple-key or tenant@system; value: printable ASCII but ',' and '=', not ending in a space.
+_TS_MEMBER = re.compile(
+    rb"(?:[a-z0-9][a-z0-9_*/-]{0,255}|[a-z0-9][a-z0-9_*/-]{0,240}@[a-z][a-z0-9_*/-]{0,13})"
+    rb"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+
+
+def trace_context(pairs: list[tuple[bytes, bytes]]) -> tuple[list[tuple[bytes, bytes]], bool]:
+    """What of a request's trace headers (`pairs`, names in `TRACE_HEADERS`) may go to the engines, and
+    whether anything was dropped. A malformed or repeated `traceparent` drops the whole context (a
+    `tracestate` means nothing without its parent); a malformed or over-long `tracestate` drops itself."""
+    parents = [v for k, v in pairs if k == b"traceparent"]
+    states = [v for k, v in pairs if k == b"tracestate"]
+    if len(parents) != 1 or not _valid_parent(parents[0]):
+        return [], True
+    kept = [(b"traceparent", parents[0])]
+    if not states:
+        return kept, False
+    state = b",".join(states)  # repeated tracestate headers are one list (RFC 9110 field lines)
+    if not _valid_state(state):
+        return kept, True
+    return [*kept, (b"tracestate", state)], False
+
+
+def _valid_parent(value: bytes) -> bool:
+    return (
+        len(value) == 55
+        and _TRACEPARENT.fullmatch(value) is not None
+        and not value.startswith(b"ff")
+        and value[3:35] != _ZERO_TRACE
+        and value[36:52] != _ZERO_PARENT
+    )
+
+
+def _valid_state(value: bytes) -> bool:
+    if len(value) > TRACESTATE_CHARS:
+        return False
+    members = [m.strip(b" \t") for m in value.split(b",")]
+    members = [m for m in members if m]  # empty members are allowed and carry nothing
+    if len(members) > TRACESTATE_MEMBERS:
+        return False
+    keys: set[bytes] = set()
+    for member in members:
+        if _TS_MEMBER.fullmatch(member) is None:
+            return False
+        keys.add(member.partition(b"=")[0])
+    return len(keys) == len(members)  # a key appears once
 
 
 class Tracing:
