@@ -8,14 +8,16 @@ metaserver I/O leaves as a command in `take_commands()` and comes back through `
 The work splits by side, one module each: `scheduler_prefill.py` (`PrefillSide`: hold a finished prompt's
 blocks until the ledger lets them go) and `scheduler_decode.py` (`DecodeSide`: claim, pull, report; its
 docstring says why a pull may be used before DONE is recorded). A request goes to one side by its
-`kv_transfer_params` (`do_remote_decode` / `do_remote_prefill`, vLLM's keys); a `both` engine serves
-either. This class routes vLLM's hooks and the control thread's results to the side they concern and
+`kv_transfer_params` (`do_remote_decode` / `do_remote_prefill`, vLLM's keys, read like every field
+through `pdgate.contract.KVTransferParams.parse`: a flag that is not a boolean is refused); a `both`
+engine serves either. This class routes vLLM's hooks and the control thread's results to the side they concern and
 collects, each step, what the workers must do. The KV location a prefill records and a decode checks is
 built and read in `location.py`; the counters are listed in `counters.py`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -40,9 +42,12 @@ from pdgate.connector.outbox import Outbox
 from pdgate.connector.scheduler_decode import DecodeSide
 from pdgate.connector.scheduler_prefill import PrefillSide
 
+from pdgate.contract import InvalidTransferParams, KVTransferParams
 from pdgate.models import InstanceLoad, TransportAddress
 
 __all__ = ["SchedulerHalf", "idle_step"]
+
+logger = logging.getLogger(__name__)
 
 
 def idle_step(num_scheduled_tokens: int, dp_size: int) -> bool:
@@ -53,9 +58,28 @@ def idle_step(num_scheduled_tokens: int, dp_size: int) -> bool:
     return num_scheduled_tokens == 0 and dp_size == 1
 
 
-def _wants_remote_prefill(request: Any) -> bool:
+_NEITHER = KVTransferParams()
+_FLAGS = ("do_remote_decode", "do_remote_prefill")
+
+
+def _flags(request: Any) -> KVTransferParams:
+    """The request's side, read through the contract's typed parse of its `kv_transfer_params`, cut to
+    the two flags so a bad field elsewhere still reaches the side that reports it (a decode then fails the
+    load visibly). A flag that is not a boolean raises `InvalidTransferParams`: the string "false" is
+    refused, never taken as true."""
     params = request.kv_transfer_params
-    return bool(params) and bool(params.get("do_remote_prefill"))
+    if not params:
+        return _NEITHER
+    if isinstance(params, Mapping):
+        params = {key: params.get(key) for key in _FLAGS}
+    return KVTransferParams.parse(params)
+
+
+def _wants_remote_prefill(request: Any) -> bool:
+    try:
+        return _flags(request).do_remote_prefill
+    except InvalidTransferParams:
+        return False  # served as a plain request; `request_finished` counts and logs it
 
 
 class SchedulerHalf:
@@ -101,13 +125,16 @@ class SchedulerHalf:
         self, request: Any, block_ids: Sequence[int], *, now: float
     ) -> tuple[bool, dict[str, Any] | None]:
         self._live_requests = max(self._live_requests - 1, 0)
-        params = request.kv_transfer_params
-        if not params:
+        try:
+            flags = _flags(request)
+        except InvalidTransferParams as exc:
+            self._out.bump("bad_params")
+            logger.error("request %s: %s; served as a plain request", request.request_id, exc)
             return False, None
-        if params.get("do_remote_prefill"):
+        if flags.do_remote_prefill:
             self._decode.request_finished(request, now=now)
             return False, None
-        if not params.get("do_remote_decode"):
+        if not flags.do_remote_decode:
             return False, None
         return self._prefill.request_finished(request, block_ids, now=now)
 

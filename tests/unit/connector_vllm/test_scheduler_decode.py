@@ -78,6 +78,18 @@ def test_requests_without_remote_prefill_load_nothing() -> None:
     assert h.get_num_new_matched_tokens(make_request("p", 40, p_params()), 0) == (0, False)
 
 
+@pytest.mark.parametrize("flag", ["false", "true", 1])
+def test_a_do_remote_prefill_that_is_not_a_boolean_loads_nothing(flag: Any) -> None:
+    h = half()
+    req = make_request("d1", 40, d_params() | {"do_remote_prefill": flag})
+    assert h.get_num_new_matched_tokens(req, 0) == (0, False)
+    h.update_state_after_alloc(req, make_blocks([4, 5]), 0, now=0.0)
+    finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert h.request_finished(req, [4, 5], now=0.0) == (False, None)
+    assert h.take_commands() == [] and h.build([], now=0.0).recv_done == ()
+    assert h.counters["bad_params"] == 1
+
+
 def test_bad_decode_params_still_take_the_async_path_and_fail_visibly() -> None:
     h = half()
     req = make_request("d1", 40, {"do_remote_prefill": True, "transfer_id": "bad id"})

@@ -62,6 +62,17 @@ def test_finished_prefill_is_held_and_answers_with_the_location() -> None:
     assert h.has_holds()
 
 
+@pytest.mark.parametrize("flag", ["false", "true", 1, [True]])
+def test_a_do_remote_decode_that_is_not_a_boolean_keeps_nothing(flag: Any) -> None:
+    h = half()
+    req = make_request("p1", 70, p_params("t-7") | {"do_remote_decode": flag}, max_tokens=1)
+    finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert h.request_finished(req, [4, 5, 6], now=0.0) == (False, None)  # the contract refuses it: not true
+    assert h.take_commands() == [] and not h.has_holds()
+    # Refused as a flag, not read as a prefill's request that kept nothing.
+    assert (h.counters["bad_params"], h.counters.get("prefill_not_kept", 0)) == (1, 0)
+
+
 def test_stopped_prefill_is_held_too_and_extra_blocks_are_not_advertised() -> None:
     h = half()
     req = make_request("p1", 64, p_params(), max_tokens=1)
