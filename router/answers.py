@@ -4,7 +4,8 @@ After a first token from the prefill (`pdgate.router.first_token`) the decode's 
 token, and its first event's prompt ids end with it: both are put back as the client's request has them.
 
 Two things only the prefill's answer knows:
-- how many prompt tokens' KV it computed and handed over (`kv_transfer_params.remote_num_tokens`, else
+- how many prompt tokens' KV it computed and handed over (`kv_transfer_params.remote_num_tokens`, read
+  through `KVTransferParams.parse` like every field of those params the router reads, else
   its `usage.prompt_tokens`). The decode's own `usage.prompt_tokens_details.cached_tokens` counts what
   it found in its local prefix cache (vLLM reports it only with --enable-prompt-tokens-details, and
   then as 0 for a transferred prompt), so cost accounting would bill every transferred prompt token as
@@ -31,6 +32,7 @@ from typing import Any
 import orjson
 
 from pdgate.asgi import Message, Send
+from pdgate.contract import InvalidTransferParams, KVTransferParams
 
 __all__ = [
     "PatchingSend",
@@ -58,14 +60,20 @@ def decode_recomputes(body: dict[str, Any], chat: bool) -> bool:
     return not chat and bool(body.get("echo")) and body.get("logprobs") is not None
 
 
-def prefill_facts(data: dict[str, Any] | None, chat: bool) -> PrefillFacts:
-    """What the prefill's answer (parsed by the dispatcher, `req.prefill_answer`) adds; None: nothing."""
+def prefill_facts(data: dict[str, Any] | None, chat: bool, kv: KVTransferParams | None = None) -> PrefillFacts:
+    """What the prefill's answer (parsed by the dispatcher, `req.prefill_answer`) adds; None: nothing.
+    `kv`: its `kv_transfer_params` as the dispatcher parsed them (`req.prefill_kv`); read through
+    `KVTransferParams.parse` here when not given, so no field is read off the raw dict."""
     if data is None:
         return PrefillFacts(None)
-    kv = data.get("kv_transfer_params")
+    if kv is None:
+        try:
+            kv = KVTransferParams.parse(data.get("kv_transfer_params") or {})
+        except InvalidTransferParams:
+            kv = None
     usage = data.get("usage")
-    n: Any = kv.get("remote_num_tokens") if isinstance(kv, dict) else None
-    if not isinstance(n, int) and isinstance(usage, dict):
+    n: Any = kv.remote_num_tokens if kv is not None else None
+    if n is None and isinstance(usage, dict):
         n = usage.get("prompt_tokens")
     logprobs: Any = None
     if chat:

@@ -44,7 +44,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["FirstToken", "decode_body", "eligible", "first_event", "read"]
+__all__ = ["MAX_TOKEN_ID", "BadFirstToken", "FirstToken", "check", "decode_body", "eligible", "first_event", "read"]
 
 # Completion fields whose meaning is the same when the first output token is the decode's last prompt
 # token. Anything else in the body (present and not at its neutral value) keeps the classic path.
@@ -82,6 +82,10 @@ _SAFE = frozenset(
 )
 _GREEDY = 1e-5  # vLLM's _SAMPLING_EPS
 _REPLACEMENT = "\ufffd"
+# The router does not know the model's vocabulary; every real one is far below this, and a decode's
+# tokenizer refuses an id past its own vocabulary anyway. What this bound catches is an id no
+# tokenizer has (negative, 2**63 - 1, a float), before it reaches the client.
+MAX_TOKEN_ID = 2**31
 
 
 def eligible(body: dict[str, Any], *, completions: bool, max_model_len: int | None) -> bool:
@@ -125,8 +129,45 @@ class FirstToken:
     prompt_token_ids: list[int]
 
 
+class BadFirstToken(ValueError):
+    """The prefill's answer to a request that asked for token ids is not one a vLLM prefill gives: the
+    prefill's failure (retried on another prefill), never a token the client gets."""
+
+
+def _ids(value: Any) -> bool:
+    return type(value) is list and all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in value)
+
+
+def check(answer: dict[str, Any], prompt: Any) -> None:
+    """Refuse (`BadFirstToken`) a prefill answer whose first token could not be trusted, before a byte
+    of it reaches the client: every token id it lists is an int in [0, MAX_TOKEN_ID), the fields the
+    client's first event is built from have vLLM's types, and when the client sent token ids
+    (`prompt`) the prefill's prompt ids are exactly those, else the decode would answer another prompt.
+    A client that sent text trusts the prefill's tokenization (SECURITY.md). What `read` turns away for
+    the classic path (a finish other than length, a partial character) is no failure and passes here."""
+    choices = answer.get("choices")
+    if choices is None:
+        return
+    if type(choices) is not list or not all(type(c) is dict for c in choices):
+        raise BadFirstToken("its choices are not a list of objects")
+    for c in choices:
+        ids, prompt_ids, text = c.get("token_ids"), c.get("prompt_token_ids"), c.get("text")
+        if ids is not None and not _ids(ids):
+            raise BadFirstToken(f"its token_ids are not ids in [0, {MAX_TOKEN_ID})")
+        if prompt_ids is not None and not _ids(prompt_ids):
+            raise BadFirstToken(f"its prompt_token_ids are not ids in [0, {MAX_TOKEN_ID})")
+        if text is not None and type(text) is not str:
+            raise BadFirstToken("its text is not a string")
+        if prompt_ids is not None and type(prompt) is list and prompt_ids != prompt:
+            raise BadFirstToken("its prompt_token_ids are not the client's prompt")
+    for key, kind in (("id", str), ("model", str), ("created", int)):
+        if key in answer and type(answer[key]) is not kind:
+            raise BadFirstToken(f"its {key} is not {'a string' if kind is str else 'an int'}")
+
+
 def read(answer: dict[str, Any] | None, *, max_tokens: int, max_model_len: int | None) -> FirstToken | None:
-    """The prefill's first token when the decode can continue after it (module doc), else None."""
+    """The prefill's first token when the decode can continue after it (module doc), else None. The
+    answer passed `check` (the dispatcher ran it while a retry was still possible)."""
     if answer is None:
         return None
     choices = answer.get("choices")
@@ -136,9 +177,9 @@ def read(answer: dict[str, Any] | None, *, max_tokens: int, max_model_len: int |
     text, ids, prompt_ids = c.get("text"), c.get("token_ids"), c.get("prompt_token_ids")
     if c.get("finish_reason") != "length" or not isinstance(text, str) or not text or text.endswith(_REPLACEMENT):
         return None
-    if not isinstance(ids, list) or len(ids) != 1 or type(ids[0]) is not int:
+    if not _ids(ids) or len(ids) != 1:
         return None
-    if not isinstance(prompt_ids, list) or not prompt_ids or type(prompt_ids[-1]) is not int:
+    if not _ids(prompt_ids) or not prompt_ids:
         return None
     if max_model_len is not None and len(prompt_ids) + max_tokens > max_model_len:
         return None

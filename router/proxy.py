@@ -276,7 +276,7 @@ class Proxy:
             else:
                 await self._dispatch.prefill(req, model)
             chat = req.endpoint == CHAT
-            facts = prefill_facts(req.prefill_answer, chat)
+            facts = prefill_facts(req.prefill_answer, chat, req.prefill_kv)
             if decode_recomputes(req.body, chat):
                 facts = PrefillFacts(None, facts.prompt_logprobs)
             if req.first_token:

@@ -9,6 +9,8 @@ from typing import Any
 from pdgate.router.bodies import RequestFacts, SplicedBody
 from pdgate.router.pool import LiveInstance
 
+from pdgate.contract import KVTransferParams
+
 __all__ = ["MAX_ANSWER", "ProxiedRequest", "mint_transfer_id"]
 
 MAX_ANSWER = 64 << 20  # an engine answer larger than this is a failed answer, not one to buffer
@@ -57,6 +59,7 @@ class ProxiedRequest:
         "overhead_s",
         "prefill",
         "prefill_answer",
+        "prefill_kv",
         "rid",
         "spliced",
         "started",
@@ -77,6 +80,7 @@ class ProxiedRequest:
         self.live: str | None = None
         self.prefill: LiveInstance | None = None
         self.prefill_answer: dict[str, Any] | None = None  # the prefill's answer, parsed (what it adds)
+        self.prefill_kv: KVTransferParams | None = None  # its kv_transfer_params, parsed (`attempts`)
         self.decode_kv: dict[str, Any] = {}
         self.decode_kv_json = b"{}"  # `decode_kv` encoded, checked at the prefill (`attempts`)
         self.spliced: SplicedBody | None = None  # the body encoded once for both hops (set at the first prefill)
