@@ -153,125 +153,27 @@ class EngineSpec:
         `read_text` reads /etc/hccn.conf (None: unreadable); an Ascend engine without a rank table needs
         NPU addresses from there or from $PDGATE_DEVICE_IP.
         """
-        exists = file_exists or _non_empty_file
-        read = read_text or _read_text
-        problems: list[str] = []
-
-        def get(name: str) -> str:
-            return env.get(name, "").strip()
-
-        def bad(name: str, why: str) -> None:
-            source = ENV_FILE_SOURCE.get(name, name).replace("{ROLE}", (get("PDGATE_ENGINE_ROLE") or "ROLE").upper())
-            problems.append(f"{name}={get(name)!r}: {why} (set {source} in your deploy/env/*.env file)")
-
-        def integer(name: str, default: int | None, lo: int, hi: int) -> int | None:
-            raw = get(name)
-            if not raw:
-                if default is None:
-                    return None
-                return default
-            try:
-                value = int(raw)
-            except ValueError:
-                bad(name, "not an integer")
-                return default
-            if not lo <= value <= hi:
-                bad(name, f"must be between {lo} and {hi}")
-            return value
-
-        flavour = get("PDGATE_ENGINE_FLAVOUR")
-        if flavour not in FLAVOURS:
-            bad("PDGATE_ENGINE_FLAVOUR", f"must be one of {', '.join(FLAVOURS)}")
-            flavour = "sim"
-        role = get("PDGATE_ENGINE_ROLE")
-        if role not in ROLES:
-            bad("PDGATE_ENGINE_ROLE", f"must be one of {', '.join(ROLES)}")
-            role = "prefill"
-
-        metaserver_url = get("PDGATE_METASERVER_URL").rstrip("/")
-        parsed = urllib.parse.urlsplit(metaserver_url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            bad("PDGATE_METASERVER_URL", "must be http(s)://HEAD_ADDR:PORT with a host")
-
-        advertise = get("PDGATE_ENGINE_ADVERTISE_ADDR")
-        if not advertise:
-            bad(
-                "PDGATE_ENGINE_ADVERTISE_ADDR", "empty: the address the router and the other engines reach this host at"
-            )
-        elif _is_unspecified(advertise):
-            bad("PDGATE_ENGINE_ADVERTISE_ADDR", "an unspecified address cannot be reached; use this host's address")
-
-        if not get("PDGATE_ENGINE_PORT"):
-            bad("PDGATE_ENGINE_PORT", "empty: the port the engine's HTTP server listens on")
-        port = integer("PDGATE_ENGINE_PORT", 0, 1, 65535) or 0
-        kv_port = integer("PDGATE_ENGINE_KV_PORT", 14579, 1, 65535) or 14579
-        if kv_port == port:
-            bad("PDGATE_ENGINE_KV_PORT", "must differ from the HTTP port")
-        tp_size = integer("PDGATE_ENGINE_TP_SIZE", 1, 1, 4096) or 1
-        block_size = integer("PDGATE_ENGINE_BLOCK_SIZE", 128, 1, 1 << 20) or 128
-        if flavour == "cpu" and block_size % 32:
-            bad("PDGATE_ENGINE_BLOCK_SIZE", "the vLLM CPU backend needs a multiple of 32")
-        max_model_len = integer("PDGATE_ENGINE_MAX_MODEL_LEN", None, 1, 1 << 24)
-
-        instance_id = get("PDGATE_ENGINE_INSTANCE_ID") or _default_instance_id(role, advertise, port)
+        r = _EnvReader(env)
+        flavour, role = (
+            r.choice("PDGATE_ENGINE_FLAVOUR", FLAVOURS, "sim"),
+            r.choice("PDGATE_ENGINE_ROLE", ROLES, "prefill"),
+        )
+        metaserver_url, advertise = _addresses(r)
+        port, kv_port, tp_size, block_size, max_model_len = _sizes(r, flavour)
+        instance_id = r.get("PDGATE_ENGINE_INSTANCE_ID") or _default_instance_id(role, advertise, port)
         if not _ID_RE.match(instance_id):
-            bad("PDGATE_ENGINE_INSTANCE_ID", "must be 1-128 of A-Z a-z 0-9 . _ : - and start with a letter or digit")
-
-        served = get("PDGATE_ENGINE_SERVED_MODEL_NAME")
-        model = get("PDGATE_ENGINE_MODEL")
-        if not model:
-            if flavour == "ascend":
-                bad("PDGATE_ENGINE_MODEL", "empty: the model path inside the container (under /models) or hub id")
-            model = DEFAULT_TINY_MODEL if flavour == "cpu" else (served or DEFAULT_SERVED_NAME)
-        served = served or (DEFAULT_SERVED_NAME if model == DEFAULT_TINY_MODEL else Path(model).name or model)
-
-        lease_raw = get("PDGATE_ENGINE_LEASE_S")
-        lease_s: float | None = None
-        if lease_raw:
-            try:
-                lease_s = float(lease_raw)
-                if not 0 < lease_s <= 3600:
-                    bad("PDGATE_ENGINE_LEASE_S", "must be in (0, 3600] seconds")
-            except ValueError:
-                bad("PDGATE_ENGINE_LEASE_S", "not a number")
-
-        wait_raw = get("PDGATE_ENGINE_WAIT_S")
-        wait_s = 600.0
-        if wait_raw:
-            try:
-                wait_s = float(wait_raw)
-            except ValueError:
-                bad("PDGATE_ENGINE_WAIT_S", "not a number")
-
-        ranktable = get("PDGATE_ENGINE_RANKTABLE") or None
-        if ranktable is not None and not exists(ranktable):
-            ranktable = None  # /dev/null mounted: no rank table
-        if flavour == "ascend" and ranktable is None and not get("PDGATE_DEVICE_IP"):
-            hccn = read(HCCN_CONF)
-            if not hccn_device_ids(hccn or ""):
-                bad(
-                    "PDGATE_ENGINE_RANKTABLE",
-                    f"no rank table mounted, and no NPU addresses to place the llm_datadist transport without "
-                    f"one: {HCCN_CONF} {'has no address_<id>= lines' if hccn else 'is missing'} and "
-                    "PDGATE_DEVICE_IP is unset; configure the NPUs' RoCE addresses (hccn_tool) or generate a "
-                    "rank table (pdgate-ranktable generate)",
-                )
-        server_id = get("PDGATE_ENGINE_SERVER_ID") or (advertise if flavour == "ascend" else None)
-
-        if flavour == "ascend" and get("HCCL_SOCKET_IFNAME") in ("", "all"):
-            problems.append(
-                "HCCL_SOCKET_IFNAME must name the NIC that carries HCCL traffic on Ascend "
-                "(set PDGATE_HOST_NIC in your deploy/env/*.env file, e.g. eth0)"
-            )
-
+            r.bad("PDGATE_ENGINE_INSTANCE_ID", "must be 1-128 of A-Z a-z 0-9 . _ : - and start with a letter or digit")
+        model, served = _model(r, flavour)
+        lease_s = r.number("PDGATE_ENGINE_LEASE_S", None, "must be in (0, 3600] seconds", lambda v: 0 < v <= 3600)
+        wait_s = r.number("PDGATE_ENGINE_WAIT_S", 600.0)
+        ranktable = _ranktable(r, flavour, file_exists or _non_empty_file, read_text or _read_text)
+        vllm_args: tuple[str, ...] = ()
         try:
-            vllm_args = tuple(shlex.split(get("PDGATE_ENGINE_VLLM_ARGS")))
+            vllm_args = tuple(shlex.split(r.get("PDGATE_ENGINE_VLLM_ARGS")))
         except ValueError as exc:
-            bad("PDGATE_ENGINE_VLLM_ARGS", f"cannot be split like a shell command line: {exc}")
-            vllm_args = ()
-
-        if problems:
-            raise ConfigError(problems)
+            r.bad("PDGATE_ENGINE_VLLM_ARGS", f"cannot be split like a shell command line: {exc}")
+        if r.problems:
+            raise ConfigError(r.problems)
         return cls(
             flavour=flavour,
             role=role,
@@ -284,15 +186,131 @@ class EngineSpec:
             served_model_name=served,
             block_size=block_size,
             tp_size=tp_size,
-            bind_addr=get("PDGATE_ENGINE_BIND_ADDR") or "0.0.0.0",
-            token=get("PDGATE_METASERVER_TOKEN") or None,
+            bind_addr=r.get("PDGATE_ENGINE_BIND_ADDR") or "0.0.0.0",
+            token=r.get("PDGATE_METASERVER_TOKEN") or None,
             max_model_len=max_model_len,
             lease_s=lease_s,
             ranktable=ranktable,
-            server_id=server_id,
-            wait_s=wait_s,
+            server_id=r.get("PDGATE_ENGINE_SERVER_ID") or (advertise if flavour == "ascend" else None),
+            wait_s=600.0 if wait_s is None else wait_s,
             vllm_args=vllm_args,
         )
+
+
+class _EnvReader:
+    """The container environment, read value by value; every problem is kept, so that one ConfigError
+    names them all at once (an operator fixes the env file in one go, not one restart per mistake)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+        self.problems: list[str] = []
+
+    def get(self, name: str) -> str:
+        return self.env.get(name, "").strip()
+
+    def bad(self, name: str, why: str) -> None:
+        """One problem, naming the env-file variable that sets `name`."""
+        role = (self.get("PDGATE_ENGINE_ROLE") or "ROLE").upper()
+        source = ENV_FILE_SOURCE.get(name, name).replace("{ROLE}", role)
+        self.problems.append(f"{name}={self.get(name)!r}: {why} (set {source} in your deploy/env/*.env file)")
+
+    def choice(self, name: str, allowed: tuple[str, ...], fallback: str) -> str:
+        if self.get(name) not in allowed:
+            self.bad(name, f"must be one of {', '.join(allowed)}")
+            return fallback  # so that the checks that follow still run
+        return self.get(name)
+
+    def integer(self, name: str, default: int | None, lo: int, hi: int) -> int | None:
+        if not self.get(name):
+            return default
+        try:
+            value = int(self.get(name))
+        except ValueError:
+            self.bad(name, "not an integer")
+            return default
+        if not lo <= value <= hi:
+            self.bad(name, f"must be between {lo} and {hi}")
+        return value
+
+    def number(
+        self, name: str, default: float | None, why: str = "", ok: Callable[[float], bool] = bool
+    ) -> float | None:
+        if not self.get(name):
+            return default
+        try:
+            value = float(self.get(name))
+        except ValueError:
+            self.bad(name, "not a number")
+            return default
+        if why and not ok(value):
+            self.bad(name, why)
+        return value
+
+
+def _addresses(r: _EnvReader) -> tuple[str, str]:
+    """The metaserver's URL and the address this host is reached at (never a wildcard)."""
+    parsed = urllib.parse.urlsplit(metaserver_url := r.get("PDGATE_METASERVER_URL").rstrip("/"))
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        r.bad("PDGATE_METASERVER_URL", "must be http(s)://HEAD_ADDR:PORT with a host")
+    advertise = r.get("PDGATE_ENGINE_ADVERTISE_ADDR")
+    if not advertise:
+        r.bad("PDGATE_ENGINE_ADVERTISE_ADDR", "empty: the address the router and the other engines reach this host at")
+    elif _is_unspecified(advertise):
+        r.bad("PDGATE_ENGINE_ADVERTISE_ADDR", "an unspecified address cannot be reached; use this host's address")
+    return metaserver_url, advertise
+
+
+def _sizes(r: _EnvReader, flavour: str) -> tuple[int, int, int, int, int | None]:
+    """HTTP port, KV port, TP size, block size and max model length."""
+    if not r.get("PDGATE_ENGINE_PORT"):
+        r.bad("PDGATE_ENGINE_PORT", "empty: the port the engine's HTTP server listens on")
+    port = r.integer("PDGATE_ENGINE_PORT", 0, 1, 65535) or 0
+    kv_port = r.integer("PDGATE_ENGINE_KV_PORT", 14579, 1, 65535) or 14579
+    if kv_port == port:
+        r.bad("PDGATE_ENGINE_KV_PORT", "must differ from the HTTP port")
+    tp_size = r.integer("PDGATE_ENGINE_TP_SIZE", 1, 1, 4096) or 1
+    block_size = r.integer("PDGATE_ENGINE_BLOCK_SIZE", 128, 1, 1 << 20) or 128
+    if flavour == "cpu" and block_size % 32:
+        r.bad("PDGATE_ENGINE_BLOCK_SIZE", "the vLLM CPU backend needs a multiple of 32")
+    max_model_len = r.integer("PDGATE_ENGINE_MAX_MODEL_LEN", None, 1, 1 << 24)
+    return port, kv_port, tp_size, block_size, max_model_len
+
+
+def _model(r: _EnvReader, flavour: str) -> tuple[str, str]:
+    """The model to load and the name it is served under (the tiny model when none is named, off Ascend)."""
+    served = r.get("PDGATE_ENGINE_SERVED_MODEL_NAME")
+    model = r.get("PDGATE_ENGINE_MODEL")
+    if not model:
+        if flavour == "ascend":
+            r.bad("PDGATE_ENGINE_MODEL", "empty: the model path inside the container (under /models) or hub id")
+        model = DEFAULT_TINY_MODEL if flavour == "cpu" else (served or DEFAULT_SERVED_NAME)
+    served = served or (DEFAULT_SERVED_NAME if model == DEFAULT_TINY_MODEL else Path(model).name or model)
+    return model, served
+
+
+def _ranktable(
+    r: _EnvReader, flavour: str, exists: Callable[[str], bool], read: Callable[[str], str | None]
+) -> str | None:
+    """The mounted rank table, if any; on Ascend, refuse a start that could not place the transport."""
+    ranktable = r.get("PDGATE_ENGINE_RANKTABLE") or None
+    if ranktable is not None and not exists(ranktable):
+        ranktable = None  # /dev/null mounted: no rank table
+    if flavour == "ascend" and ranktable is None and not r.get("PDGATE_DEVICE_IP"):
+        hccn = read(HCCN_CONF)
+        if not hccn_device_ids(hccn or ""):
+            r.bad(
+                "PDGATE_ENGINE_RANKTABLE",
+                f"no rank table mounted, and no NPU addresses to place the llm_datadist transport without "
+                f"one: {HCCN_CONF} {'has no address_<id>= lines' if hccn else 'is missing'} and "
+                "PDGATE_DEVICE_IP is unset; configure the NPUs' RoCE addresses (hccn_tool) or generate a "
+                "rank table (pdgate-ranktable generate)",
+            )
+    if flavour == "ascend" and r.get("HCCL_SOCKET_IFNAME") in ("", "all"):
+        r.problems.append(
+            "HCCL_SOCKET_IFNAME must name the NIC that carries HCCL traffic on Ascend "
+            "(set PDGATE_HOST_NIC in your deploy/env/*.env file, e.g. eth0)"
+        )
+    return ranktable
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
