@@ -107,14 +107,6 @@ class _BatchedClaims:
         return await self._meta.get_handoff(transfer_id, wait)
 
 
-class _LeanMetaClient(PooledMetaClient):
-    """`MetaClient` over the router's keep-alive HTTP/1.1 client (httptools), which closes its pool too."""
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
-        await super().aclose()
-
-
 def _lean_client(cfg: ConnectorConfig) -> MetaClient:
     """The control thread's client: the one with the fewest GIL hand-overs per call.
 
@@ -123,7 +115,9 @@ def _lean_client(cfg: ConnectorConfig) -> MetaClient:
     claim through httpx at 5-8 context switches of this thread, through this client at 2.5-3, and
     measures its median 3-10x lower on a shared 2-core machine (bench/results/control.json).
     """
-    return _LeanMetaClient(cfg.metaserver_url, pool=HttpPool(), admin_token=cfg.metaserver_token, timeout=5.0)
+    return PooledMetaClient(
+        cfg.metaserver_url, pool=HttpPool(), admin_token=cfg.metaserver_token, timeout=5.0, owns_pool=True
+    )
 
 
 class ControlThread:

@@ -83,7 +83,7 @@ class LocalMetaClient:
     async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
         return await self.service.claim(transfer_id, decode_instance_id, lease_s)
 
-    async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
+    async def done(self, transfer_id: str, decode_instance_id: str) -> Handoff:
         return await self.service.done(transfer_id, decode_instance_id)
 
     async def abort(self, transfer_id: str, reason: str) -> Handoff:

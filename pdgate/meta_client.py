@@ -20,8 +20,10 @@ The service's own errors (`pdgate.metaserver.errors`) subclass these families, s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from urllib.parse import urlencode
 
 import httpx
 import orjson
@@ -30,6 +32,7 @@ from pydantic import BaseModel
 from pdgate.errors import Code, PDGateError, info
 from pdgate.models import (
     AbortBody,
+    BatchAbort,
     BatchBody,
     BatchClaim,
     BatchCreate,
@@ -52,6 +55,10 @@ from pdgate.models import (
     RegisterResponse,
     Role,
 )
+
+if TYPE_CHECKING:
+    from pdgate.batcher import Batcher
+    from pdgate.meta_transport import MetaTransport
 
 __all__ = [
     "MetaAPI",
@@ -174,17 +181,30 @@ class MetaAPI(Protocol):
     async def create_handoff(self, body: HandoffCreate) -> Handoff: ...
     async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff: ...
     async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff: ...
-    async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff: ...
+    async def done(self, transfer_id: str, decode_instance_id: str) -> Handoff: ...
     async def abort(self, transfer_id: str, reason: str) -> Handoff: ...
     async def get_handoff(self, transfer_id: str, wait: float | None = None) -> Handoff: ...
     async def events(self, instance_id: str, cursor: str | None = None, wait: float | None = None) -> HandoffEvents: ...
 
 
 class MetaClient:
-    """Async HTTP client for every metaserver route.
+    """Async client for every metaserver route, over a `pdgate.meta_transport.MetaTransport`.
 
-    Long-polls (`get_handoff(wait=...)`, `events(wait=...)`) extend the read timeout by the wait, so
-    a long-poll is never cut by the client's own default timeout.
+    `transport`: a `MetaTransport` (e.g. `PoolTransport`), or an httpx transport to put under the default
+    `HttpxTransport`, or None for that default. `admin_token` and `max_connections` configure the default
+    only; a transport given whole carries its own.
+
+    Long-polls (`get_handoff(wait=...)`, `events(wait=...)`) extend the timeout by the wait, so a long-poll
+    is never cut by the client's own default timeout.
+
+    Batches (`batches` > 0): a ledger move (create, READY, claim, DONE, abort) made while no other is out
+    goes as its single route; one made while another is out goes through a `pdgate.batcher.Batcher` with
+    at most `batches` requests out, so the calls of requests in flight ride together (`POST
+    /v1/handoffs/batch`). Why the lone call goes single: for it, the batch's envelope and the batcher's
+    extra loop turn and task cost more router CPU than they save (about +60 us per call at concurrency 1,
+    measured). Each caller still gets its own record or the typed `MetaError` its single call would raise,
+    so retry rules written against the single calls hold. Measured: docs/COMPARISON.md ("Ledger calls in
+    batches").
     """
 
     def __init__(
@@ -193,26 +213,39 @@ class MetaClient:
         *,
         admin_token: str | None = None,
         timeout: float = 5.0,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: MetaTransport | httpx.AsyncBaseTransport | None = None,
         max_connections: int = 256,
+        batches: int = 0,
     ) -> None:
-        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        if transport is None or isinstance(transport, httpx.AsyncBaseTransport):
+            from pdgate.meta_transport import HttpxTransport  # it imports this module's errors
+
+            transport = HttpxTransport(
+                base_url, admin_token=admin_token, timeout=timeout, max_connections=max_connections, transport=transport
+            )
+        self._transport: MetaTransport = transport
         self._timeout = timeout
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            headers=headers,
-            timeout=timeout,
-            transport=transport,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
         self.batch_route = True  # False once the metaserver answered the batch route 404/405 (an older one)
+        self._batcher: Batcher | None = None
+        if batches > 0:
+            from pdgate.batcher import Batcher  # it imports this module's errors
+
+            self._batcher = Batcher(self.batch, max_in_flight=batches)
+        self._out = 0  # ledger moves out now, single or batched (counted only when batching)
 
     @property
     def base_url(self) -> str:
-        return str(self._http.base_url)
+        return self._transport.base_url
+
+    @property
+    def batcher(self) -> Batcher | None:
+        """The ledger-move queue when batching (`batches` > 0), for stats."""
+        return self._batcher
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._batcher is not None:
+            await self._batcher.aclose()
+        await self._transport.aclose()
 
     async def __aenter__(self) -> MetaClient:
         return self
@@ -220,9 +253,9 @@ class MetaClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # -- transport --------------------------------------------------------------------------
+    # -- one call ---------------------------------------------------------------------------
 
-    async def _call(  # extension point: a subclass may send over another HTTP layer (pdgate/meta_pooled.py)
+    async def _call(
         self,
         method: str,
         path: str,
@@ -231,20 +264,17 @@ class MetaClient:
         params: dict[str, Any] | None = None,
         wait: float | None = None,
     ) -> Any:
+        if params:
+            path = f"{path}?{urlencode(params)}"
         content = body.model_dump_json(exclude_none=True).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if content is not None else None
-        timeout = self._timeout + wait if wait else self._timeout
-        try:
-            resp = await self._http.request(
-                method, path, content=content, params=params, headers=headers, timeout=timeout
-            )
-        except httpx.TransportError as exc:
-            raise transport_error(exc, method, path) from exc
-        if resp.status_code >= 400:
-            raise _error_from(resp, method, path)
-        if resp.status_code == 204 or not resp.content:
+        status, data = await self._transport.send(
+            method, path, content, self._timeout + wait if wait else self._timeout
+        )
+        if status >= 400:
+            raise error_from_answer(status, data, method, path)
+        if status == 204 or not data:
             return None
-        return orjson.loads(resp.content)
+        return orjson.loads(data)
 
     async def _model(self, cls: type[M], method: str, path: str, **kw: Any) -> M:
         try:
@@ -282,23 +312,73 @@ class MetaClient:
     async def get_instance(self, instance_id: str) -> Instance:
         return await self._model(Instance, "GET", f"/v1/instances/{instance_id}")
 
-    # -- handoff ledger ---------------------------------------------------------------------
+    # -- handoff ledger: the five moves, each alone as its single route or, with another out, batched --
 
     async def create_handoff(self, body: HandoffCreate) -> Handoff:
-        return await self._model(Handoff, "POST", "/v1/handoffs", body=body)
+        if self._batcher is None:
+            return await self._create(body)
+        return await self._move(
+            partial(self._create, body), lambda: BatchCreate.model_construct(body.model_fields_set, **body.__dict__)
+        )
 
     async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
-        return await self._model(Handoff, "PUT", f"/v1/handoffs/{transfer_id}/ready", body=location)
+        if self._batcher is None:
+            return await self._ready(transfer_id, location)
+        return await self._move(
+            partial(self._ready, transfer_id, location),
+            lambda: BatchReady(transfer_id=transfer_id, location=location),
+        )
 
     async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
+        if self._batcher is None:
+            return await self._claim(transfer_id, decode_instance_id, lease_s)
+        return await self._move(
+            partial(self._claim, transfer_id, decode_instance_id, lease_s),
+            lambda: BatchClaim(transfer_id=transfer_id, decode_instance_id=decode_instance_id, lease_s=lease_s),
+        )
+
+    async def done(self, transfer_id: str, decode_instance_id: str) -> Handoff:
+        if self._batcher is None:
+            return await self._done(transfer_id, decode_instance_id)
+        return await self._move(
+            partial(self._done, transfer_id, decode_instance_id),
+            lambda: BatchDone(transfer_id=transfer_id, decode_instance_id=decode_instance_id),
+        )
+
+    async def abort(self, transfer_id: str, reason: str) -> Handoff:
+        if self._batcher is None:
+            return await self._abort(transfer_id, reason)
+        return await self._move(
+            partial(self._abort, transfer_id, reason), lambda: BatchAbort(transfer_id=transfer_id, reason=reason)
+        )
+
+    async def _move(self, single: Callable[[], Awaitable[Handoff]], item: Callable[[], BatchItem]) -> Handoff:
+        """Alone -> `single` (the single route); with another move out -> the batcher (class docstring)."""
+        batcher = self._batcher if self._out and self.batch_route else None
+        self._out += 1
+        try:
+            return await (single() if batcher is None else batcher.call(item()))
+        finally:
+            self._out -= 1
+
+    # The single routes. The batch's fallback (`_single`) calls these, never the public moves: those would
+    # send the item straight back into a batch.
+
+    async def _create(self, body: HandoffCreate) -> Handoff:
+        return await self._model(Handoff, "POST", "/v1/handoffs", body=body)
+
+    async def _ready(self, transfer_id: str, location: KVLocation) -> Handoff:
+        return await self._model(Handoff, "PUT", f"/v1/handoffs/{transfer_id}/ready", body=location)
+
+    async def _claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None) -> Handoff:
         body = ClaimBody(decode_instance_id=decode_instance_id, lease_s=lease_s)
         return await self._model(Handoff, "POST", f"/v1/handoffs/{transfer_id}/claim", body=body)
 
-    async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
+    async def _done(self, transfer_id: str, decode_instance_id: str) -> Handoff:
         body = DoneBody(decode_instance_id=decode_instance_id)
         return await self._model(Handoff, "POST", f"/v1/handoffs/{transfer_id}/done", body=body)
 
-    async def abort(self, transfer_id: str, reason: str) -> Handoff:
+    async def _abort(self, transfer_id: str, reason: str) -> Handoff:
         return await self._model(Handoff, "POST", f"/v1/handoffs/{transfer_id}/abort", body=AbortBody(reason=reason))
 
     async def batch(self, items: Sequence[BatchItem]) -> list[Handoff | MetaError]:
@@ -331,19 +411,16 @@ class MetaClient:
         return out
 
     async def _single(self, item: BatchItem) -> Handoff | MetaError:
-        # The single routes themselves (`MetaClient.x(self, ...)`), not a subclass's override: one that
-        # batches its calls (pdgate/meta_pooled.py) would send the item straight back into a batch.
         try:
             if isinstance(item, BatchCreate):
-                body = HandoffCreate.model_validate(item.model_dump(exclude={"op"}))
-                return await MetaClient.create_handoff(self, body)
+                return await self._create(HandoffCreate.model_validate(item.model_dump(exclude={"op"})))
             if isinstance(item, BatchReady):
-                return await MetaClient.mark_ready(self, item.transfer_id, item.location)
+                return await self._ready(item.transfer_id, item.location)
             if isinstance(item, BatchClaim):
-                return await MetaClient.claim(self, item.transfer_id, item.decode_instance_id, item.lease_s)
+                return await self._claim(item.transfer_id, item.decode_instance_id, item.lease_s)
             if isinstance(item, BatchDone):
-                return await MetaClient.done(self, item.transfer_id, item.decode_instance_id)
-            return await MetaClient.abort(self, item.transfer_id, item.reason)
+                return await self._done(item.transfer_id, item.decode_instance_id)
+            return await self._abort(item.transfer_id, item.reason)
         except MetaError as exc:
             return exc
 
@@ -380,10 +457,6 @@ def transport_error(exc: Exception, method: str, path: str) -> MetaError:
     return MetaUnavailable(f"metaserver {method} {path} failed: {exc!r}")
 
 
-def _error_from(resp: httpx.Response, method: str, path: str) -> MetaError:
-    return error_from_answer(resp.status_code, resp.content, method, path)
-
-
 def _path(item: BatchItem) -> str:
     return "/v1/handoffs" if isinstance(item, BatchCreate) else f"/v1/handoffs/{item.transfer_id}/{item.op}"
 
@@ -392,8 +465,7 @@ def error_from_answer(status: int, content: bytes, method: str, path: str) -> Me
     """Turn an RFC 7807 (or FastAPI `detail`) answer into the typed error for its status (`BY_STATUS`),
     carrying the body's `code` and `current_state`.
 
-    Public so that a subclass of `MetaClient` with another HTTP layer (the router's pooled client)
-    raises exactly the errors this client raises.
+    Public so that code reading an answer outside `MetaClient` raises exactly the errors this client raises.
     """
     try:
         data = orjson.loads(content)

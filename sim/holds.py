@@ -19,8 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdgate.meta_client import MetaError, MetaNotFound
-from pdgate.meta_pooled import PooledMetaClient
+from pdgate.meta_client import MetaClient, MetaError, MetaNotFound
 
 __all__ = ["Holds"]
 
@@ -62,7 +61,7 @@ class Holds:
             "freed": dict(self.freed),
         }
 
-    async def follow(self, meta: PooledMetaClient, instance_id: str) -> None:
+    async def follow(self, meta: MetaClient, instance_id: str) -> None:
         """Free on the terminal events of one instance's feed (forever; cancelled at shutdown)."""
         cursor: str | None = None
         while True:
@@ -78,7 +77,7 @@ class Holds:
                 if ev.state.terminal:
                     self.free(ev.transfer_id, "event")
 
-    async def check(self, meta_for: Callable[[str], PooledMetaClient]) -> None:
+    async def check(self, meta_for: Callable[[str], MetaClient]) -> None:
         """Ask about holds older than their lease (a lost event or a lost record); forever."""
         while True:
             await asyncio.sleep(_CHECK_EVERY_S)

@@ -24,7 +24,7 @@ from pdgate.claim_wait import ClaimRefused, ClaimRule, claim_handoff
 from pdgate.contract import KVTransferParams
 from pdgate.errors import Code
 from pdgate.http_pool import HttpPool
-from pdgate.meta_client import MetaError, MetaGone, MetaNotFound
+from pdgate.meta_client import MetaClient, MetaError, MetaGone, MetaNotFound
 from pdgate.meta_pooled import PooledMetaClient
 from pdgate.models import Handoff, InstanceLoad, InstanceRegistration, KVLocation, Role
 
@@ -51,14 +51,14 @@ class Ledger:
         self.holds = holds
         self.http: HttpPool | None = None
         self.registered: set[int] = set()
-        self._clients: dict[str, PooledMetaClient] = {}
+        self._clients: dict[str, MetaClient] = {}
         self._next_block = 0
         self.claim_key = claim_seal.claim_key(self.s.admin_token)  # as the connector: no token, no trust
 
     def record_id(self, rank: int) -> str:
         return self.base_id if self.s.dp_size == 1 else f"{self.base_id}.dp{rank}"
 
-    def meta(self, url: str) -> PooledMetaClient:
+    def meta(self, url: str) -> MetaClient:
         client = self._clients.get(url)
         if client is None:
             if self.http is None:

@@ -42,7 +42,7 @@ def meta_url() -> Iterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def pooled(url: str, batches: int) -> AsyncIterator[PooledMetaClient]:
+async def pooled(url: str, batches: int) -> AsyncIterator[MetaClient]:
     """The router's client of `url`, over its own pool, closed after the block."""
     pool = HttpPool()
     client = PooledMetaClient(url, pool=pool, batches=batches)
