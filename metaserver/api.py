@@ -19,17 +19,15 @@ once a lifespan has opened its store).
 
 from __future__ import annotations
 
-import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
-import orjson
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from pdgate.metaserver.batch import parse_batch, render_batch, run_batch
 from pdgate.metaserver.errors import (
     AdminTokenRequired,
     BodyTooLarge,
@@ -37,37 +35,17 @@ from pdgate.metaserver.errors import (
     MalformedBody,
     RouteNotFound,
     StoreFailure,
-    StoreUnavailable,
-    from_validation_error,
     problem_response,
 )
-from pdgate.metaserver.guards import AccessGuard, LongPolls, TooManyLongPolls, check_cursor
+from pdgate.metaserver.guards import AccessGuard, LongPolls, TooManyLongPolls
+from pdgate.metaserver.routes import ROUTES, Call, InstanceList, Reply, Route, parse_body
 from pdgate.metaserver.service import MetaService
 from pdgate.metaserver.settings import MetaSettings
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdgate.meta_client import MetaError
-from pdgate.models import (
-    AbortBody,
-    BatchBody,
-    BatchResults,
-    ClaimBody,
-    DoneBody,
-    Handoff,
-    HandoffCreate,
-    HandoffEvents,
-    HeartbeatBody,
-    HeartbeatResponse,
-    Instance,
-    InstanceRegistration,
-    InstanceState,
-    KVLocation,
-    Problem,
-    RegisterResponse,
-    Role,
-)
-from pdgate.urls import InvalidEngineURL, check_engine_url
+from pdgate.models import Problem
 
 __all__ = [
     "InstanceList",
@@ -80,28 +58,13 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
 
-# How much longer than its ?wait= a long-poll may take before it answers 503 (a hung store).
-POLL_MARGIN_S = 2.0
-
-_WRITES = frozenset({"POST", "PUT", "DELETE", "PATCH"})
 _JSON = "application/json"
-
-
-class InstanceList(BaseModel):
-    """Body of `GET /v1/instances` (documentation only; built directly as JSON)."""
-
-    instances: list[Instance]
+ENGINE = "pdgate.engine"  # scope key: the caller's engine token's instance (guards.AccessGuard.check)
 
 
 def _problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": Problem, "content": {"application/problem+json": {}}} for s in statuses}
-
-
-def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type=_JSON)
 
 
 def from_request_validation(exc: RequestValidationError) -> MetaError:
@@ -165,25 +128,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_body(raw: bytes, model: type[M], *, optional: bool = False) -> M | None:
-    """Validate a JSON body straight from bytes (pydantic's parser: one pass, no dict in between).
-
-    Why not FastAPI's body parameters: this path is the ledger's hot path (four calls per handoff), and
-    parsing here is several times cheaper; the OpenAPI document still shows each body (`_body_doc`).
-    """
-    if not raw.strip():
-        if optional:
-            return None
-        raise InvalidInput("body: Field required (a JSON object)")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        bad_json = [e for e in exc.errors(include_url=False) if e.get("type") == "json_invalid"]
-        if bad_json:
-            raise MalformedBody(f"body is not valid JSON: {bad_json[0].get('msg', 'parse error')}") from None
-        raise from_validation_error(exc, "body") from None
-
-
 def _body_doc(model: type[BaseModel], *, required: bool = True, inline: str | None = None) -> dict[str, Any]:
     """OpenAPI requestBody for a body parsed by `parse_body`; nested models refer to components that the
     response models already register (Role, TransportAddress, InstanceLoad, ...). Nested models whose
@@ -210,27 +154,48 @@ def _inlined(node: Any, defs: dict[str, Any]) -> Any:
     return node
 
 
-def build_router(service: MetaService | Callable[[], MetaService], settings: MetaSettings) -> APIRouter:
-    get_service: Callable[[], MetaService] = service if not isinstance(service, MetaService) else (lambda: service)
-    guard = AccessGuard(settings)
-    long_polls = LongPolls(settings.max_long_polls)
-    max_body = settings.max_body_bytes
-    networks = settings.engine_networks
+def _render(reply: Reply) -> Response:
+    model, status = reply
+    if model is None:
+        return Response(status_code=status)
+    body = model if isinstance(model, bytes) else model.__pydantic_serializer__.to_json(model)
+    return Response(body, status_code=status, media_type=_JSON)
+
+
+MakeCall = Callable[[Route, Request, dict[str, Any]], Awaitable[Call]]
+
+
+def _endpoint(route: Route, make_call: MakeCall) -> Callable[..., Any]:
+    """A FastAPI endpoint for one row of `ROUTES`: its signature declares the row's path and query
+    parameters (so FastAPI parses and documents them), and its body is the row's `run`."""
+
+    async def endpoint(request: Request, **values: Any) -> Response:
+        return _render(await route.run(await make_call(route, request, values)))
+
+    path = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=str) for n in route.params]
+    request = inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)
+    endpoint.__signature__ = inspect.Signature([request, *path, *route.query])  # type: ignore[attr-defined]
+    endpoint.__name__ = route.name
+    return endpoint
+
+
+def _problem_route(guard: AccessGuard, get_service: Callable[[], MetaService]) -> type[APIRoute]:
+    """The route class of `build_router`: errors -> RFC 7807, access, latency, around each route."""
+    specs = {route.name: route for route in ROUTES}
 
     class ProblemRoute(APIRoute):
-        """Errors -> RFC 7807, admin token, body bound and latency, around each route of this router."""
-
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             inner = super().get_route_handler()
             route = self.path
-            writes = bool(self.methods & _WRITES)
+            spec = specs[self.name]
             observers: dict[tuple[int, str, int], Any] = {}  # label children, looked up once each
 
             async def handler(request: Request) -> Response:
                 start = time.perf_counter()
                 try:
                     peer = request.client.host if request.client is not None else None
-                    guard.check(request.headers.get("authorization"), peer, write=writes)
+                    auth = request.headers.get("authorization")
+                    request.scope[ENGINE] = guard.check(auth, peer, write=spec.write, admin=spec.admin)
                     response = await inner(request)
                 except Exception as exc:
                     err = error_from_exception(exc)
@@ -245,211 +210,34 @@ def build_router(service: MetaService | Callable[[], MetaService], settings: Met
 
             return handler
 
-    async def bounded(op: Awaitable[T], wait: float) -> T:
-        """A long-poll answers within its wait plus a margin, even while the store hangs (a frozen Redis)."""
-        limit = min(wait, settings.max_wait_s) + POLL_MARGIN_S
-        try:
-            return await asyncio.wait_for(op, limit)
-        except TimeoutError:
-            raise StoreUnavailable(f"the store did not answer within {limit:g} s; retry") from None
+    return ProblemRoute
 
-    router = APIRouter(route_class=ProblemRoute)
+
+def build_router(service: MetaService | Callable[[], MetaService], settings: MetaSettings) -> APIRouter:
+    """Every row of `routes.ROUTES` as a FastAPI route (see the module docstring)."""
+    get_service: Callable[[], MetaService] = service if not isinstance(service, MetaService) else (lambda: service)
+    long_polls = LongPolls(settings.max_long_polls)
+
+    async def make_call(spec: Route, request: Request, values: dict[str, Any]) -> Call:
+        params = {name: values.pop(name) for name in spec.params}
+        raw = await read_body(request, settings.max_body_bytes) if spec.write else b""
+        engine = request.scope.get(ENGINE)
+        return Call(get_service(), settings, long_polls, params, raw, values, engine)
+
+    router = APIRouter(route_class=_problem_route(AccessGuard(settings), get_service))
     common = _problems(400, 401, 403, 413, 422, 503)
-    polls = _problems(429)
-
-    # -- registry ----------------------------------------------------------------------------
-    @router.post(
-        "/v1/instances",
-        response_model=RegisterResponse,
-        openapi_extra=_body_doc(InstanceRegistration),
-        responses=common,
-        tags=["registry"],
-        summary="Register an instance, or update its record",
-    )
-    async def register(request: Request) -> Response:
-        body = parse_body(await read_body(request, max_body), InstanceRegistration)
-        assert body is not None
-        if networks:
-            try:
-                check_engine_url(body.url, networks)
-            except InvalidEngineURL as exc:
-                raise InvalidInput(f"body.url: {exc}") from None
-        return _json(await get_service().register(body))
-
-    @router.post(
-        "/v1/instances/{instance_id}/heartbeat",
-        openapi_extra=_body_doc(HeartbeatBody, required=False),
-        response_model=HeartbeatResponse,
-        responses={**common, **_problems(404)},
-        tags=["registry"],
-        summary="Renew the lease (404 once it lapsed: register again)",
-    )
-    async def heartbeat(instance_id: str, request: Request) -> Response:
-        body = parse_body(await read_body(request, max_body), HeartbeatBody, optional=True)
-        load = body.load if body is not None else None
-        return _json(await get_service().heartbeat(instance_id, load))
-
-    @router.post(
-        "/v1/instances/{instance_id}/drain",
-        response_model=Instance,
-        responses={**common, **_problems(404)},
-        tags=["registry"],
-        summary="Stop giving the instance new work",
-    )
-    async def drain(instance_id: str) -> Response:
-        return _json(await get_service().drain(instance_id))
-
-    @router.delete(
-        "/v1/instances/{instance_id}",
-        status_code=204,
-        responses={**common, **_problems(404)},
-        tags=["registry"],
-        summary="Remove an instance",
-    )
-    async def deregister(instance_id: str) -> Response:
-        await get_service().deregister(instance_id)
-        return Response(status_code=204)
-
-    @router.get(
-        "/v1/instances",
-        response_model=InstanceList,
-        responses=common,
-        tags=["registry"],
-        summary="Live instances; role=prefill|decode also lists role=both",
-    )
-    async def list_instances(
-        role: Role | None = None, model: str | None = None, state: InstanceState | None = None
-    ) -> Response:
-        found = await get_service().list_instances(role=role, model=model, state=state)
-        body = orjson.dumps({"instances": [i.model_dump(mode="json") for i in found]})
-        return Response(body, media_type=_JSON)
-
-    @router.get(
-        "/v1/instances/{instance_id}",
-        response_model=Instance,
-        responses={**common, **_problems(404)},
-        tags=["registry"],
-        summary="One live instance",
-    )
-    async def get_instance(instance_id: str) -> Response:
-        return _json(await get_service().get_instance(instance_id))
-
-    @router.get(
-        "/v1/instances/{instance_id}/handoff-events",
-        response_model=HandoffEvents,
-        responses={**common, **polls},
-        tags=["handoffs"],
-        summary="Terminal transitions of this prefill's handoffs, in order, after `cursor`",
-    )
-    async def handoff_events(
-        instance_id: str,
-        cursor: str | None = Query(
-            None, description="the `cursor` of the last answer (`<n>` or `<n>-<m>`); absent: the oldest event kept"
-        ),
-        wait: float | None = Query(None, ge=0, description="long-poll up to this many seconds (capped)"),
-    ) -> Response:
-        check_cursor(cursor)
-        if not wait:
-            return _json(await get_service().events(instance_id, cursor, wait))
-        with long_polls.hold():
-            return _json(await bounded(get_service().events(instance_id, cursor, wait), wait))
-
-    # -- handoff ledger ----------------------------------------------------------------------
-    ledger_errors = {**common, **_problems(404, 409, 410)}
-
-    @router.post(
-        "/v1/handoffs",
-        status_code=201,
-        openapi_extra=_body_doc(HandoffCreate),
-        response_model=Handoff,
-        responses={**common, **_problems(409)},
-        tags=["handoffs"],
-        summary="Create a PENDING handoff (transfer_id minted when absent)",
-    )
-    async def create_handoff(request: Request) -> Response:
-        body = parse_body(await read_body(request, max_body), HandoffCreate)
-        assert body is not None
-        return _json(await get_service().create_handoff(body), 201)
-
-    @router.put(
-        "/v1/handoffs/{transfer_id}/ready",
-        openapi_extra=_body_doc(KVLocation),
-        response_model=Handoff,
-        responses=ledger_errors,
-        tags=["handoffs"],
-        summary="PENDING -> READY: record where the KV lives",
-    )
-    async def mark_ready(transfer_id: str, request: Request) -> Response:
-        body = parse_body(await read_body(request, max_body), KVLocation)
-        assert body is not None
-        return _json(await get_service().mark_ready(transfer_id, body))
-
-    @router.post(
-        "/v1/handoffs/{transfer_id}/claim",
-        openapi_extra=_body_doc(ClaimBody),
-        response_model=Handoff,
-        responses=ledger_errors,
-        tags=["handoffs"],
-        summary="READY -> CLAIMED: exactly one decode wins; others get 409",
-    )
-    async def claim(transfer_id: str, request: Request) -> Response:
-        body = parse_body(await read_body(request, max_body), ClaimBody)
-        assert body is not None
-        return _json(await get_service().claim(transfer_id, body.decode_instance_id, body.lease_s))
-
-    @router.post(
-        "/v1/handoffs/{transfer_id}/done",
-        openapi_extra=_body_doc(DoneBody, required=False),
-        response_model=Handoff,
-        responses=ledger_errors,
-        tags=["handoffs"],
-        summary="CLAIMED -> DONE: the decode pulled the KV",
-    )
-    async def done(transfer_id: str, request: Request) -> Response:
-        body = parse_body(await read_body(request, max_body), DoneBody, optional=True)
-        decode = body.decode_instance_id if body is not None else None
-        return _json(await get_service().done(transfer_id, decode))
-
-    @router.post(
-        "/v1/handoffs/{transfer_id}/abort",
-        openapi_extra=_body_doc(AbortBody, required=False),
-        response_model=Handoff,
-        responses=ledger_errors,
-        tags=["handoffs"],
-        summary="Any live state -> ABORTED",
-    )
-    async def abort(transfer_id: str, request: Request) -> Response:
-        body = parse_body(await read_body(request, max_body), AbortBody, optional=True)
-        reason = body.reason if body is not None else AbortBody().reason
-        return _json(await get_service().abort(transfer_id, reason))
-
-    @router.post(
-        "/v1/handoffs/batch",
-        openapi_extra=_body_doc(BatchBody, inline="Batch"),
-        response_model=BatchResults,
-        responses=common,
-        tags=["handoffs"],
-        summary="Many create/ready/claim/done/abort calls in one request, each answered on its own",
-    )
-    async def batch(request: Request) -> Response:
-        items = parse_batch(await read_body(request, max_body))
-        outcomes = await run_batch(get_service(), items)
-        return Response(render_batch(items, outcomes), media_type=_JSON)
-
-    @router.get(
-        "/v1/handoffs/{transfer_id}",
-        response_model=Handoff,
-        responses={**common, **_problems(404), **polls},
-        tags=["handoffs"],
-        summary="One handoff; ?wait=S long-polls until it leaves PENDING",
-    )
-    async def get_handoff(
-        transfer_id: str,
-        wait: float | None = Query(None, ge=0, description="long-poll up to this many seconds (capped)"),
-    ) -> Response:
-        if not wait:
-            return _json(await get_service().get_handoff(transfer_id, wait))
-        with long_polls.hold():
-            return _json(await bounded(get_service().get_handoff(transfer_id, wait), wait))
-
+    for spec in ROUTES:
+        extra = _body_doc(spec.body, required=spec.body_required, inline=spec.inline) if spec.body else None
+        router.add_api_route(
+            spec.path,
+            _endpoint(spec, make_call),
+            methods=[spec.method],
+            status_code=spec.status,
+            response_model=spec.response_model,
+            responses={**common, **_problems(*spec.errors)},
+            tags=[spec.tag],
+            summary=spec.summary,
+            name=spec.name,
+            openapi_extra=extra,
+        )
     return router

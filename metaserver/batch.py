@@ -71,7 +71,7 @@ def parse_batch(raw: bytes) -> list[BatchItem | MetaError]:
     if not raw.strip():
         raise InvalidInput("body: Field required (a JSON object with 'items')")
     try:
-        return list(BatchBody.model_validate_json(raw).items)
+        return list(BatchBody.model_validate_json(raw, strict=True).items)
     except ValidationError:
         pass
     try:
@@ -88,27 +88,27 @@ def parse_batch(raw: bytes) -> list[BatchItem | MetaError]:
     out: list[BatchItem | MetaError] = []
     for i, item in enumerate(items):
         try:
-            out.append(_ITEM.validate_python(item))
+            out.append(_ITEM.validate_json(orjson.dumps(item), strict=True))  # strict as a JSON body
         except ValidationError as exc:
             out.append(from_validation_error(exc, f"body.items.{i}"))
     return out
 
 
-def _call(svc: MetaService, item: BatchItem) -> Awaitable[Handoff]:
+def _call(svc: MetaService, item: BatchItem, engine: str | None) -> Awaitable[Handoff]:
     if isinstance(item, BatchClaim):
-        return svc.claim(item.transfer_id, item.decode_instance_id, item.lease_s)
+        return svc.claim(item.transfer_id, item.decode_instance_id, item.lease_s, engine=engine)
     if isinstance(item, BatchDone):
-        return svc.done(item.transfer_id, item.decode_instance_id)
+        return svc.done(item.transfer_id, item.decode_instance_id, engine=engine)
     if isinstance(item, BatchReady):
-        return svc.mark_ready(item.transfer_id, item.location)
+        return svc.mark_ready(item.transfer_id, item.location, engine=engine)
     if isinstance(item, BatchAbort):
-        return svc.abort(item.transfer_id, item.reason)
-    return svc.create_handoff(item)
+        return svc.abort(item.transfer_id, item.reason, engine=engine)
+    return svc.create_handoff(item, engine=engine)
 
 
-async def _one(svc: MetaService, item: BatchItem) -> Outcome:
+async def _one(svc: MetaService, item: BatchItem, engine: str | None) -> Outcome:
     try:
-        return await _call(svc, item)
+        return await _call(svc, item, engine)
     except MetaError as exc:
         return exc
     except Exception as exc:  # a bug must not fail the neighbours: logged, answered 500 for this item
@@ -116,13 +116,17 @@ async def _one(svc: MetaService, item: BatchItem) -> Outcome:
         return InternalError(f"internal error: {type(exc).__name__}")
 
 
-async def _in_order(svc: MetaService, group: list[tuple[int, BatchItem]], out: list[Any]) -> None:
+async def _in_order(svc: MetaService, group: list[tuple[int, BatchItem]], out: list[Any], engine: str | None) -> None:
     for index, item in group:
-        out[index] = await _one(svc, item)
+        out[index] = await _one(svc, item, engine)
 
 
-async def run_batch(svc: MetaService, items: Sequence[BatchItem | MetaError]) -> list[Outcome]:
-    """Each item's outcome, in the items' order (see the module docstring for the ordering rule)."""
+async def run_batch(
+    svc: MetaService, items: Sequence[BatchItem | MetaError], *, engine: str | None = None
+) -> list[Outcome]:
+    """Each item's outcome, in the items' order (see the module docstring for the ordering rule).
+
+    `engine`: the caller's engine token's instance (None: full access); each item is held to it alone."""
     out: list[Any] = list(items)  # refused items are their own outcome
     groups: dict[object, list[tuple[int, BatchItem]]] = {}
     for index, item in enumerate(items):
@@ -131,9 +135,9 @@ async def run_batch(svc: MetaService, items: Sequence[BatchItem | MetaError]) ->
         key: object = item.transfer_id if item.transfer_id is not None else index  # minted ids never collide
         groups.setdefault(key, []).append((index, item))
     if len(groups) == 1:
-        await _in_order(svc, next(iter(groups.values())), out)
+        await _in_order(svc, next(iter(groups.values())), out, engine)
     elif groups:
-        await asyncio.gather(*(_in_order(svc, group, out) for group in groups.values()))
+        await asyncio.gather(*(_in_order(svc, group, out, engine) for group in groups.values()))
     svc.metrics.observe_batch(items, out)
     return out
 

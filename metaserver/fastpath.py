@@ -2,13 +2,13 @@
 
 Why: a full handoff is four HTTP calls (create, ready, claim, done), and at thousands of handoffs per
 second FastAPI's per-request machinery (middleware stack, route scan, dependency solving) costs more
-CPU than the ledger itself. These routes are matched by splitting the path, and run the very same
-steps as the FastAPI routes in `api.py` (admin token, bounded body, `api.parse_body`, `MetaService`,
-RFC 7807 errors via `errors.py`, latency metric under the same route template), so answers are
-identical; the integration suite runs against the app with and without it. `POST /v1/handoffs/batch`
-is served here too, by the same `batch.py` functions as its FastAPI route. Everything else (and
-`GET /v1/handoffs/{id}` with a query, i.e. long-polls) falls through to FastAPI. The FastAPI routes
-remain the documented and mountable surface (`api.build_router`).
+CPU than the ledger itself. The routes served here are the rows of `routes.ROUTES` marked `fast`, matched
+exactly on their path segments (`Route.match`), and each runs the row's own `run`, the function its
+FastAPI route runs, after the same steps (`guards.AccessGuard`, the bounded body, RFC 7807 errors via
+`errors.py`, the latency metric under the same route template), so answers are identical; the
+integration suite runs against the app with and without it. A request with a query string (a
+long-poll's `?wait=`) and every other path falls through to FastAPI, which also answers the 404s and
+405s. The FastAPI routes remain the documented and mountable surface (`api.build_router`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pdgate.metaserver.api import error_from_exception, parse_body
-from pdgate.metaserver.batch import BATCH_ROUTE, parse_batch, render_batch, run_batch
+from pdgate.metaserver.api import error_from_exception
 from pdgate.metaserver.errors import PROBLEM_MEDIA_TYPE, AdminTokenRequired, BodyTooLarge, InvalidInput, problem_body
-from pdgate.metaserver.guards import AccessGuard
+from pdgate.metaserver.guards import AccessGuard, LongPolls
+from pdgate.metaserver.routes import ROUTES, Call, Route
 from pdgate.metaserver.service import MetaService
 from pdgate.metaserver.settings import MetaSettings
 
-from pdgate.models import AbortBody, ClaimBody, DoneBody, HandoffCreate, KVLocation
-
-__all__ = ["FastPath"]
+__all__ = ["FAST_ROUTES", "FastPath", "match"]
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -35,84 +33,27 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _JSON = b"application/json"
 _PROBLEM = PROBLEM_MEDIA_TYPE.encode()
+_PREFIX = "/v1/handoffs"
+
+# The rows of `routes.ROUTES` served here, in its order.
+FAST_ROUTES: tuple[Route, ...] = tuple(r for r in ROUTES if r.fast)
+assert all(r.path.startswith(_PREFIX) for r in FAST_ROUTES), "the fast path's quick reject assumes this prefix"
 
 
 class _ClientGone(Exception):
     """The client disconnected while sending its body: nothing to answer."""
 
 
-async def _create(svc: MetaService, _tid: str, raw: bytes) -> tuple[Any, int]:
-    body = parse_body(raw, HandoffCreate)
-    assert body is not None
-    return await svc.create_handoff(body), 201
-
-
-async def _ready(svc: MetaService, tid: str, raw: bytes) -> tuple[Any, int]:
-    body = parse_body(raw, KVLocation)
-    assert body is not None
-    return await svc.mark_ready(tid, body), 200
-
-
-async def _claim(svc: MetaService, tid: str, raw: bytes) -> tuple[Any, int]:
-    body = parse_body(raw, ClaimBody)
-    assert body is not None
-    return await svc.claim(tid, body.decode_instance_id, body.lease_s), 200
-
-
-async def _done(svc: MetaService, tid: str, raw: bytes) -> tuple[Any, int]:
-    body = parse_body(raw, DoneBody, optional=True)
-    return await svc.done(tid, body.decode_instance_id if body else None), 200
-
-
-async def _abort(svc: MetaService, tid: str, raw: bytes) -> tuple[Any, int]:
-    body = parse_body(raw, AbortBody, optional=True)
-    return await svc.abort(tid, body.reason if body else AbortBody().reason), 200
-
-
-class _Raw:
-    """A body already rendered (a batch's results)."""
-
-    __slots__ = ("body",)
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-
-async def _batch(svc: MetaService, _tid: str, raw: bytes) -> tuple[Any, int]:
-    items = parse_batch(raw)
-    return _Raw(render_batch(items, await run_batch(svc, items))), 200
-
-
-async def _get(svc: MetaService, tid: str, _raw: bytes) -> tuple[Any, int]:
-    return await svc.get_handoff(tid), 200
-
-
-Handler = Callable[[MetaService, str, bytes], Awaitable[tuple[Any, int]]]
-# (method, last path segment) -> (route template as in api.py, handler, is a write)
-_ACTIONS: dict[tuple[str, str], tuple[str, Handler, bool]] = {
-    ("PUT", "ready"): ("/v1/handoffs/{transfer_id}/ready", _ready, True),
-    ("POST", "claim"): ("/v1/handoffs/{transfer_id}/claim", _claim, True),
-    ("POST", "done"): ("/v1/handoffs/{transfer_id}/done", _done, True),
-    ("POST", "abort"): ("/v1/handoffs/{transfer_id}/abort", _abort, True),
-}
-_CREATE = ("/v1/handoffs", _create, True)
-_GET = ("/v1/handoffs/{transfer_id}", _get, False)
-_BATCH = (BATCH_ROUTE, _batch, True)
-
-
-def _match(method: str, path: str, query: bytes) -> tuple[tuple[str, Handler, bool], str] | None:
-    if not path.startswith("/v1/handoffs"):
+def match(method: str, path: str, query: bytes) -> tuple[Route, dict[str, str]] | None:
+    """The fast row `method path` is, exactly (no query string: long-polls go to FastAPI), with its path
+    parameters; None: FastAPI answers (another route, a 404, a 405)."""
+    if query or not path.startswith(_PREFIX):
         return None
-    parts = path.split("/")  # ['', 'v1', 'handoffs', tid, action]
-    if len(parts) == 3:
-        return (_CREATE, "") if method == "POST" else None
-    if len(parts) == 4:
-        if method == "POST" and parts[3] == "batch":
-            return _BATCH, ""
-        return (_GET, parts[3]) if method == "GET" and not query and parts[3] else None
-    if len(parts) == 5 and parts[3]:
-        found = _ACTIONS.get((method, parts[4]))
-        return (found, parts[3]) if found else None
+    parts = path.split("/")
+    for route in FAST_ROUTES:
+        params = route.match(method, parts)
+        if params is not None:
+            return route, params
     return None
 
 
@@ -120,7 +61,9 @@ class FastPath:
     def __init__(self, app: ASGIApp, get_service: Callable[[], MetaService], settings: MetaSettings) -> None:
         self.app = app
         self.get_service = get_service
+        self.settings = settings
         self.guard = AccessGuard(settings)
+        self.long_polls = LongPolls(settings.max_long_polls)  # never held here: long-polls go to FastAPI
         self.limit = settings.max_body_bytes
         self._observers: dict[tuple[int, str, str, int], Any] = {}
 
@@ -128,11 +71,11 @@ class FastPath:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        matched = _match(scope["method"], scope["path"], scope.get("query_string", b""))
+        matched = match(scope["method"], scope["path"], scope.get("query_string", b""))
         if matched is None:
             await self.app(scope, receive, send)
             return
-        (route, handler, write), tid = matched
+        route, params = matched
         start = time.perf_counter()
         svc = self.get_service()
         headers = [(b"content-type", _JSON)]
@@ -144,10 +87,14 @@ class FastPath:
                 elif name == b"content-length":
                     declared = value
             client = scope.get("client")
-            self.guard.check(auth, client[0] if client else None, write=write)
-            raw = await self._read(receive, declared) if write else b""
-            model, status = await handler(svc, tid, raw)
-            body = model.body if type(model) is _Raw else model.__pydantic_serializer__.to_json(model)
+            engine = self.guard.check(auth, client[0] if client else None, write=route.write, admin=route.admin)
+            raw = await self._read(receive, declared) if route.write else b""
+            call = Call(svc, self.settings, self.long_polls, params, raw, {}, engine)
+            model, status = await route.run(call)
+            if model is None:
+                body = b""
+            else:
+                body = model if type(model) is bytes else model.__pydantic_serializer__.to_json(model)  # type: ignore[union-attr]
         except _ClientGone:
             return
         except Exception as exc:
@@ -160,10 +107,10 @@ class FastPath:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         metric = svc.metrics.request_latency
-        key = (id(metric), scope["method"], route, status)
+        key = (id(metric), scope["method"], route.path, status)
         child = self._observers.get(key)
         if child is None:
-            child = self._observers[key] = metric.labels(scope["method"], route, str(status))
+            child = self._observers[key] = metric.labels(scope["method"], route.path, str(status))
         child.observe(time.perf_counter() - start)
 
     async def _read(self, receive: Receive, declared: bytes | None) -> bytes:

@@ -7,6 +7,12 @@ KV locations, request ids), so with an admin token each needs it (`auth_reads=Fa
 Without a token the metaserver is in protected mode, as Redis is: loopback peers only; anyone else gets
 403 naming the setting that lifts it. /health, /metrics, /docs and /openapi.json stay open.
 
+Engines (`check_engine`): an engine token (`pdgate.auth.engine_token`, derived from the admin token for
+one instance id) is let in like the admin token, but names its instance, and the service lets it move
+only that instance's side of a handoff: create and READY for its own prefill, claim and DONE for itself,
+abort on a handoff it is party to; register, heartbeat, drain and delete only its own record. The shared
+admin token keeps full access (operators, routers, engines deployed before engine tokens).
+
 Long-polls (`LongPolls`): each holds a task, and on Redis a connection, for up to `max_wait_s`; past
 `max_long_polls` at once a poll gets 429 with Retry-After instead of one more of each.
 
@@ -23,7 +29,7 @@ from collections.abc import Iterator
 from pdgate.metaserver.errors import AdminTokenRequired, InvalidInput
 from pdgate.metaserver.settings import MetaSettings
 
-from pdgate.auth import bearer, credential_matches, is_loopback
+from pdgate.auth import bearer, credential_matches, engine_of, is_loopback
 from pdgate.errors import Code
 from pdgate.meta_client import MetaError, MetaUnauthorized
 from pdgate.models import MAX_SAFE_INT
@@ -35,6 +41,7 @@ __all__ = [
     "LongPolls",
     "TooManyLongPolls",
     "check_cursor",
+    "check_engine",
 ]
 
 _CURSOR = re.compile(r"^([0-9]{1,16})(?:-([0-9]{1,16}))?$")
@@ -72,10 +79,12 @@ class AccessGuard:
         self.admin_token = settings.admin_token
         self.auth_reads = settings.auth_reads
 
-    def check(self, authorization: str | None, peer: str | None, *, write: bool) -> None:
-        """Raise AdminTokenRequired (401) or Forbidden (403) unless the caller may go on."""
-        if not write and not self.auth_reads:
-            return
+    def check(self, authorization: str | None, peer: str | None, *, write: bool, admin: bool = False) -> str | None:
+        """Raise AdminTokenRequired (401) or Forbidden (403) unless the caller may go on; else the instance
+        id of the caller's engine token, or None for full access (admin token, loopback in protected
+        mode, an open read). `admin`: the route is the admin token's alone (no engine token)."""
+        if not write and not self.auth_reads and not admin:
+            return None
         if self.admin_token is None:
             if not is_loopback(peer):
                 raise Forbidden(
@@ -83,9 +92,23 @@ class AccessGuard:
                     "set PDGATE_ADMIN_TOKEN or --admin-token-file on the metaserver and send "
                     "'Authorization: Bearer <token>'"
                 )
-            return
-        if not credential_matches(bearer(authorization), self.admin_token):
-            raise AdminTokenRequired("this route needs 'Authorization: Bearer <admin token>'")
+            return None
+        token = bearer(authorization)
+        if credential_matches(token, self.admin_token):
+            return None
+        engine = engine_of(token, self.admin_token)
+        if engine is None:
+            raise AdminTokenRequired("this route needs 'Authorization: Bearer <admin token>' (or an engine token)")
+        if admin:
+            raise Forbidden(f"this route needs the admin token; an engine token (for {engine}) is not enough")
+        return engine
+
+
+def check_engine(engine: str | None, allowed: tuple[str | None, ...], what: str) -> None:
+    """Forbidden (403) unless the caller has full access (`engine` None) or its engine token's instance is
+    one of `allowed` (the instance ids whose side of the handoff or record this call moves)."""
+    if engine is not None and engine not in allowed:
+        raise Forbidden(f"an engine token for {engine} cannot {what}")
 
 
 class LongPolls:

@@ -4,6 +4,10 @@ Why a layer between routes and store: the same operations serve `api.py` (over H
 `local.LocalMetaClient` (the router's embedded mode, no HTTP hop), with the same validation, the same
 errors and the same metrics. This is where the pure cores' refusals become the service's errors
 (`errors.core_errors`). The clock and the id factory are injected so tests can drive them.
+
+`engine`: the instance id of the caller's engine token (`guards.check_engine`), None for full access
+(the admin token, in-process callers). Each move checks it here, so a single route and a batch item
+are held to the same rule.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable
 
 from pdgate.metaserver import registry
 from pdgate.metaserver.errors import HandoffNotFound, InstanceNotFound, InvalidInput, core_errors
-from pdgate.metaserver.guards import check_cursor
+from pdgate.metaserver.guards import check_cursor, check_engine
 from pdgate.metaserver.metrics import MetaMetrics
 from pdgate.metaserver.settings import MetaSettings
 from pdgate.metaserver.store.base import Moved, Store
@@ -70,7 +74,8 @@ class MetaService:
         self._transitions: dict[tuple[HandoffState, HandoffState], Counter] = {}  # see `_moved`
 
     # -- registry ----------------------------------------------------------------------------
-    async def register(self, reg: InstanceRegistration) -> RegisterResponse:
+    async def register(self, reg: InstanceRegistration, *, engine: str | None = None) -> RegisterResponse:
+        check_engine(engine, (reg.id,), f"register instance {reg.id}")
         with core_errors("body"):
             registry.validate(reg)
         now = self.clock()
@@ -79,23 +84,28 @@ class MetaService:
         log.info("instance %s registered (%s, %s, %s)", inst.id, inst.role.value, inst.model, inst.url)
         return RegisterResponse(lease_s=inst.lease_s, instance=inst)
 
-    async def heartbeat(self, instance_id: str, load: InstanceLoad | None = None) -> HeartbeatResponse:
+    async def heartbeat(
+        self, instance_id: str, load: InstanceLoad | None = None, *, engine: str | None = None
+    ) -> HeartbeatResponse:
         check_id(instance_id, "instance_id")
+        check_engine(engine, (instance_id,), f"renew the lease of {instance_id}")
         inst = await self.store.heartbeat(instance_id, load, now=self.clock())
         if inst is None:
             raise InstanceNotFound(f"instance {instance_id} is not registered (or its lease lapsed): register again")
         return HeartbeatResponse(lease_s=inst.lease_s, state=inst.state)
 
-    async def drain(self, instance_id: str) -> Instance:
+    async def drain(self, instance_id: str, *, engine: str | None = None) -> Instance:
         check_id(instance_id, "instance_id")
+        check_engine(engine, (instance_id,), f"drain {instance_id}")
         inst = await self.store.drain(instance_id, now=self.clock())
         if inst is None:
             raise InstanceNotFound(f"instance {instance_id} is not registered")
         log.info("instance %s draining", instance_id)
         return inst
 
-    async def deregister(self, instance_id: str) -> None:
+    async def deregister(self, instance_id: str, *, engine: str | None = None) -> None:
         check_id(instance_id, "instance_id")
+        check_engine(engine, (instance_id,), f"remove {instance_id}")
         if not await self.store.deregister(instance_id):
             raise InstanceNotFound(f"instance {instance_id} is not registered")
         log.info("instance %s deregistered", instance_id)
@@ -114,7 +124,8 @@ class MetaService:
         return inst
 
     # -- handoff ledger ----------------------------------------------------------------------
-    async def create_handoff(self, body: HandoffCreate) -> Handoff:
+    async def create_handoff(self, body: HandoffCreate, *, engine: str | None = None) -> Handoff:
+        check_engine(engine, (body.prefill_instance_id,), f"create a handoff for prefill {body.prefill_instance_id}")
         tid = body.transfer_id or self._new_transfer_id()
         logs.transfer_id.set(tid)
         s = self.settings
@@ -140,25 +151,55 @@ class MetaService:
             log.debug("handoff %s -> %s", before.value, after.value)
         return rec
 
-    async def mark_ready(self, transfer_id: str, location: KVLocation) -> Handoff:
+    async def mark_ready(self, transfer_id: str, location: KVLocation, *, engine: str | None = None) -> Handoff:
         logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
+        if engine is not None or location.engine_id is not None:
+            await self._check_ready(transfer_id, location, engine)
         with core_errors(transfer_id):
             return self._moved(await self.store.mark_ready(transfer_id, location, now=self.clock()))
 
-    async def claim(self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None) -> Handoff:
+    async def _check_ready(self, transfer_id: str, location: KVLocation, engine: str | None) -> None:
+        """READY by the handoff's own prefill: an engine token must name it, and a location's `engine_id`
+        must be the one that prefill registered (when both are stated). Costs a read or two, only when
+        the caller is an engine token or the location names an engine."""
+        rec = await self.store.get_handoff(transfer_id)
+        if rec is None:
+            return  # the move answers 404
+        check_engine(engine, (rec.prefill_instance_id,), f"mark READY a handoff of prefill {rec.prefill_instance_id}")
+        if location.engine_id is None:
+            return
+        inst = await self.store.get_instance(rec.prefill_instance_id, now=self.clock())
+        if inst is not None and inst.engine_id is not None and inst.engine_id != location.engine_id:
+            raise InvalidInput(
+                f"body.engine_id: {location.engine_id!r} is not the engine of this handoff's prefill "
+                f"{rec.prefill_instance_id} ({inst.engine_id!r})"
+            )
+
+    async def claim(
+        self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None, *, engine: str | None = None
+    ) -> Handoff:
         logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
         check_id(decode_instance_id, "decode_instance_id")
+        check_engine(engine, (decode_instance_id,), f"claim for decode {decode_instance_id}")
         lease = lease_s if lease_s is not None else self.settings.claim_lease_s
         with core_errors(transfer_id):
             return self._moved(await self.store.claim(transfer_id, decode_instance_id, now=self.clock(), lease_s=lease))
 
-    async def done(self, transfer_id: str, decode_instance_id: str | None = None) -> Handoff:
+    async def done(
+        self, transfer_id: str, decode_instance_id: str | None = None, *, engine: str | None = None
+    ) -> Handoff:
         logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
+        check_engine(engine, (decode_instance_id,), f"finish a handoff as decode {decode_instance_id}")
         with core_errors(transfer_id):
             return self._moved(await self.store.done(transfer_id, decode_instance_id, now=self.clock()))
 
-    async def abort(self, transfer_id: str, reason: str) -> Handoff:
+    async def abort(self, transfer_id: str, reason: str, *, engine: str | None = None) -> Handoff:
         logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
+        if engine is not None:
+            found = await self.store.get_handoff(transfer_id)
+            if found is not None:
+                parties = (found.prefill_instance_id, found.decode_instance_id)
+                check_engine(engine, parties, "abort a handoff it is not party to")
         with core_errors(transfer_id):
             rec = self._moved(await self.store.abort(transfer_id, reason, now=self.clock()))
         log.info("handoff aborted: %s", reason)

@@ -27,6 +27,8 @@ __all__ = [
     "bearer",
     "credential_matches",
     "derive_key",
+    "engine_of",
+    "engine_token",
     "is_loopback",
     "matches_any",
     "read_secret_file",
@@ -61,6 +63,32 @@ def derive_key(secret: str, purpose: str) -> bytes:
     two purposes must not share a key; deriving keeps one secret to configure and rotate.
     """
     return hmac.new(secret.encode("utf-8"), purpose.encode("utf-8"), "sha256").digest()
+
+
+_ENGINE_PREFIX = "pdgate-engine."
+
+
+def engine_token(secret: str, instance_id: str) -> str:
+    """The credential of one engine instance, derived from the admin token (`secret`).
+
+    Why: with the shared admin token any engine could move any prefill's handoffs. An engine token names
+    its instance (`pdgate-engine.<id>.<mac>`), and the metaserver lets it move only that instance's side
+    of a handoff (`metaserver.guards`). Derived, not stored: nothing to provision but the admin token,
+    and rotating that rotates every engine token.
+    """
+    return f"{_ENGINE_PREFIX}{instance_id}.{derive_key(secret, 'engine-token:' + instance_id).hex()}"
+
+
+def engine_of(token: str | None, secret: str) -> str | None:
+    """The instance id an engine token was made for under `secret`, or None (not an engine token, or forged).
+
+    The MAC is compared in constant time; the id it names is public (it is in the token)."""
+    if token is None or not token.startswith(_ENGINE_PREFIX):
+        return None
+    instance_id, _, _mac = token[len(_ENGINE_PREFIX) :].rpartition(".")
+    if not instance_id or not credential_matches(token, engine_token(secret, instance_id)):
+        return None
+    return instance_id
 
 
 def bearer(authorization: str | None) -> str | None:

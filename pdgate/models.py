@@ -131,6 +131,9 @@ def is_valid_id(value: str) -> bool:
 
 class _Model(BaseModel):
     # Unknown fields are refused: a typo in a client must fail loudly, not be dropped silently.
+    # The metaserver reads every request body in pydantic's strict JSON mode (`metaserver.api.parse_body`,
+    # `metaserver.batch.parse_batch`): "10" or true is no number, [[true]] no block id. Clients building
+    # these models in Python keep the lax mode, so what they send is always of the declared type.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -311,7 +314,8 @@ class ClaimBody(_Model):
 
 
 class DoneBody(_Model):
-    decode_instance_id: Ident | None = None
+    # Required: DONE frees the prefill's blocks, so the decode says who it is (the claimant check needs it).
+    decode_instance_id: Ident
 
 
 class AbortBody(_Model):

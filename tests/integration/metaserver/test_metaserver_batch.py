@@ -191,7 +191,7 @@ async def test_the_client_raises_each_items_own_typed_error(meta: Any) -> None:
             BatchClaim(transfer_id=tid, decode_instance_id="d1"),
             BatchClaim(transfer_id=tid, decode_instance_id="d2"),
             BatchClaim(transfer_id=gone, decode_instance_id="d1"),
-            BatchDone(transfer_id=uid("unknown")),
+            BatchDone(transfer_id=uid("unknown"), decode_instance_id="d1"),
         ]
     )
     assert isinstance(out[0], Handoff) and out[0].state is S.CLAIMED

@@ -94,7 +94,7 @@ async def test_handoff_routes_and_typed_errors(meta: Any) -> None:
         await meta.done(tid, "d1")
     done = await meta.done(tid, "d0")
     assert done.state is S.DONE and done.deadline is None
-    for call in (meta.done(tid), meta.abort(tid, "late"), meta.claim(tid, "d0"), meta.mark_ready(tid, LOC)):
+    for call in (meta.done(tid, "d0"), meta.abort(tid, "late"), meta.claim(tid, "d0"), meta.mark_ready(tid, LOC)):
         with pytest.raises(MetaGone) as gone:
             await call
         assert gone.value.current_state is S.DONE and gone.value.status == 410
@@ -149,7 +149,7 @@ async def test_event_feed_long_poll_wakes_on_the_next_terminal_event(meta: Any) 
     second = await meta.create_handoff(HandoffCreate(prefill_instance_id=p))
     await meta.mark_ready(second.transfer_id, LOC)
     await meta.claim(second.transfer_id, "d0")
-    await meta.done(second.transfer_id)
+    await meta.done(second.transfer_id, "d0")
     got = await asyncio.wait_for(reader, 10)
     assert [(e.transfer_id, e.state) for e in got.events] == [(second.transfer_id, S.DONE)]
 

@@ -76,7 +76,7 @@ async def test_problem_documents_for_404_409_410(http: httpx.AsyncClient) -> Non
     assert (await http.post(f"/v1/handoffs/{tid}/abort", json={"reason": "test"})).status_code == 200
     for method, path, body in [
         ("POST", "claim", {"decode_instance_id": "d0"}),
-        ("POST", "done", {}),
+        ("POST", "done", {"decode_instance_id": "d0"}),
         ("POST", "abort", {}),
         ("PUT", "ready", READY_BODY),
     ]:
@@ -197,7 +197,7 @@ async def test_health_metrics_docs(http: httpx.AsyncClient) -> None:
     assert health.status_code == 200 and health.json()["status"] == "ok"
     tid = await ready_handoff(http)
     await http.post(f"/v1/handoffs/{tid}/claim", json={"decode_instance_id": "d0"})
-    await http.post(f"/v1/handoffs/{tid}/done", json={})
+    await http.post(f"/v1/handoffs/{tid}/done", json={"decode_instance_id": "d0"})
     await http.get("/v1/handoffs/nope")
     metrics = (await http.get("/metrics")).text
     assert "pdgate_metaserver_handoffs_created_total 1.0" in metrics
@@ -236,7 +236,7 @@ async def test_metrics_show_live_handoffs_by_state(http: httpx.AsyncClient) -> N
     await http.post(f"/v1/handoffs/{tid}/claim", json={"decode_instance_id": "d0"})
     metrics = (await http.get("/metrics")).text
     assert [gauge(metrics, s) for s in ("PENDING", "READY", "CLAIMED")] == [1.0, 0.0, 1.0]
-    await http.post(f"/v1/handoffs/{tid}/done", json={})
+    await http.post(f"/v1/handoffs/{tid}/done", json={"decode_instance_id": "d0"})
     metrics = (await http.get("/metrics")).text
     assert [gauge(metrics, s) for s in ("PENDING", "READY", "CLAIMED")] == [1.0, 0.0, 0.0]
 
