@@ -12,7 +12,7 @@ handoff record says why.
     ├── BlockPlanError            pd_block_plan_invalid   the prefill's blocks cannot fill the decode's
     ├── TPLayoutError             pd_tp_layout_unsupported the TP layouts of P and D cannot be mapped
     ├── InvalidTransferParams     pd_invalid_transfer_params (pdgate.contract)
-    └── TransportError            transport_*             (pdgate.connector.transport.base has that tree)
+    └── TransportError            transport_*             (pdgate.connector.transport.errors has that tree)
 
 Failures of the metaserver's client (`pdgate.meta_client.MetaError`) are mapped onto codes by one
 table in `control.py`.

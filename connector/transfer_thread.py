@@ -18,7 +18,8 @@ from typing import Any
 
 from pdgate.connector.logs import about
 from pdgate.connector.metadata import PullOutcome
-from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport, TransportError
+from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport
+from pdgate.connector.transport.errors import TransportError
 
 __all__ = ["Holding", "PullJob", "TransferThread"]
 

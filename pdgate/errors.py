@@ -9,7 +9,7 @@ mapping table, applied with `map_exceptions`, in the manner of httpx's `_transpo
 
     PDGateError                 code -> (status, retryable, OpenAI type): the code's own entry
     └── one subclass per package where callers catch a family (pdgate.meta_client.MetaError,
-        pdgate.router.errors.RouterError, pdgate.connector.transport.base.TransportError, ...)
+        pdgate.router.errors.RouterError, pdgate.connector.transport.errors.TransportError, ...)
 
 `retryable` means "the same operation may succeed on another instance or a bit later"; the router's
 retry loop and the connector's control thread read it, and nothing else decides retries.

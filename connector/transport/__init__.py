@@ -1,49 +1,13 @@
-"""KV block transports behind one small interface (see ``base.py``).
+"""KV block transports behind one small interface: ``base.py`` (the interface and the shapes of a pull),
+``errors.py`` (the failures); import them from there.
 
 Engine adapters (``nixl.py``, ``llmdatadist.py``) import their engine lazily, inside the
 constructor, so importing this package never pulls in nixl, CANN or torch.
 """
 
-from pdgate.connector.transport.base import (
-    BlockRun,
-    ByteRange,
-    EngineError,
-    InvalidPull,
-    KVRegion,
-    LinkError,
-    PeerUnreachable,
-    PullRequest,
-    PullResult,
-    PullTimeout,
-    RegistrationError,
-    RemoteKVMissing,
-    RemotePeer,
-    Transport,
-    TransportClosed,
-    TransportError,
-    coalesce,
-)
+from pdgate.connector.transport.base import Transport
 
-__all__ = [
-    "BlockRun",
-    "ByteRange",
-    "EngineError",
-    "InvalidPull",
-    "KVRegion",
-    "LinkError",
-    "PeerUnreachable",
-    "PullRequest",
-    "PullResult",
-    "PullTimeout",
-    "RegistrationError",
-    "RemoteKVMissing",
-    "RemotePeer",
-    "Transport",
-    "TransportClosed",
-    "TransportError",
-    "coalesce",
-    "transport_class",
-]
+__all__ = ["transport_class"]
 
 
 def transport_class(kind: str) -> type[Transport]:

@@ -18,20 +18,7 @@ as a failed :class:`PullResult` carrying a typed :class:`TransportError` (a Inva
 arrive that way too when only the engine could tell). A failed pull may have written part of
 its destination blocks; they stay owned by the request until the ledger finishes it.
 
-Exception tree (``code``, from :class:`pdgate.errors.Code`, is stable and goes into the pull's
-outcome and the reason of the handoff's abort). A failed pull is not retried: the decode reports its
-blocks as load errors and vLLM fails or recomputes the request (``kv_load_failure_policy``)::
-
-    PDGateError (pdgate.errors)
-    └── TransportError              transport_error
-        ├── InvalidPull              transport_bad_request
-        ├── RegistrationError       transport_registration_failed
-        ├── TransportClosed         transport_closed
-        ├── RemoteKVMissing         transport_remote_kv_missing
-        ├── EngineError             transport_engine_error
-        ├── PeerUnreachable         transport_peer_unreachable
-        ├── LinkError               transport_link_failed
-        └── PullTimeout             transport_pull_timeout
+The exception tree (``code`` from :class:`pdgate.errors.Code`) is drawn at the top of ``errors.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pdgate.errors import Code, PDGateError
+from pdgate.connector.transport.errors import InvalidPull, RegistrationError, TransportClosed, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +37,11 @@ __all__ = [
     "UINT64_MAX",
     "BlockRun",
     "ByteRange",
-    "EngineError",
-    "InvalidPull",
     "KVRegion",
-    "LinkError",
-    "PeerUnreachable",
     "PullRequest",
     "PullResult",
-    "PullTimeout",
-    "RegistrationError",
-    "RemoteKVMissing",
     "RemotePeer",
     "Transport",
-    "TransportClosed",
-    "TransportError",
     "byte_ranges",
     "check_layouts_match",
     "check_pull",
@@ -79,78 +57,6 @@ UINT64_MAX = 2**64 - 1
 #: The remote rank's transport address exactly as it registered it (``Transport.local_address()``
 #: of the peer). Kind-specific; each transport documents its own keys.
 RemotePeer = Mapping[str, Any]
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-
-
-class TransportError(PDGateError):
-    """Base of every transport failure.
-
-    ``code`` (a :class:`pdgate.errors.Code`) is a class attribute so callers can switch on the type or
-    the code without string matching. ``engine_code`` keeps the engine's own status (``LLM_LINK_FAILED``,
-    ``nixlBackendError``) for diagnostics; it is never used for control flow.
-    """
-
-    code = Code.TRANSPORT_ERROR
-
-    def __init__(self, message: str, *, engine_code: str | None = None) -> None:
-        super().__init__(message)
-        self.engine_code = engine_code
-
-    def __str__(self) -> str:
-        suffix = f" [{self.engine_code}]" if self.engine_code else ""
-        return f"{self.code.value}: {self.message}{suffix}"
-
-
-class InvalidPull(TransportError):
-    """The request can never succeed as written (mismatched lists, ids out of range, wrong peer kind)."""
-
-    code = Code.TRANSPORT_BAD_REQUEST
-
-
-class RegistrationError(TransportError):
-    """Memory could not be registered (bad region, engine limit such as llm_datadist's 240 addresses)."""
-
-    code = Code.TRANSPORT_REGISTRATION_FAILED
-
-
-class TransportClosed(TransportError):
-    """The transport was used after ``close()``."""
-
-    code = Code.TRANSPORT_CLOSED
-
-
-class RemoteKVMissing(TransportError):
-    """The peer is reachable but has no cache under the key we asked for."""
-
-    code = Code.TRANSPORT_REMOTE_KV_MISSING
-
-
-class EngineError(TransportError):
-    """The engine failed in a way we have no better name for."""
-
-    code = Code.TRANSPORT_ENGINE_ERROR
-
-
-class PeerUnreachable(TransportError):
-    """The peer cannot be reached or went away mid-transfer (process died, connection refused)."""
-
-    code = Code.TRANSPORT_PEER_UNREACHABLE
-
-
-class LinkError(TransportError):
-    """Building or using the link to the peer failed; a fresh link may work."""
-
-    code = Code.TRANSPORT_LINK_FAILED
-
-
-class PullTimeout(TransportError):
-    """The pull did not finish within its deadline. The link to that peer has been torn down."""
-
-    code = Code.TRANSPORT_PULL_TIMEOUT
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,17 +343,32 @@ class Transport(abc.ABC):
     pulls, but it must still call :meth:`poll` regularly: engines such as NIXL without a
     progress thread need the target to make progress, and that is where it learns which
     transfers peers finished reading (:meth:`drain_served`).
+
+    What every engine does alike is written here once: the checks a registration and a pull start
+    with (:meth:`_check_registration`, :meth:`_admit_pull`), the address's frame (:meth:`local_address`
+    around :meth:`_address`) and the idempotent :meth:`close` (around :meth:`_close_engine`). An
+    implementation sets ``_regions`` at the end of a successful :meth:`register`.
     """
 
     kind: ClassVar[str]
+    _regions: tuple[KVRegion, ...] = ()  # registered, in order; empty until register() succeeded
+    _closed: bool = False
 
     @abc.abstractmethod
     def register(self, regions: Sequence[KVRegion]) -> None:
         """Register the KV regions this rank serves and pulls into. Call once, before linking."""
 
-    @abc.abstractmethod
     def local_address(self) -> dict[str, Any]:
-        """JSON-serialisable description a peer needs to pull from us (includes ``kind``)."""
+        """JSON-serialisable description a peer needs to pull from us: ``kind``, the engine's own keys
+        (:meth:`_address`) and the regions. Only after :meth:`register`: the address names the memory."""
+        self._ensure_open()
+        if not self._regions:
+            raise RegistrationError("local_address() before register()")
+        return {"kind": self.kind, **self._address(), "regions": regions_to_address(self._regions)}
+
+    @abc.abstractmethod
+    def _address(self) -> dict[str, Any]:
+        """The engine's own keys of :meth:`local_address` (what its peers link or load us with)."""
 
     @abc.abstractmethod
     def start_pull(self, req: PullRequest) -> None:
@@ -465,11 +386,49 @@ class Transport(abc.ABC):
         """
         return []
 
-    @abc.abstractmethod
     def close(self) -> None:
         """Release engine resources. Idempotent. In-flight pulls are abandoned, not reported."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_engine()
+
+    @abc.abstractmethod
+    def _close_engine(self) -> None:
+        """What :meth:`close` releases, run once; the transport already counts as closed."""
 
     # Small shared helpers for implementations -------------------------------------------
+
+    def _label(self) -> str:
+        """How errors name this transport (an engine adds its identity: agent name, cluster id)."""
+        return f"{self.kind} transport"
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"{self._label()} is closed")
+
+    def _check_registration(self, regions: Sequence[KVRegion]) -> None:
+        """What every :meth:`register` checks first: open, not registered yet, regions given, and
+        names unique (a peer's regions are matched to ours by name)."""
+        self._ensure_open()
+        if self._regions:
+            raise RegistrationError(f"register() was already called; {self.kind} regions are registered once")
+        if not regions:
+            raise RegistrationError("no regions to register")
+        names = [r.name for r in regions]
+        if len(set(names)) != len(names):
+            raise RegistrationError(f"duplicate region names in {names}")
+
+    def _admit_pull(self, req: PullRequest) -> list[KVRegion]:
+        """What every :meth:`start_pull` checks first (open, registered, a peer of our kind with our
+        layout, ids in range: :class:`InvalidPull` or :class:`TransportClosed` otherwise); the peer's regions."""
+        self._ensure_open()
+        if not self._regions:
+            raise InvalidPull("start_pull() before register()")
+        self._check_kind(req.remote, self.kind)
+        remote = regions_from_address(req.remote)
+        check_pull_against(req, self._regions, remote)
+        return remote
 
     @staticmethod
     def _check_kind(peer: RemotePeer, kind: str) -> None:

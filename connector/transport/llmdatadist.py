@@ -58,23 +58,22 @@ from typing import Any
 
 from pdgate.connector.transport.base import (
     UINT64_MAX,
-    EngineError,
-    InvalidPull,
     KVRegion,
-    LinkError,
-    PeerUnreachable,
     PullRequest,
     PullResult,
+    RemotePeer,
+    Transport,
+    regions_from_address,
+)
+from pdgate.connector.transport.errors import (
+    EngineError,
+    InvalidPull,
+    LinkError,
+    PeerUnreachable,
     PullTimeout,
     RegistrationError,
     RemoteKVMissing,
-    RemotePeer,
-    Transport,
-    TransportClosed,
     TransportError,
-    check_pull_against,
-    regions_from_address,
-    regions_to_address,
 )
 
 logger = logging.getLogger(__name__)
@@ -218,7 +217,6 @@ class LLMDataDistTransport(Transport):
         except lib.LLMException as exc:
             raise map_status(exc.status_code, f"llm_datadist init failed: {exc}") from exc
 
-        self._regions: tuple[KVRegion, ...] = ()
         self._caches: list[Any] = []  # index = model_id
         self._links: dict[int, Any] = {}  # remote cluster id -> LLMClusterInfo; worker thread only
         self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
@@ -227,7 +225,6 @@ class LLMDataDistTransport(Transport):
         # One thread: pull_blocks blocks, link calls are serialised by the library, and a single
         # owner keeps the link table free of locks.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdgate-llmdd-{cluster_id}")
-        self._closed = False
         logger.info(
             "llm_datadist cluster %d (%s, device %d, %s) initialised", cluster_id, role, device_id, self.device_ip
         )
@@ -235,18 +232,11 @@ class LLMDataDistTransport(Transport):
     # ------------------------------------------------------------------ registration
 
     def register(self, regions: Sequence[KVRegion]) -> None:
-        self._ensure_open()
-        if self._regions:
-            raise RegistrationError("register() was already called; llm_datadist caches are registered once")
-        if not regions:
-            raise RegistrationError("no regions to register")
+        self._check_registration(regions)
         if len(regions) > MAX_REGISTERED_ADDRS:
             raise RegistrationError(
                 f"{len(regions)} regions exceed llm_datadist's limit of {MAX_REGISTERED_ADDRS} registered addresses"
             )
-        names = [r.name for r in regions]
-        if len(set(names)) != len(names):
-            raise RegistrationError(f"duplicate region names in {names}")
         for r in regions:
             if not r.is_dense:
                 raise RegistrationError(
@@ -275,12 +265,8 @@ class LLMDataDistTransport(Transport):
             "llm_datadist cluster %d registered %d regions as %d caches", self.cluster_id, len(regions), len(caches)
         )
 
-    def local_address(self) -> dict[str, Any]:
-        self._ensure_open()
-        if not self._regions:
-            raise RegistrationError("local_address() before register()")
+    def _address(self) -> dict[str, Any]:
         return {
-            "kind": self.kind,
             "cluster_id": self.cluster_id,
             "device_id": self.device_id,
             "device_ip": self.device_ip,
@@ -288,17 +274,12 @@ class LLMDataDistTransport(Transport):
             "server_id": self.server_id,
             "super_device_id": self.super_device_id,
             "super_pod_id": self.super_pod_id,
-            "regions": regions_to_address(self._regions),
         }
 
     # ------------------------------------------------------------------ pulls
 
     def start_pull(self, req: PullRequest) -> None:
-        self._ensure_open()
-        if not self._caches:
-            raise InvalidPull("start_pull() before register()")
-        remote = self._parse_remote(req.remote)
-        check_pull_against(req, self._regions, remote.regions)
+        remote = self._parse_remote(req.remote, self._admit_pull(req))
         with self._pending_lock:
             if req.transfer_id in self._pending:
                 raise InvalidPull(f"transfer {req.transfer_id!r} is already in flight")
@@ -324,10 +305,7 @@ class LLMDataDistTransport(Transport):
             except queue.Empty:
                 return out
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close_engine(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
         # The worker has exited: this thread now owns the link table.
         self._unlink(list(self._links))
@@ -447,12 +425,14 @@ class LLMDataDistTransport(Transport):
 
     # ------------------------------------------------------------------ helpers
 
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"llm_datadist transport (cluster {self.cluster_id}) is closed")
+    def _label(self) -> str:
+        return f"llm_datadist transport (cluster {self.cluster_id})"
 
-    def _parse_remote(self, peer: RemotePeer) -> _Remote:
-        self._check_kind(peer, self.kind)
+    def _parse_remote(self, peer: RemotePeer, regions: Sequence[KVRegion] | None = None) -> _Remote:
+        """A prefill rank's address; `regions`: its regions, when `_admit_pull` already read them."""
+        if regions is None:
+            self._check_kind(peer, self.kind)
+            regions = regions_from_address(peer)
         cluster_id = peer.get("cluster_id")
         port = peer.get("listen_port")
         if not isinstance(cluster_id, int) or isinstance(cluster_id, bool) or not 0 <= cluster_id <= UINT64_MAX:
@@ -462,4 +442,4 @@ class LLMDataDistTransport(Transport):
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise InvalidPull(f"peer cluster {cluster_id} does not listen (listen_port={port!r})")
         ip = _ipv4(peer.get("device_ip"), f"device_ip of cluster {cluster_id}")
-        return _Remote(cluster_id, ip, port, tuple(regions_from_address(peer)))
+        return _Remote(cluster_id, ip, port, tuple(regions))

@@ -44,23 +44,21 @@ from typing import Any
 
 import numpy as np
 from pdgate.connector.transport.base import (
-    EngineError,
-    InvalidPull,
     KVRegion,
-    LinkError,
-    PeerUnreachable,
     PullRequest,
     PullResult,
-    PullTimeout,
-    RegistrationError,
     RemotePeer,
     Transport,
-    TransportClosed,
-    TransportError,
-    check_pull_against,
     coalesce,
-    regions_from_address,
-    regions_to_address,
+)
+from pdgate.connector.transport.errors import (
+    EngineError,
+    InvalidPull,
+    LinkError,
+    PeerUnreachable,
+    PullTimeout,
+    RegistrationError,
+    TransportError,
 )
 
 logger = logging.getLogger(__name__)
@@ -182,7 +180,6 @@ class NixlTransport(Transport):
             self._agent = api.nixl_agent(self.name, config)
         except Exception as exc:
             raise _map_nixl_error(exc, "creating the NIXL agent") from exc
-        self._regions: tuple[KVRegion, ...] = ()
         self._reg_descs: Any = None
         self._local_dlist: Any = None
         self._local_offsets = np.zeros(0, dtype=np.int64)
@@ -192,20 +189,12 @@ class NixlTransport(Transport):
         self._ready: list[PullResult] = []
         self._served: list[str] = []
         self._zombies: list[Any] = []  # handles NIXL refused to release; retried on every poll
-        self._closed = False
         logger.info("NIXL agent %s created (mem_type=%s, timeout=%.1fs)", self.name, mem_type, pull_timeout_s)
 
     # ------------------------------------------------------------------ registration
 
     def register(self, regions: Sequence[KVRegion]) -> None:
-        self._ensure_open()
-        if self._regions:
-            raise RegistrationError("register() was already called; NIXL regions are registered once")
-        if not regions:
-            raise RegistrationError("no regions to register")
-        names = [r.name for r in regions]
-        if len(set(names)) != len(names):
-            raise RegistrationError(f"duplicate region names in {names}")
+        self._check_registration(regions)
         extents = [(start, length, self._device_id, "") for start, length in _merge_extents(regions)]
         try:
             self._reg_descs = self._agent.register_memory(extents, self._mem_type)
@@ -226,30 +215,21 @@ class NixlTransport(Transport):
             len(rows),
         )
 
-    def local_address(self) -> dict[str, Any]:
-        self._ensure_open()
-        if self._metadata_b64 is None:
-            raise RegistrationError("local_address() before register(): the metadata carries the memory keys")
+    def _address(self) -> dict[str, Any]:
+        # The metadata carries the memory keys; register() sets it before the regions.
         return {
-            "kind": self.kind,
             "agent_name": self.name,
             "agent_metadata": self._metadata_b64,
             "mem_type": self._mem_type,
             "device_id": self._device_id,
-            "regions": regions_to_address(self._regions),
         }
 
     # ------------------------------------------------------------------ pulls
 
     def start_pull(self, req: PullRequest) -> None:
-        self._ensure_open()
-        if not self._regions:
-            raise InvalidPull("start_pull() before register()")
+        remote_regions = self._admit_pull(req)
         if req.transfer_id in self._inflight:
             raise InvalidPull(f"transfer {req.transfer_id!r} is already in flight")
-        self._check_kind(req.remote, self.kind)
-        remote_regions = regions_from_address(req.remote)
-        check_pull_against(req, self._regions, remote_regions)
         now = self._clock()
         try:
             peer = self._peer_for(req.remote, remote_regions)
@@ -319,10 +299,7 @@ class NixlTransport(Transport):
         out, self._served = self._served, []
         return out
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close_engine(self) -> None:
         for flight in self._inflight.values():
             self._release(flight.handle)
         self._inflight.clear()
@@ -341,9 +318,8 @@ class NixlTransport(Transport):
 
     # ------------------------------------------------------------------ internals
 
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"NIXL transport {self.name} is closed")
+    def _label(self) -> str:
+        return f"NIXL transport {self.name}"
 
     def _peer_for(self, remote: RemotePeer, regions: list[KVRegion]) -> _Peer:
         name = remote.get("agent_name")

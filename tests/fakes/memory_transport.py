@@ -23,19 +23,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pdgate.connector.transport.base import (
-    InvalidPull,
     KVRegion,
-    PeerUnreachable,
     PullRequest,
     PullResult,
+    Transport,
+)
+from pdgate.connector.transport.errors import (
+    InvalidPull,
+    PeerUnreachable,
     PullTimeout,
     RegistrationError,
-    Transport,
-    TransportClosed,
     TransportError,
-    check_pull_against,
-    regions_from_address,
-    regions_to_address,
 )
 
 __all__ = ["MemoryTransport"]
@@ -72,12 +70,10 @@ class MemoryTransport(Transport):
         self._complete_after = complete_after_polls
         self._timeout_s = pull_timeout_s
         self._clock = clock
-        self._regions: tuple[KVRegion, ...] = ()
         self._pending: dict[str, _Pending] = {}
         self._ready: list[PullResult] = []
         self._served: list[str] = []
         self._fail_next: TransportError | None = None
-        self._closed = False
         self.pulls_started = 0
         self._world[self.name] = self
 
@@ -89,28 +85,16 @@ class MemoryTransport(Transport):
         return self._regions
 
     def register(self, regions: Sequence[KVRegion]) -> None:
-        self._ensure_open()
-        if self._regions:
-            raise RegistrationError("register() was already called")
-        if not regions:
-            raise RegistrationError("no regions to register")
+        self._check_registration(regions)
         self._regions = tuple(regions)
 
-    def local_address(self) -> dict[str, Any]:
-        self._ensure_open()
-        if not self._regions:
-            raise RegistrationError("local_address() before register()")
-        return {"kind": self.kind, "name": self.name, "regions": regions_to_address(self._regions)}
+    def _address(self) -> dict[str, Any]:
+        return {"name": self.name}
 
     def start_pull(self, req: PullRequest) -> None:
-        self._ensure_open()
-        if not self._regions:
-            raise InvalidPull("start_pull() before register()")
+        self._admit_pull(req)
         if req.transfer_id in self._pending:
             raise InvalidPull(f"transfer {req.transfer_id!r} is already in flight")
-        self._check_kind(req.remote, self.kind)
-        remote_regions = regions_from_address(req.remote)
-        check_pull_against(req, self._regions, remote_regions)
         self.pulls_started += 1
         now = self._clock()
         timeout = req.timeout_s if req.timeout_s is not None else self._timeout_s
@@ -138,10 +122,7 @@ class MemoryTransport(Transport):
         out, self._served = self._served, []
         return out
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close_engine(self) -> None:
         self._pending.clear()
         self._world.pop(self.name, None)
 
@@ -163,6 +144,5 @@ class MemoryTransport(Transport):
         peer._served.append(tid)
         return PullResult.success(tid, nbytes=nbytes, elapsed_s=now - p.started)
 
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"memory transport {self.name} is closed")
+    def _label(self) -> str:
+        return f"memory transport {self.name}"

@@ -19,16 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pdgate.connector.transport.base import (
-    InvalidPull,
-    KVRegion,
-    PeerUnreachable,
-    PullRequest,
-    PullResult,
-    PullTimeout,
-)
-from pdgate.connector.transport.nixl import NixlTransport
 from pdgate.connector.transfer_thread import _IDLE_POLL_S
+from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult
+from pdgate.connector.transport.errors import InvalidPull, PeerUnreachable, PullTimeout
+from pdgate.connector.transport.nixl import NixlTransport
 
 from tests.integration.nixl_peer import PREFIX, REGION_NAMES, prefill_block, prefill_buffer
 

@@ -14,14 +14,12 @@ import numpy as np
 import pytest
 from pdgate.connector.ranktable import GroupRole, assign_ranks, find_placement
 from pdgate.connector.ranktable_cli import generate, parse_host_spec
-from pdgate.connector.transport.base import (
+from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult
+from pdgate.connector.transport.errors import (
     EngineError,
     InvalidPull,
-    KVRegion,
     LinkError,
     PeerUnreachable,
-    PullRequest,
-    PullResult,
     PullTimeout,
     RegistrationError,
     RemoteKVMissing,

@@ -6,7 +6,9 @@ import itertools
 import random
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pdgate.connector.transport import transport_class
@@ -14,23 +16,26 @@ from pdgate.connector.transport.base import (
     UINT64_MAX,
     BlockRun,
     ByteRange,
-    EngineError,
-    InvalidPull,
     KVRegion,
-    LinkError,
-    PeerUnreachable,
     PullRequest,
     PullResult,
-    PullTimeout,
-    RegistrationError,
-    RemoteKVMissing,
-    TransportClosed,
-    TransportError,
+    Transport,
     byte_ranges,
     check_layouts_match,
     check_pull,
     coalesce,
     regions_from_address,
+)
+from pdgate.connector.transport.errors import (
+    EngineError,
+    InvalidPull,
+    LinkError,
+    PeerUnreachable,
+    PullTimeout,
+    RegistrationError,
+    RemoteKVMissing,
+    TransportClosed,
+    TransportError,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -236,6 +241,57 @@ def test_pull_result_constructors() -> None:
     assert ok.ok and ok.error is None and ok.nbytes == 10
     bad = PullResult.failure("t", PullTimeout("slow"))
     assert not bad.ok and isinstance(bad.error, PullTimeout) and bad.nbytes == 0
+
+
+class _Bare(Transport):
+    """The least an engine writes: the frame (checks, address, close) is the base's."""
+
+    kind = "bare"
+
+    def __init__(self) -> None:
+        self.closes = 0
+
+    def register(self, regions: Sequence[KVRegion]) -> None:
+        self._check_registration(regions)
+        self._regions = tuple(regions)
+
+    def _address(self) -> dict[str, Any]:
+        return {"who": "me"}
+
+    def start_pull(self, req: PullRequest) -> None:
+        self._admit_pull(req)
+
+    def poll(self) -> list[PullResult]:
+        return []
+
+    def _close_engine(self) -> None:
+        self.closes += 1
+
+
+def test_the_base_frames_every_transports_registration_address_pull_and_close() -> None:
+    t = _Bare()
+    region = KVRegion.dense("l0", 4096, 64, 8)
+    with pytest.raises(RegistrationError, match="before register"):
+        t.local_address()
+    with pytest.raises(InvalidPull, match="before register"):
+        t.start_pull(PullRequest("t", 1, {"kind": "bare"}, [0], [0]))
+    with pytest.raises(RegistrationError, match="duplicate region names"):
+        t.register([region, region])
+    t.register([region])
+    with pytest.raises(RegistrationError, match="already called"):
+        t.register([region])
+    address = t.local_address()
+    assert address == {"kind": "bare", "who": "me", "regions": [region.to_dict()]}
+    t.start_pull(PullRequest("t", 1, address, [7], [0]))  # a peer of our kind and layout
+    with pytest.raises(InvalidPull, match="of kind 'other'"):
+        t.start_pull(PullRequest("t", 1, address | {"kind": "other"}, [7], [0]))
+    with pytest.raises(InvalidPull, match="out of range"):
+        t.start_pull(PullRequest("t", 1, address, [8], [0]))
+    t.close()
+    t.close()
+    assert t.closes == 1  # idempotent: the engine is released once
+    with pytest.raises(TransportClosed, match="bare transport is closed"):
+        t.start_pull(PullRequest("t", 1, address, [7], [0]))
 
 
 def test_transport_class_imports_lazily_by_kind() -> None:

@@ -19,7 +19,7 @@ from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.connector import PDGateConnector, PDGateConnectorMetadata, PDGateHandshake, PDGateWorkerMeta
 from pdgate.connector.errors import ConfigError
 from pdgate.connector.metadata import PullOutcome, RecvDone, RecvPlan, StepMetadata
-from pdgate.connector.transport.base import PullTimeout
+from pdgate.connector.transport.errors import PullTimeout
 from pdgate.connector.worker import WorkerHalf, regions_from_kv_caches
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
