@@ -11,8 +11,11 @@ it, `kv_connector_extra_config.<key>`, with the sentence the README shows.
 
 Nothing here imports vLLM; `server_facts` in `connector.py` gathers what we need from
 the `VllmConfig` into `ServerFacts`, and passes the process environment for the two keys that may come
-from it instead (`PDGATE_METASERVER_URL`, `PDGATE_METASERVER_TOKEN`): a secret in
+from it instead (`PDGATE_CONNECTOR_METASERVER_URL`, `PDGATE_CONNECTOR_METASERVER_TOKEN`): a secret in
 `--kv-transfer-config` is visible to anyone on the host who can run `ps`, an environment variable is not.
+They are named for the connector: the naming rule of pdgate's commands (`PDGATE_<COMMAND>_<FLAG>`) gives
+`PDGATE_METASERVER_*` to the metaserver's own flags. The older names, `PDGATE_METASERVER_URL` and
+`PDGATE_METASERVER_TOKEN`, are still read as aliases; the new name wins when both are set.
 
 Example (a prefill instance)::
 
@@ -48,9 +51,13 @@ __all__ = [
 TRANSPORTS = ("nixl", "llmdatadist")
 
 # Environment fallbacks for keys that should stay off the command line (the key, when set, wins).
-ENV_METASERVER_URL = "PDGATE_METASERVER_URL"
-ENV_METASERVER_TOKEN = "PDGATE_METASERVER_TOKEN"
-_ENV_FALLBACKS = {"metaserver_url": ENV_METASERVER_URL, "metaserver_token": ENV_METASERVER_TOKEN}
+ENV_METASERVER_URL = "PDGATE_CONNECTOR_METASERVER_URL"
+ENV_METASERVER_TOKEN = "PDGATE_CONNECTOR_METASERVER_TOKEN"
+# key -> the variables read for it, in order: the first one set wins (the older names are aliases).
+_ENV_FALLBACKS = {
+    "metaserver_url": (ENV_METASERVER_URL, "PDGATE_METASERVER_URL"),
+    "metaserver_token": (ENV_METASERVER_TOKEN, "PDGATE_METASERVER_TOKEN"),
+}
 
 # Ascend hosts describe each NPU's RoCE address here (`address_<device id>=<ip>`).
 DEFAULT_HCCN_CONF = "/etc/hccn.conf"
@@ -243,7 +250,8 @@ def parse_config(
     """Validate `kv_connector_extra_config` and fill the defaults that depend on the server.
 
     `env` (the process environment; none by default, so tests stay hermetic) supplies `metaserver_url`
-    and `metaserver_token` when the extra config does not set them.
+    and `metaserver_token` when the extra config does not set them (`ENV_METASERVER_URL`,
+    `ENV_METASERVER_TOKEN`, else their older names).
     """
     extra = dict(extra or {})
     unknown = sorted(k for k in extra if k not in _SETTINGS)
@@ -253,10 +261,11 @@ def parse_config(
             f"allowed keys: {', '.join(ALLOWED_KEYS)}"
         )
     values = {key: _check(key, value) for key, value in extra.items()}
-    for key, var in _ENV_FALLBACKS.items():
-        raw = (env or {}).get(var, "").strip()
-        if key not in values and raw:
-            values[key] = _check(key, raw, where=f"environment variable {var}")
+    for key, names in _ENV_FALLBACKS.items():
+        for var in names:
+            raw = (env or {}).get(var, "").strip()
+            if key not in values and raw:
+                values[key] = _check(key, raw, where=f"environment variable {var}")
     role = role_for_kv_role(facts.kv_role)
 
     if "metaserver_url" not in values:

@@ -97,23 +97,38 @@ def test_metaserver_url_is_required() -> None:
 
 def test_metaserver_url_and_token_may_come_from_the_environment() -> None:
     # The token then stays off the vLLM command line (visible to everyone on the host through ps).
-    env = {"PDGATE_METASERVER_URL": "http://10.0.0.3:8300/", "PDGATE_METASERVER_TOKEN": "s3cret"}
+    env = {"PDGATE_CONNECTOR_METASERVER_URL": "http://10.0.0.3:8300/", "PDGATE_CONNECTOR_METASERVER_TOKEN": "s3cret"}
     cfg = parse_config({}, FACTS, env)
     assert (cfg.metaserver_url, cfg.metaserver_token) == ("http://10.0.0.3:8300", "s3cret")
     # A key in the extra config wins over the environment.
     cfg = parse_config({**BASE, "metaserver_token": "from-config"}, FACTS, env)
     assert (cfg.metaserver_url, cfg.metaserver_token) == ("http://10.0.0.2:8300", "from-config")
     # Empty variables are unset; without an env mapping nothing is read (tests stay hermetic).
-    assert parse_config(BASE, FACTS, {"PDGATE_METASERVER_TOKEN": " "}).metaserver_token is None
+    assert parse_config(BASE, FACTS, {"PDGATE_CONNECTOR_METASERVER_TOKEN": " "}).metaserver_token is None
     assert parse_config(BASE, FACTS).metaserver_token is None
-    with pytest.raises(ConfigError, match="PDGATE_METASERVER_URL"):
-        parse_config({}, FACTS, {"PDGATE_METASERVER_TOKEN": "s3cret"})
+    with pytest.raises(ConfigError, match="PDGATE_CONNECTOR_METASERVER_URL"):
+        parse_config({}, FACTS, {"PDGATE_CONNECTOR_METASERVER_TOKEN": "s3cret"})
 
 
-def test_a_bad_environment_value_names_the_variable() -> None:
+def test_the_older_variable_names_are_aliases_and_the_connectors_own_names_win() -> None:
+    # PDGATE_METASERVER_* is the metaserver's own namespace (PDGATE_<COMMAND>_<FLAG>); engines set up
+    # with the older names keep working.
+    old = {"PDGATE_METASERVER_URL": "http://10.0.0.4:8300", "PDGATE_METASERVER_TOKEN": "old"}
+    cfg = parse_config({}, FACTS, old)
+    assert (cfg.metaserver_url, cfg.metaserver_token) == ("http://10.0.0.4:8300", "old")
+    new = {"PDGATE_CONNECTOR_METASERVER_URL": "http://10.0.0.5:8300", "PDGATE_CONNECTOR_METASERVER_TOKEN": "new"}
+    cfg = parse_config({}, FACTS, {**old, **new})
+    assert (cfg.metaserver_url, cfg.metaserver_token) == ("http://10.0.0.5:8300", "new")
+    # An empty new name is unset: the alias still counts.
+    cfg = parse_config({}, FACTS, {**old, "PDGATE_CONNECTOR_METASERVER_TOKEN": ""})
+    assert cfg.metaserver_token == "old"
+
+
+@pytest.mark.parametrize("var", ["PDGATE_CONNECTOR_METASERVER_URL", "PDGATE_METASERVER_URL"])
+def test_a_bad_environment_value_names_the_variable(var: str) -> None:
     with pytest.raises(ConfigError) as err:
-        parse_config({}, FACTS, {"PDGATE_METASERVER_URL": "10.0.0.3:8300"})
-    assert "environment variable PDGATE_METASERVER_URL" in str(err.value) and "http://" in str(err.value)
+        parse_config({}, FACTS, {var: "10.0.0.3:8300"})
+    assert f"environment variable {var}" in str(err.value) and "http://" in str(err.value)
 
 
 def test_device_tables_accept_lists_and_objects() -> None:

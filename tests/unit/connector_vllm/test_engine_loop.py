@@ -65,7 +65,7 @@ class Engine:
     """A vLLM scheduler + one worker connector, stepped by hand like EngineCore's busy loop."""
 
     def __init__(self, model_dir: Path, metaserver_url: str | None, kv_role: str, tmp: Path, **extra: Any) -> None:
-        """`metaserver_url=None` leaves the key out (the connector then reads $PDGATE_METASERVER_URL)."""
+        """`metaserver_url=None` leaves the key out (the connector then reads $PDGATE_CONNECTOR_METASERVER_URL)."""
         self.role = "decode" if kv_role == "kv_consumer" else "prefill"
         self.instance_id = uid(kv_role.removeprefix("kv_"))
         self.stats_file = tmp / f"{self.instance_id}.json"
@@ -417,8 +417,8 @@ def test_one_prefill_one_decode_over_llmdatadist_without_a_rank_table(
     monkeypatch.setitem(sys.modules, "llm_datadist", fake_llmdatadist)
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
     # The metaserver's URL and token come from the environment, as they do in the engine containers.
-    monkeypatch.setenv("PDGATE_METASERVER_URL", metaserver.url)
-    monkeypatch.setenv("PDGATE_METASERVER_TOKEN", "unused-by-this-metaserver")
+    monkeypatch.setenv("PDGATE_CONNECTOR_METASERVER_URL", metaserver.url)
+    monkeypatch.setenv("PDGATE_CONNECTOR_METASERVER_TOKEN", "unused-by-this-metaserver")
     monkeypatch.setenv("PDGATE_DEVICE_IP", "192.168.200.7")
     common: dict[str, Any] = {"transport": "llmdatadist", "hccn_conf": str(tmp_path / "absent-hccn.conf")}
     p = Engine(
