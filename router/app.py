@@ -39,7 +39,6 @@ from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.breaker import BreakerConfig
 from pdgate.router.discovery import Discovery
 from pdgate.router.errors import MethodNotAllowed, RouterError, Unauthorized, error_body
-from pdgate.router.fastlane import with_fast_lane
 from pdgate.router.health import health_body
 from pdgate.router.loops import is_own_address
 from pdgate.router.metrics import RouterMetrics
@@ -47,8 +46,8 @@ from pdgate.router.model_cards import ModelCards
 from pdgate.router.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
 from pdgate.router.policies import make_policy
 from pdgate.router.pool import LiveInstance, Pool
-from pdgate.router.protocol import watching_protocol
 from pdgate.router.proxy import Proxy
+from pdgate.router.routes import PROXY_PATHS, RAW_ROUTES, render_openai, serving_protocol
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_error
 from pdgate.router.tracing import Tracing, make_tracing
@@ -59,60 +58,18 @@ from starlette.routing import Match
 
 from pdgate import claim_seal
 from pdgate.asgi import Message, Receive, Scope, Send
-from pdgate.errors import Code, info
+from pdgate.errors import Code
 from pdgate.http_pool import HttpPool
 from pdgate.meta_client import MetaAPI
 from pdgate.meta_pooled import PooledMetaClient
-from pdgate.serving import ServerLimits, guarded_protocol
 from pdgate.upstream import Upstream
 
 __all__ = ["PROXY_PATHS", "RouterApp", "create_app", "embedded_meta_settings", "render_openai", "serving_protocol"]
 
 log = logging.getLogger("pdgate.router")
 
-PROXY_PATHS = frozenset({COMPLETIONS, CHAT})
 _META_PREFIXES = ("/v1/instances", "/v1/handoffs")
 _REGISTER = "/v1/instances"
-_LEDGER_LANE = b"/v1/handoffs"
-
-
-def render_openai(code: Code, detail: str) -> tuple[bytes, bytes]:
-    """A refusal of `pdgate.serving` (408, 413, 503 before the app runs) as an OpenAI error body."""
-    return b"application/json", error_body(detail, info(code).openai_type, code.value)
-
-
-def serving_protocol(s: RouterSettings, *, fast_lane: bool = True) -> type[Any]:
-    """uvicorn's HTTP protocol for the router (`uvicorn.Config(http=...)`): slow clients are cut off,
-    an over-long Content-Length gets 413 before its body is read, connections are counted, and a proxied
-    request hears of its client's disconnect from the protocol itself (`protocol`). With `fast_lane` (the
-    default; off only to compare), the proxy routes and the embedded metaserver's ledger routes run on
-    the lean cycle of `fastlane` instead of uvicorn's."""
-    limits = ServerLimits(
-        header_timeout_s=s.header_timeout_s,
-        body_timeout_s=s.body_timeout_s,
-        max_body_bytes=s.max_body_bytes,
-        max_connections=s.max_connections,
-    )
-    guarded = guarded_protocol(limits, render_openai)
-    if fast_lane:
-        guarded = with_fast_lane(guarded, _ledger_lane if s.embedded else _proxy_lane)
-    return watching_protocol(guarded, PROXY_PATHS)
-
-
-_PROXY_LANE = frozenset(p.encode() for p in PROXY_PATHS)
-
-
-def _proxy_lane(method: bytes, url: bytes) -> bool:
-    """The requests `fastlane` serves: POSTs to the proxy routes."""
-    return method == b"POST" and url in _PROXY_LANE
-
-
-def _ledger_lane(method: bytes, url: bytes) -> bool:
-    """With the embedded metaserver, also the engines' ledger calls (READY is a PUT, claim and DONE POSTs;
-    the router's own create and claim are in-process calls)."""
-    if url.startswith(_LEDGER_LANE):
-        return method == b"POST" or method == b"PUT"
-    return method == b"POST" and url in _PROXY_LANE
 
 
 def embedded_meta_settings(s: RouterSettings) -> MetaSettings:
@@ -161,20 +118,15 @@ class RouterApp:
         return meta
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in PROXY_PATHS:
-            if scope["method"] == "POST":
+        raw = RAW_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if raw is not None:
+            if scope["method"] != raw.method:
+                err = MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}; use {raw.method}")
+                await send_error(send, err, [(b"allow", raw.method.encode())], lambda: None)
+            elif raw.handler == "proxy":
                 await self.proxy(scope, receive, send)
-                return
-            err = MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}; use POST")
-            await send_error(send, err, [(b"allow", b"POST")], lambda: None)
-            return
-        if scope["type"] == "http" and (scope["path"] in POST_ROUTES or scope["path"] in GET_ROUTES):
-            allowed = "POST" if scope["path"] in POST_ROUTES else "GET"
-            if scope["method"] == allowed:
+            else:
                 await self.passthrough(scope, receive, send)
-                return
-            err = MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}; use {allowed}")
-            await send_error(send, err, [(b"allow", allowed.encode())], lambda: None)
             return
         if self._embedded and scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == _REGISTER:
             replay = await self._refuse_own_address(scope, receive, send)
@@ -241,48 +193,108 @@ def create_app(
     """The router. `tracing` replaces what --otlp-traces-endpoint would build (tests: an in-memory exporter)."""
     s = settings or RouterSettings()
     tracing = tracing or make_tracing(s.otlp_traces_endpoint)
-    metrics = RouterMetrics(registry)
-    holder: dict[str, Any] = {}
-    inflight_children: dict[str, Any] = {}
-
-    def on_inflight(tr: LiveInstance) -> None:
-        child = inflight_children.get(tr.id)
-        if child is None:
-            child = inflight_children[tr.id] = metrics.instance_inflight.labels(tr.id, tr.view.role.value)
-        child.set(tr.requests)
-
-    pool = Pool(
-        BreakerConfig(failures=s.breaker_failures, open_s=s.breaker_open_s, successes=s.breaker_successes),
-        on_breaker=metrics.set_breaker,
-        on_inflight=on_inflight,
-    )
-    options = {"load_factor": s.prefix_load_factor}
-    engine_auth = [(b"authorization", f"Bearer {s.upstream_api_key}".encode())] if s.upstream_api_key else []
-    cards = ModelCards(pool, lambda: holder["upstream"], clock, s.health_timeout_s, lambda: engine_auth)
+    parts = _Parts(s, registry, clock)
     embedded = meta is None and s.embedded
     msettings = meta_settings or (embedded_meta_settings(s) if embedded else None)
     # The token of the ledger's write routes: the admin check's, and what the router's claims are sealed
     # with (pdgate.claim_seal; the decodes' connectors hold the same token).
     ledger_token = msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token
+    holder = parts.holder
+    options = {"load_factor": s.prefix_load_factor}
     proxy = Proxy(
         s,
-        pool=pool,
+        pool=parts.pool,
         meta=lambda: holder["meta"],
         upstream=lambda: holder["upstream"],
-        metrics=metrics,
+        metrics=parts.metrics,
         prefill_policy=make_policy(s.prefill_policy, **options),
         decode_policy=make_policy(s.decode_policy, **options),
         engine_metaserver=s.engine_metaserver_url() if s.port else s.advertise_metaserver or s.metaserver,
         rng=rng or Random(),
         clock=clock,
-        cards=cards,
+        cards=parts.cards,
         tracing=tracing,
         claim_key=claim_seal.claim_key(ledger_token),
     )
-    passthrough = Passthrough(s, pool, lambda: holder["upstream"], clock, metrics.trace_dropped.inc)
-    metrics.inflight.set_function(lambda: proxy.inflight)
-    discovery = Discovery(s, pool, lambda: holder["meta"], lambda: holder["upstream"], metrics, clock)
+    passthrough = Passthrough(s, parts.pool, lambda: holder["upstream"], clock)
+    parts.metrics.inflight.set_function(lambda: proxy.inflight)
+    discovery = Discovery(s, parts.pool, lambda: holder["meta"], lambda: holder["upstream"], parts.metrics, clock)
     admin = AdminCheck(ledger_token)
+    embedded_settings = msettings if embedded else None
+    lifespan = _lifespan(s, parts, proxy, discovery, admin, tracing, meta, upstream, embedded_settings)
+    api = FastAPI(
+        title="pdgate router",
+        description="OpenAI-compatible front door for prefill/decode disaggregated vLLM.",
+        lifespan=lifespan,
+        redirect_slashes=False,  # a trailing slash is a JSON 404, not an empty 307
+    )
+    _error_handlers(api, embedded=embedded)
+    _openai_routes(api, parts, ClientKeys(s.api_key))
+    _ops_routes(api, parts, discovery, admin)
+    rest: Any = api
+    if embedded:
+        from pdgate.metaserver.api import build_router
+        from pdgate.metaserver.fastpath import FastPath
+
+        assert msettings is not None
+        api.include_router(build_router(lambda: holder["svc"], msettings))
+        if msettings.fast_path:  # the engines' ledger calls skip FastAPI's per-request machinery
+            inner: Any = api
+            rest = FastPath(inner, get_service=lambda: holder["svc"], settings=msettings)
+    return RouterApp(
+        api,
+        proxy,
+        passthrough,
+        parts.pool,
+        discovery,
+        parts.metrics,
+        holder,
+        rest,
+        embedded=embedded,
+        max_register_bytes=msettings.max_body_bytes if msettings is not None else 1 << 20,
+    )
+
+
+class _Parts:
+    """What the app's routes and lifespan share: the pool, the metrics, the model cards and the holder
+    of what lives only while the app runs (`upstream`, `meta`, and `svc` when embedded)."""
+
+    def __init__(self, s: RouterSettings, registry: CollectorRegistry | None, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.metrics = metrics = RouterMetrics(registry)
+        self.holder: dict[str, Any] = {}
+        inflight_children: dict[str, Any] = {}
+
+        def on_inflight(tr: LiveInstance) -> None:
+            child = inflight_children.get(tr.id)
+            if child is None:
+                child = inflight_children[tr.id] = metrics.instance_inflight.labels(tr.id, tr.view.role.value)
+            child.set(tr.requests)
+
+        self.pool = Pool(
+            BreakerConfig(failures=s.breaker_failures, open_s=s.breaker_open_s, successes=s.breaker_successes),
+            on_breaker=metrics.set_breaker,
+            on_inflight=on_inflight,
+        )
+        auth = [(b"authorization", f"Bearer {s.upstream_api_key}".encode())] if s.upstream_api_key else []
+        self.cards = ModelCards(self.pool, lambda: self.holder["upstream"], clock, s.health_timeout_s, lambda: auth)
+
+
+def _lifespan(
+    s: RouterSettings,
+    parts: _Parts,
+    proxy: Proxy,
+    discovery: Discovery,
+    admin: AdminCheck,
+    tracing: Tracing | None,
+    meta: MetaAPI | None,
+    upstream: Upstream | None,
+    embedded: MetaSettings | None,
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The FastAPI lifespan: it owns every resource (upstream pool, metaserver or its client, tracing, the
+    first registry snapshot, the background loops) and closes them in reverse order. `embedded`: the
+    settings of the in-process metaserver, None when there is none (`meta` injected, or --metaserver)."""
+    holder = parts.holder
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -297,35 +309,10 @@ def create_app(
                 stack.callback(tracing.shutdown)
             if meta is not None:
                 holder["meta"] = meta
-            elif embedded:
-                if admin.token is None:
-                    log.warning(
-                        "protected mode: no admin token is set, so the embedded metaserver's /v1/instances and "
-                        "/v1/handoffs routes and the instance URLs in /health answer loopback peers only; set "
-                        "PDGATE_ROUTER_ADMIN_TOKEN (or PDGATE_METASERVER_ADMIN_TOKEN, or --admin-token-file) for "
-                        "engines on other hosts"
-                    )
-                from pdgate.metaserver.app import running_service
-                from pdgate.metaserver.local import LocalMetaClient
-
-                assert msettings is not None
-                svc = await stack.enter_async_context(running_service(msettings, registry=metrics.registry))
-                holder["svc"] = svc
-                holder["meta"] = LocalMetaClient(svc)
+            elif embedded is not None:
+                await _start_embedded(stack, holder, embedded, admin, parts.metrics)
             else:
-                assert s.metaserver is not None
-                meta_pool = HttpPool(connect_timeout=s.connect_timeout_s)
-                stack.push_async_callback(meta_pool.aclose)
-                client = PooledMetaClient(
-                    s.metaserver,
-                    pool=meta_pool,
-                    admin_token=s.metaserver_token,
-                    timeout=s.metaserver_timeout_s,
-                    max_connections=s.metaserver_connections,
-                    batches=s.metaserver_batches,
-                )
-                stack.push_async_callback(client.aclose)
-                holder["meta"] = client
+                holder["meta"] = await _meta_client(stack, s)
             stack.push_async_callback(proxy.drain_background)
             await discovery.refresh_once()
             await discovery.health_once()
@@ -333,17 +320,52 @@ def create_app(
             stack.push_async_callback(discovery.stop)
             yield
 
-    api = FastAPI(
-        title="pdgate router",
-        description="OpenAI-compatible front door for prefill/decode disaggregated vLLM.",
-        lifespan=lifespan,
-        redirect_slashes=False,  # a trailing slash is a JSON 404, not an empty 307
-    )
-    keys = ClientKeys(s.api_key)
+    return lifespan
 
-    def check_key(request: Request) -> None:
-        if not keys.allows(request.headers.get("authorization")):
-            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+async def _start_embedded(
+    stack: contextlib.AsyncExitStack,
+    holder: dict[str, Any],
+    msettings: MetaSettings,
+    admin: AdminCheck,
+    metrics: RouterMetrics,
+) -> None:
+    """The in-process metaserver (service + sweeper) and its LocalMetaClient, closed with the stack."""
+    if admin.token is None:
+        log.warning(
+            "protected mode: no admin token is set, so the embedded metaserver's /v1/instances and "
+            "/v1/handoffs routes and the instance URLs in /health answer loopback peers only; set "
+            "PDGATE_ROUTER_ADMIN_TOKEN (or PDGATE_METASERVER_ADMIN_TOKEN, or --admin-token-file) for "
+            "engines on other hosts"
+        )
+    from pdgate.metaserver.app import running_service
+    from pdgate.metaserver.local import LocalMetaClient
+
+    svc = await stack.enter_async_context(running_service(msettings, registry=metrics.registry))
+    holder["svc"] = svc
+    holder["meta"] = LocalMetaClient(svc)
+
+
+async def _meta_client(stack: contextlib.AsyncExitStack, s: RouterSettings) -> MetaAPI:
+    """The client of --metaserver (pooled connections, ledger batches), closed with the stack."""
+    assert s.metaserver is not None
+    meta_pool = HttpPool(connect_timeout=s.connect_timeout_s)
+    stack.push_async_callback(meta_pool.aclose)
+    client = PooledMetaClient(
+        s.metaserver,
+        pool=meta_pool,
+        admin_token=s.metaserver_token,
+        timeout=s.metaserver_timeout_s,
+        max_connections=s.metaserver_connections,
+        batches=s.metaserver_batches,
+    )
+    stack.push_async_callback(client.aclose)
+    return client
+
+
+def _error_handlers(api: FastAPI, *, embedded: bool) -> None:
+    """Typed router errors as they are; FastAPI's 404/405/422 in the OpenAI shape (RFC 7807 under the
+    embedded metaserver's prefixes), a 405 naming every method the path serves."""
 
     @api.exception_handler(RouterError)
     async def router_error(request: Request, exc: RouterError) -> Response:
@@ -370,23 +392,29 @@ def create_app(
         headers["x-pdgate-error"] = code.value
         return Response(body, status_code=exc.status_code, headers=headers, media_type="application/json")
 
-    openai_errors: dict[int | str, dict[str, Any]] = {
-        200: {
-            "description": "the engine's answer: JSON, or server-sent events with stream=true",
-            "content": {"application/json": {}, "text/event-stream": {}},
-        },
-        **{status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 502, 503, 504, 508)},
-    }
 
-    # The two proxy routes are served by `Proxy` (RouterApp never lets these requests reach FastAPI);
-    # they are declared here so that the OpenAPI document describes them with the rule `Proxy` applies.
+_OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the engine's answer: JSON, or server-sent events with stream=true",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **{status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 502, 503, 504, 508)},
+}
+
+
+def _openai_routes(api: FastAPI, parts: _Parts, keys: ClientKeys) -> None:
+    """The OpenAI routes: the two proxy routes (declared for the OpenAPI document only: RouterApp serves
+    them, see `routes.RAW_ROUTES`) and GET /v1/models."""
+
     @api.post(
-        COMPLETIONS, tags=["openai"], responses=openai_errors, summary="Create a completion (prefill, then decode)"
+        COMPLETIONS, tags=["openai"], responses=_OPENAI_ERRORS, summary="Create a completion (prefill, then decode)"
     )
     async def completions_doc(body: CompletionRequest) -> Response:  # pragma: no cover - never routed here
         raise StarletteHTTPException(404)
 
-    @api.post(CHAT, tags=["openai"], responses=openai_errors, summary="Create a chat completion (prefill, then decode)")
+    @api.post(
+        CHAT, tags=["openai"], responses=_OPENAI_ERRORS, summary="Create a chat completion (prefill, then decode)"
+    )
     async def chat_doc(body: ChatCompletionRequest) -> Response:  # pragma: no cover - never routed here
         raise StarletteHTTPException(404)
 
@@ -394,10 +422,11 @@ def create_app(
     async def models(request: Request) -> Response:
         """The models with a prefill/decode pair now, each with its instances' own card (vLLM's fields,
         `max_model_len` included); a minimal card when no instance told its own."""
-        check_key(request)
+        if not keys.allows(request.headers.get("authorization")):
+            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
         data = []
-        for m in pool.models(clock()):
-            card = await cards.card(m)
+        for m in parts.pool.models(parts.clock()):
+            card = await parts.cards.card(m)
             data.append(
                 dict(card)
                 if card
@@ -405,43 +434,23 @@ def create_app(
             )
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
+
+def _ops_routes(api: FastAPI, parts: _Parts, discovery: Discovery, admin: AdminCheck) -> None:
+    """GET /health (instance URLs for the admin only) and GET /metrics."""
+
     @api.get("/health", tags=["ops"], responses={503: {"description": "no compatible pair, or no registry"}})
     async def health(request: Request) -> Response:
         peer = request.client.host if request.client is not None else None
         full = admin.holds(request.headers.get("authorization"), peer)
-        status, body = health_body(pool, discovery, clock(), full=full)
+        status, body = health_body(parts.pool, discovery, parts.clock(), full=full)
         return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
     @api.get("/metrics", tags=["ops"], response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus() -> Response:
-        svc = holder.get("svc")
+        svc = parts.holder.get("svc")
         if svc is not None:  # embedded metaserver: its store-wide gauges are read at scrape time
             await svc.metrics.refresh_from_store(svc.store)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    rest: Any = api
-    if embedded:
-        from pdgate.metaserver.api import build_router
-        from pdgate.metaserver.fastpath import FastPath
-
-        assert msettings is not None
-        api.include_router(build_router(lambda: holder["svc"], msettings))
-        if msettings.fast_path:  # the engines' ledger calls skip FastAPI's per-request machinery
-            inner: Any = api
-            rest = FastPath(inner, get_service=lambda: holder["svc"], settings=msettings)
-
-    return RouterApp(
-        api,
-        proxy,
-        passthrough,
-        pool,
-        discovery,
-        metrics,
-        holder,
-        rest,
-        embedded=embedded,
-        max_register_bytes=msettings.max_body_bytes if msettings is not None else 1 << 20,
-    )
+        return Response(parts.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _allowed(api: FastAPI, scope: dict[str, Any]) -> str:

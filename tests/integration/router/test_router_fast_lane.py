@@ -10,6 +10,7 @@ lane leaves to uvicorn).
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import orjson
 import pytest
 from pdgate.router.app import serving_protocol
 from pdgate.router.fastlane import LaneCycle
+from pdgate.router.routes import lane_routes
 
 from tests.integration.router.conftest import HTTP, Deployment, Sim, start_sims
 from tests.support.ports import wait_until
@@ -370,3 +372,24 @@ def test_an_idle_keep_alive_connection_is_not_cut_by_the_header_timeout(pair: tu
         time.sleep(LIMIT_S * 1.5)  # longer than the header timeout, shorter than the keep-alive timeout
         sock.sendall(post("/v1/completions", completion("two")))
         assert reader.answer()[0] == 200
+
+
+def test_every_lane_route_is_a_route_of_the_app_and_answers_as_uvicorn_does(pair: tuple[Router, Router]) -> None:
+    """The lane's routes come from the app's own tables (router/routes.py): each is a route of the app (its
+    FastAPI table declares the proxy routes too), and a request to each, sent to both routers, gets the
+    same answer, the lane's router having served it on the lane."""
+    lane, _ = pair
+    routes = lane_routes(lane.dep.settings.embedded)
+    assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions")} <= set(routes)
+    assert ("PUT", "/v1/handoffs/{transfer_id}/ready") in routes  # the engines' ledger calls, embedded
+    app_routes = {(m, r.path) for r in lane.dep.app.api.routes for m in getattr(r, "methods", None) or ()}
+    assert set(routes) <= app_routes, set(routes) - app_routes
+    for method, template in routes:
+        path = re.sub(r"\{[^}]+\}", "lane-none", template)  # a handoff that does not exist: a typed answer
+        token = KEY if path.startswith(("/v1/completions", "/v1/chat")) else TOKEN
+        before = lane.laned(method, path)
+        raw = post(path, b"{}", headers=f"authorization: Bearer {token}\r\n")
+        status, _, _ = both(pair, method.encode() + raw.removeprefix(b"POST"))[0]
+        # Never "no such route" (405, or a 404 but for the missing handoff): the app serves the route.
+        assert status != 405 and (status != 404 or path != template), (method, path, status)
+        assert lane.laned(method, path) == before + 1, (method, path)
