@@ -24,6 +24,7 @@ from pydantic_settings import (
 )
 
 from pdgate.auth import resolve_secret
+from pdgate.models import MAX_BODY_BYTES
 from pdgate.settings import parse_settings, settings_parser
 from pdgate.urls import IPNetwork, parse_networks
 
@@ -94,7 +95,7 @@ class MetaSettings(BaseSettings):
     events_ttl_s: float = Field(3600.0, gt=0, description="an event feed with no new event for this long is dropped")
     sweep_interval_s: float = Field(0.1, gt=0, le=10, description="how often the sweeper expires lapsed leases")
     max_wait_s: float = Field(60.0, gt=0, description="cap on ?wait= of long-polls")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, description="larger request bodies get 413")
     max_long_polls: int = Field(
         1024, ge=1, description="concurrent long-polls (?wait=) this process holds; more get 429 with Retry-After"
     )

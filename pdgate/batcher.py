@@ -8,6 +8,12 @@ waits for its own outcome; a request carries every item queued when it goes out 
 a lone call goes at once, and calls arriving while the requests are out ride together in the next one,
 so a burst costs a few requests, never one round trip per call after the other.
 
+A request holds at most `max_items` items (the metaserver's `MAX_BATCH_ITEMS`) and at most `max_bytes`
+of body (its default body limit, `pdgate.models.MAX_BODY_BYTES`): READYs carry the transport's
+per-rank descriptors (NIXL agent metadata: about 66 KB for 8 TP ranks), so 24 of them in one request
+passed the limit and all got 413. An item larger than a request may be goes in a request of its own;
+a 413 that still comes (a metaserver configured below the default) is `MetaClient.batch`'s to split.
+
 Each caller still sees exactly what its single call would raise: the item's own typed `MetaError`, or
 the request's (e.g. `MetaUnavailable` for every item of a request that could not be sent), so retry
 rules written against the single calls stay as they are.
@@ -24,13 +30,21 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pdgate.meta_client import MetaError
-from pdgate.models import MAX_BATCH_ITEMS, BatchItem, Handoff
+from pdgate.models import MAX_BATCH_ITEMS, MAX_BODY_BYTES, BatchItem, Handoff
 
 __all__ = ["Batcher", "SendBatch"]
 
 SendBatch = Callable[[Sequence[BatchItem]], Awaitable[list[Handoff | MetaError]]]
 
 _WINDOW = 4096  # latencies kept for percentiles
+_ENVELOPE = 64  # bytes of a batch body beyond its items' own (`{"items":[...]}`, commas), with room to spare
+
+_Entry = tuple[BatchItem, "asyncio.Future[Handoff]", float, int]  # item, its caller, queued at, its bytes
+
+
+def item_bytes(item: BatchItem) -> int:
+    """The bytes `item` adds to a batch body: its JSON as `MetaClient.batch` sends it, plus a comma."""
+    return len(item.model_dump_json(exclude_none=True)) + 1
 
 
 def _copy(exc: MetaError) -> MetaError:
@@ -47,15 +61,17 @@ class Batcher:
         *,
         max_in_flight: int = 2,
         max_items: int = MAX_BATCH_ITEMS,
+        max_bytes: int = MAX_BODY_BYTES,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if max_in_flight < 1 or not 1 <= max_items <= MAX_BATCH_ITEMS:
-            raise ValueError("max_in_flight >= 1 and 1 <= max_items <= MAX_BATCH_ITEMS")
+        if max_in_flight < 1 or not 1 <= max_items <= MAX_BATCH_ITEMS or max_bytes <= _ENVELOPE:
+            raise ValueError("max_in_flight >= 1, 1 <= max_items <= MAX_BATCH_ITEMS and max_bytes > 64")
         self._send = send
         self.max_in_flight = max_in_flight
         self.max_items = max_items
+        self.max_bytes = max_bytes
         self._clock = clock
-        self._queue: deque[tuple[BatchItem, asyncio.Future[Handoff], float]] = deque()
+        self._queue: deque[_Entry] = deque()
         self._scheduled = False
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -78,7 +94,7 @@ class Batcher:
     async def call(self, item: BatchItem) -> Handoff:
         """The record after `item`'s move, or the `MetaError` its single call would raise."""
         fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
-        self._queue.append((item, fut, self._clock()))
+        self._queue.append((item, fut, self._clock(), item_bytes(item)))
         self.depth_max = max(self.depth_max, len(self._queue))
         self._schedule()
         return await fut
@@ -92,11 +108,16 @@ class Batcher:
     def _flush(self) -> None:
         self._scheduled = False
         while self._queue and self._in_flight < self.max_in_flight:
-            batch: list[tuple[BatchItem, asyncio.Future[Handoff], float]] = []
+            batch: list[_Entry] = []
+            room = self.max_bytes - _ENVELOPE  # an item larger than that alone goes alone
             while self._queue and len(batch) < self.max_items:
-                entry = self._queue.popleft()
+                entry = self._queue[0]
+                if batch and entry[3] > room:
+                    break  # the next request takes it
+                self._queue.popleft()
                 if not entry[1].done():  # a caller that gave up (cancelled) is not sent
                     batch.append(entry)
+                    room -= entry[3]
             if not batch:
                 return
             self._in_flight += 1
@@ -104,14 +125,14 @@ class Batcher:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _request(self, batch: list[tuple[BatchItem, asyncio.Future[Handoff], float]]) -> None:
+    async def _request(self, batch: list[_Entry]) -> None:
         sent = self._clock()
         try:
-            outcomes: list[Handoff | MetaError] | MetaError = await self._send([item for item, _, _ in batch])
+            outcomes: list[Handoff | MetaError] | MetaError = await self._send([entry[0] for entry in batch])
         except MetaError as exc:
             outcomes = exc
         except Exception as exc:  # a bug in `send`: every caller hears it rather than waiting forever
-            for _, fut, _ in batch:
+            for _, fut, _, _ in batch:
                 if not fut.done():
                     fut.set_exception(exc)
             raise
@@ -121,7 +142,7 @@ class Batcher:
         now = self._clock()
         self.requests += 1
         self._rtts.append(now - sent)
-        for i, (_, fut, queued) in enumerate(batch):
+        for i, (_, fut, queued, _) in enumerate(batch):
             self.calls += 1
             self._latencies.append(now - queued)
             if fut.done():

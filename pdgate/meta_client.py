@@ -198,13 +198,10 @@ class MetaClient:
     is never cut by the client's own default timeout.
 
     Batches (`batches` > 0): a ledger move (create, READY, claim, DONE, abort) made while no other is out
-    goes as its single route; one made while another is out goes through a `pdgate.batcher.Batcher` with
-    at most `batches` requests out, so the calls of requests in flight ride together (`POST
-    /v1/handoffs/batch`). Why the lone call goes single: for it, the batch's envelope and the batcher's
-    extra loop turn and task cost more router CPU than they save (about +60 us per call at concurrency 1,
-    measured). Each caller still gets its own record or the typed `MetaError` its single call would raise,
-    so retry rules written against the single calls hold. Measured: docs/COMPARISON.md ("Ledger calls in
-    batches").
+    goes as its single route (for it the batch's envelope and extra loop turn cost more than they save:
+    +60 us per call at concurrency 1); one made while another is out rides in a `pdgate.batcher.Batcher`
+    (at most `batches` requests out). Each caller still gets the record or the typed `MetaError` its single
+    call would raise. Measured: docs/COMPARISON.md ("Ledger calls in batches").
     """
 
     def __init__(
@@ -385,13 +382,17 @@ class MetaClient:
         """Many ledger calls in one request (`POST /v1/handoffs/batch`): per item, in order, the record or
         the typed error its single call would have raised. A failure of the request itself (unreachable,
         refused envelope) raises. A metaserver without the batch route (404/405) gets the calls one by one,
-        concurrently, so a newer client works against an older server."""
+        concurrently, so a newer client works against an older server. A body the metaserver found too
+        large (413) is never the items' fate: the batch is split in halves, each sent again, and an item
+        refused alone goes as its single call (which answers that item's own outcome)."""
         if not items:
             return []
         body = BatchBody(items=list(items))
         try:
             data = await self._call("POST", "/v1/handoffs/batch", body=body)
         except MetaError as exc:
+            if exc.status == 413:
+                return await self._split(items)
             if exc.status not in (404, 405):
                 raise
             self.batch_route = False
@@ -409,6 +410,14 @@ class MetaClient:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise _undecodable("POST", "/v1/handoffs/batch", exc) from exc
         return out
+
+    async def _split(self, items: Sequence[BatchItem]) -> list[Handoff | MetaError]:
+        """A batch refused as too large (413), sent again as two halves (one item: its single call)."""
+        if len(items) == 1:
+            return [await self._single(items[0])]
+        half = len(items) // 2
+        first, second = await asyncio.gather(self.batch(items[:half]), self.batch(items[half:]))
+        return first + second
 
     async def _single(self, item: BatchItem) -> Handoff | MetaError:
         try:
@@ -444,8 +453,7 @@ class MetaClient:
 
 
 def _undecodable(method: str, path: str, exc: Exception) -> MetaUnavailable:
-    """A 2xx answer the client cannot read (not JSON, not the contract's shape): a metaserver that does not
-    speak this contract is as good as none, and the caller's rules for an unreachable one apply."""
+    """A 2xx answer it cannot read: a metaserver not speaking this contract is as good as none."""
     return MetaUnavailable(f"metaserver {method} {path} answered what this client cannot read: {exc!r:.200}")
 
 

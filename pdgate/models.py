@@ -22,6 +22,7 @@ from pdgate.urls import check_engine_url
 __all__ = [
     "CONTRACT_VERSION",
     "MAX_BATCH_ITEMS",
+    "MAX_BODY_BYTES",
     "TERMINAL_STATES",
     "AbortBody",
     "BatchAbort",
@@ -378,6 +379,9 @@ class Problem(BaseModel):
 # Each item is one of the single routes' bodies plus its `op` and `transfer_id`, answered on its own.
 
 MAX_BATCH_ITEMS = 512
+# The metaserver's default request-body limit (`MetaSettings.max_body_bytes`, 413 above it). Here, in the
+# contract, so that a client sizing its batches (`pdgate.batcher`) reads the same number the server enforces.
+MAX_BODY_BYTES = 1 << 20
 
 
 class BatchCreate(HandoffCreate):
