@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -32,6 +32,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.support.servers import UvicornThread
+
+if TYPE_CHECKING:
+    from tests.unit.connector_vllm.engine_support import Engine
 
 BLOCK_SIZE = 32
 NUM_KV_HEADS = 2
@@ -153,3 +156,23 @@ def metaserver() -> Iterator[UvicornThread]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def engines(
+    model_dir: Path, metaserver: UvicornThread, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill and a decode engine (`engine_support.Engine`) on the real metaserver."""
+    from tests.unit.connector_vllm.engine_support import TOKEN, Engine
+
+    # The admin token is what the router's claim is sealed with (pdgate.claim_seal); this
+    # metaserver has none configured and takes any caller on loopback. An indirect parameter adds
+    # connector settings for the decode.
+    decode_extra: dict[str, Any] = getattr(request, "param", {})
+    p = Engine(model_dir, metaserver.url, "kv_producer", tmp_path, metaserver_token=TOKEN)
+    d = Engine(model_dir, metaserver.url, "kv_consumer", tmp_path, metaserver_token=TOKEN, **decode_extra)
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()

@@ -75,6 +75,21 @@ def d_params(tid: str = "t-1", num_tokens: int | None = None, **extra: Any) -> d
     return p
 
 
+def early_params(tid: str = "t-1", location: Any = None, **extra: Any) -> dict[str, Any]:
+    """A decode's params carrying the prefill's READY record (`remote_location`), for the early pull;
+    `location`: another record (or a raw dict) than the one `handoff(tid, [7, 8], num_tokens=40)` holds."""
+    loc = location if location is not None else handoff(tid, [7, 8], num_tokens=40).location
+    dumped = loc.model_dump(mode="json", exclude_none=True) if isinstance(loc, KVLocation) else loc
+    return d_params(tid, num_tokens=40, kv_key=9, remote_location=dumped, **extra)
+
+
+def router_params(
+    tid: str = "t-1", claimed_by: str = "node-a", deadline: float = 1000.0, location: Any = None
+) -> dict[str, Any]:
+    """`early_params` with the router's sealed claim for `claimed_by`."""
+    return router_claimed(early_params(tid, location), claimed_by, deadline)
+
+
 def p_params(tid: str = "t-1", kv_key: int | None = 5) -> dict[str, Any]:
     p: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
     if kv_key is not None:

@@ -1,4 +1,7 @@
-"""The scheduler half's decode side (`scheduler_decode.py`), driven with vLLM's own Request and KV blocks.
+"""The scheduler half's decode side (`scheduler_decode.py`), driven with vLLM's own Request and KV blocks:
+how many tokens a decode loads, its claim and pull, the early pull, and its failures. The router's claim
+and the synchronous load are in `test_scheduler_router_claim.py`, siblings (n > 1) in
+`test_scheduler_siblings.py`.
 
 No I/O: commands are read from `take_commands()` and the control thread's answers are fed back as the
 result messages it would produce. `now` is passed explicitly, so leases and deadlines need no sleeping.
@@ -6,7 +9,6 @@ result messages it would produce. `now` is passed explicitly, so leases and dead
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,11 +25,16 @@ from pdgate.connector.metadata import PullOutcome, RecvDone
 from pdgate.connector.scheduler import SchedulerHalf, idle_step
 from vllm.v1.request import RequestStatus
 
-from pdgate.contract import with_claim
 from pdgate.errors import Code
-from pdgate.models import KVLocation
 from tests.unit.connector_vllm.conftest import make_blocks, make_request
-from tests.unit.connector_vllm.scheduler_support import d_params, finish, half, handoff, p_params, router_claimed
+from tests.unit.connector_vllm.scheduler_support import (
+    d_params,
+    early_params,
+    finish,
+    half,
+    handoff,
+    p_params,
+)
 
 # ---- decode: how many tokens -------------------------------------------------------------------
 
@@ -177,15 +184,9 @@ def test_decode_needs_every_worker_before_confirming() -> None:
 # ---- decode: the early pull (from the params' location, while the claim is in flight) ------------
 
 
-def _early_params(tid: str = "t-1", location: Any = None, **extra: Any) -> dict[str, Any]:
-    loc = location if location is not None else handoff(tid, [7, 8], num_tokens=40).location
-    dumped = loc.model_dump(mode="json", exclude_none=True) if isinstance(loc, KVLocation) else loc
-    return d_params(tid, num_tokens=40, kv_key=9, remote_location=dumped, **extra)
-
-
 def test_early_pull_starts_before_the_claim_and_reports_once_claimed() -> None:
     h = half()
-    req = make_request("d1", 40, _early_params())
+    req = make_request("d1", 40, early_params())
     h.update_state_after_alloc(req, make_blocks([1, 2]), 40, now=0.0)
     assert h.take_commands() == [Claim("t-1")]
     (plan,) = h.build([], now=0.0).pulls
@@ -203,7 +204,7 @@ def test_early_pull_starts_before_the_claim_and_reports_once_claimed() -> None:
 
 def test_early_pull_claimed_before_it_finished_reports_when_it_does() -> None:
     h = half()
-    h.update_state_after_alloc(make_request("d1", 40, _early_params()), make_blocks([1, 2]), 40, now=0.0)
+    h.update_state_after_alloc(make_request("d1", 40, early_params()), make_blocks([1, 2]), 40, now=0.0)
     h.take_commands()
     assert len(h.build([], now=0.0).pulls) == 1
     h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.01)
@@ -213,342 +214,12 @@ def test_early_pull_claimed_before_it_finished_reports_when_it_does() -> None:
     assert h.take_commands() == [Done("t-1")]
 
 
-# ---- decode: the router's claim (no claim round trip, the workers report the pull themselves) ------
-
-
-def _router_claimed(
-    tid: str = "t-1", claimed_by: str = "node-a", deadline: float = 1000.0, location: Any = None
-) -> dict[str, Any]:
-    return router_claimed(_early_params(tid, location), claimed_by, deadline)
-
-
-def test_a_claim_the_router_made_for_this_instance_skips_the_claim_round_trip() -> None:
-    h = half()
-    h.update_state_after_alloc(make_request("d1", 40, _router_claimed()), make_blocks([1, 2]), 40, now=0.0)
-    assert h.take_commands() == []  # no Claim: the pull starts at allocation
-    (plan,) = h.build([], now=0.0).pulls
-    assert plan.trusted_until == 995.0 and plan.local_block_ids == (1, 2)
-    # The worker reported the request itself in the step the pull ended: DONE goes out, off the path,
-    # and the scheduler half sends no RecvDone of its own (it would be a second report).
-    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2, reported=True)], now=0.01)
-    assert h.take_commands() == [Done("t-1")]
-    assert h.build([], now=0.01).recv_done == ()
-    c = h.counters
-    assert (c["recv_ok"], c["claims_by_router"], c["tokens_loaded"]) == (1, 1, 40)
-    assert h.snapshot()["claim_ms"] == {"n": 1, "p50": 0.0, "p99": 0.0, "max": 0.0}
-
-
-# ---- decode: the synchronous load of an idle engine (decode_load.py) --------------------------------------
-
-
-def test_the_only_request_under_the_routers_claim_loads_synchronously_and_done_follows_its_token() -> None:
-    h = half()
-    req = make_request("d1", 40, _router_claimed())
-    h.on_new_request(req)
-    # All but the last prompt token, not async: vLLM computes that one in the allocation step.
-    assert h.get_num_new_matched_tokens(req, 0) == (39, False)
-    # vLLM caches a synchronous load's blocks at allocation: every block carries a hash already.
-    h.update_state_after_alloc(req, make_blocks([1, 2], cached=2), 39, now=0.0)
-    assert h.take_commands() == []
-    (plan,) = h.build([], now=0.0).pulls
-    assert (plan.sync, plan.local_block_ids, plan.remote_block_ids, plan.trusted_until) == (True, (1, 2), (7, 8), 995.0)
-    # The outcome comes with the first token's step; DONE waits a few ms, off that token's way out.
-    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2, reported=True, waited_s=0.001)], now=0.01)
-    assert h.take_commands() == []
-    assert h.build([], now=0.011).recv_done == () and h.take_commands() == []
-    assert h.build([], now=0.02).recv_done == ()  # vLLM expects no report of a synchronous load
-    assert h.take_commands() == [Done("t-1")]
-    c = h.counters
-    assert (c["recv_sync"], c["recv_ok"], c["claims_by_router"], c["tokens_loaded"]) == (1, 1, 1, 39)
-
-
-@pytest.mark.parametrize(
-    ("prompt", "covered", "local_hit", "expected"), [(41, 40, 0, 40), (33, 32, 0, 32), (65, 64, 32, 32)]
-)
-def test_a_prompt_ending_with_the_prefills_first_token_loads_all_the_prefill_covered_synchronously(
-    prompt: int, covered: int, local_hit: int, expected: int
-) -> None:
-    """The router sent the prefill's first token on (`router/first_token.py`): the decode's prompt is the
-    prefill's plus that token, so the prefill covers all but the last prompt token, which vLLM computes."""
-    h = half()
-    req = make_request("d1", prompt, {**_router_claimed(), "remote_num_tokens": covered})
-    h.on_new_request(req)
-    assert h.get_num_new_matched_tokens(req, local_hit) == (expected, False)
-    # Busy, the same prompt loads asynchronously, and vLLM computes the last token after the load.
-    busy = half()
-    busy.on_new_request(make_request("other", 8, None))
-    busy.on_new_request(req)
-    assert busy.get_num_new_matched_tokens(req, local_hit) == (expected, True)
-
-
-def test_a_synchronous_load_whose_request_ends_at_once_still_sends_done() -> None:
-    """max_tokens=1: the step that pulled was the request's last, and no later step may come."""
-    h = half()
-    req = make_request("d1", 40, _router_claimed())
-    h.on_new_request(req)
-    assert h.get_num_new_matched_tokens(req, 0) == (39, False)
-    h.update_state_after_alloc(req, make_blocks([1, 2], cached=2), 39, now=0.0)
-    h.build([], now=0.0)
-    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2, reported=True)], now=0.01)
-    finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-    assert h.request_finished(req, [1, 2], now=0.0101) == (False, None)
-    assert h.take_commands() == [Done("t-1")]
-
-
-@pytest.mark.parametrize(
-    ("why", "params", "others", "over"),
-    [
-        ("another request is live", _router_claimed(), 1, {}),
-        ("no claim from the router", _early_params(), 0, {}),
-        ("a claim for another decode", _router_claimed(claimed_by="node-b"), 0, {}),
-        ("siblings share the handoff", with_claim(_router_claimed(), None, siblings=2), 0, {}),
-        ("switched off", _router_claimed(), 0, {"sync_load_when_idle": False}),
-    ],
-)
-def test_a_load_stays_asynchronous(why: str, params: dict[str, Any], others: int, over: dict[str, Any]) -> None:
-    h = half(**over)
-    for i in range(others):
-        h.on_new_request(make_request(f"other-{i}", 8, None))
-    req = make_request("d1", 40, params)
-    h.on_new_request(req)
-    assert h.get_num_new_matched_tokens(req, 0) == (40, True), why
-
-
-def test_a_synchronous_load_that_cannot_be_planned_fails_in_its_step() -> None:
-    """The plan fails at allocation (here: fewer blocks recorded than the prompt needs): vLLM computes the
-    request in this very step, so its blocks go out as load errors now, with no finished-receiving report."""
-    h = half()
-    req = make_request("d1", 40, _router_claimed(location=handoff("t-1", [7], num_tokens=40).location))
-    h.on_new_request(req)
-    assert h.get_num_new_matched_tokens(req, 0) == (39, False)
-    h.update_state_after_alloc(req, make_blocks([1, 2], cached=2), 39, now=0.0)
-    step = h.build([], now=0.0)
-    assert step.pulls == () and step.recv_done == (RecvDone("d1", False, (1, 2), sync=True),)
-    assert Abort in {type(c) for c in h.take_commands()}
-
-
-def test_a_router_claimed_pull_past_its_bound_is_confirmed_by_done_first() -> None:
-    h = half(world_size=2, tp_size=2)
-    params = router_claimed(_early_params(location=handoff("t-1", [7, 8], num_tokens=40, tp_size=2).location))
-    h.update_state_after_alloc(make_request("d1", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    assert h.take_commands() == []
-    h.build([], now=0.0)
-    # Rank 0 finished in time and reported itself; rank 1 finished past the bound.
-    h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2, reported=True)], now=0.1)
-    h.on_worker_output([PullOutcome("d1", "t-1", 1, True, nblocks=2)], now=6.0)
-    assert h.take_commands() == [Done("t-1")]
-    assert h.build([], now=6.0).recv_done == ()
-    h.on_result(DoneResult("t-1", True), now=6.1)
-    assert h.build([], now=6.1).recv_done == (RecvDone("d1", True, ranks=frozenset({1})),)
-
-
-def test_a_failed_pull_under_the_routers_claim_aborts_without_a_second_report() -> None:
-    h = half()
-    h.update_state_after_alloc(make_request("d1", 40, _router_claimed()), make_blocks([1, 2]), 40, now=0.0)
-    h.build([], now=0.0)
-    h.on_worker_output([PullOutcome("d1", "t-1", 0, False, Code.TRANSPORT_ERROR, "boom", reported=True)], now=0.1)
-    assert h.build([], now=0.1).recv_done == ()  # the worker reported it, with its blocks as load errors
-    (abort,) = h.take_commands()
-    assert isinstance(abort, Abort) and abort.transfer_id == "t-1"
-    assert h.counters["recv_failed"] == 1
-
-
-def test_a_claim_made_for_another_instance_is_not_trusted() -> None:
-    h = half()
-    h.update_state_after_alloc(
-        make_request("d1", 40, _router_claimed(claimed_by="node-b")), make_blocks([1, 2]), 40, now=0.0
-    )
-    assert h.take_commands() == [Claim("t-1")]
-    (plan,) = h.build([], now=0.0).pulls
-    assert plan.trusted_until is None
-    assert h.counters["claims_untrusted"] == 0  # not a claim for us: nothing suspicious about it
-
-
-@pytest.mark.parametrize(
-    "forge",
-    [
-        lambda p: {**p, "claim_seal": None},  # a client wrote the claim itself
-        lambda p: {**p, "remote_location": {**p["remote_location"], "block_ids": [3, 4]}},  # other blocks
-        lambda p: {**p, "claim_deadline": 5000.0},  # a longer claim than the ledger granted
-        lambda p: router_claimed(_early_params(), token="another-token"),  # a router under another token
-    ],
-)
-def test_a_claim_the_router_did_not_seal_for_this_request_is_not_trusted(
-    forge: Callable[[dict[str, Any]], dict[str, Any]],
-) -> None:
-    """What a client reaching vLLM directly could send: a claim for this decode pointing anywhere. The
-    decode claims through the ledger instead, which decides where the KV is (a location that differs from
-    the hint fails the load, `test_early_pull_from_a_location_the_ledger_contradicts_fails`)."""
-    h = half()
-    h.update_state_after_alloc(make_request("d1", 40, forge(_router_claimed())), make_blocks([1, 2]), 40, now=0.0)
-    assert h.take_commands() == [Claim("t-1")]
-    assert all(plan.trusted_until is None for plan in h.build([], now=0.0).pulls)
-    assert (h.counters["claims_by_router"], h.counters["claims_untrusted"]) == (0, 1)
-
-
-def test_a_router_claim_without_a_usable_location_claims_through_the_ledger() -> None:
-    h = half()
-    params = router_claimed(d_params("t-1", num_tokens=40, kv_key=9))
-    h.update_state_after_alloc(make_request("d1", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    assert h.take_commands() == [Claim("t-1")]  # renews the router's claim for us, and says where the KV is
-
-
-def test_a_refused_done_is_counted() -> None:
-    h = half()
-    h.on_result(DoneResult("t-9", True, Code.ILLEGAL_TRANSITION, "cannot move a READY handoff to DONE"), now=0.0)
-    assert h.counters["done_refused"] == 1
-
-
-def test_a_done_after_the_handoff_ended_is_counted_apart() -> None:
-    h = half()
-    h.on_result(DoneResult("t-9", False, Code.HANDOFF_TERMINAL, "handoff is ABORTED"), now=0.0)
-    assert (h.counters["done_refused"], h.counters["done_after_end"]) == (0, 1)
-
-
-# ---- decode: siblings (vLLM's n > 1: one handoff, several decode requests) -----------------------
-
-
-def test_siblings_under_the_routers_claim_each_pull_and_done_waits_for_the_last() -> None:
-    h = half()
-    params = _router_claimed() | {"siblings": 2}
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.0)
-    assert h.take_commands() == []
-    plans = h.build([], now=0.0).pulls
-    assert [(p.req_id, p.remote_block_ids, p.local_block_ids) for p in plans] == [
-        ("0_d", (7, 8), (1, 2)),
-        ("1_d", (7, 8), (3, 4)),
-    ]
-    h.on_worker_output([PullOutcome("0_d", "t-1", 0, True, nblocks=2, reported=True)], now=0.1)
-    assert h.take_commands() == []  # the prefill must hold its blocks until the other sibling read them
-    h.on_worker_output([PullOutcome("1_d", "t-1", 0, True, nblocks=2, reported=True)], now=0.2)
-    assert h.take_commands() == [Done("t-1")]
-    assert h.counters["recv_ok"] == 2 and h.snapshot()["receiving"] == 0
-
-
-def test_siblings_share_one_ledger_claim() -> None:
-    h = half()
-    params = d_params("t-1", num_tokens=40, siblings=2)
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.0)
-    assert h.take_commands() == [Claim("t-1")]  # one claim for both
-    h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.1)
-    plans = h.build([], now=0.1).pulls
-    assert sorted(p.local_block_ids for p in plans) == [(1, 2), (3, 4)]
-    h.on_worker_output([PullOutcome("0_d", "t-1", 0, True, nblocks=2)], now=0.2)
-    assert h.build([], now=0.2).recv_done == (RecvDone("0_d", True),)
-    assert h.take_commands() == []
-    h.on_worker_output([PullOutcome("1_d", "t-1", 0, True, nblocks=2)], now=0.3)
-    assert h.build([], now=0.3).recv_done == (RecvDone("1_d", True),)
-    assert h.take_commands() == [Done("t-1")]
-
-
-def test_a_sibling_joining_after_the_claim_pulls_where_it_says() -> None:
-    h = half()
-    params = d_params("t-1", num_tokens=40, siblings=2)
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.1)
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.2)
-    assert h.take_commands() == [Claim("t-1")]
-    assert [p.local_block_ids for p in h.build([], now=0.2).pulls] == [(1, 2), (3, 4)]
-
-
-def test_a_failed_sibling_does_not_abort_the_one_that_pulled() -> None:
-    h = half()
-    params = _router_claimed() | {"siblings": 2}
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.0)
-    h.build([], now=0.0)
-    h.on_worker_output([PullOutcome("0_d", "t-1", 0, False, Code.TRANSPORT_ERROR, "boom", reported=True)], now=0.1)
-    assert h.take_commands() == []
-    h.on_worker_output([PullOutcome("1_d", "t-1", 0, True, nblocks=2, reported=True)], now=0.2)
-    assert h.take_commands() == [Done("t-1")]
-    assert (h.counters["recv_ok"], h.counters["recv_failed"]) == (1, 1)
-
-
-def test_siblings_that_all_fail_abort_once() -> None:
-    h = half()
-    params = _router_claimed() | {"siblings": 2}
-    for i in range(2):
-        h.update_state_after_alloc(make_request(f"{i}_d", 40, params), make_blocks([1 + 2 * i, 2 + 2 * i]), 40, now=0.0)
-    h.build([], now=0.0)
-    for i in range(2):
-        h.on_worker_output([PullOutcome(f"{i}_d", "t-1", 0, False, Code.TRANSPORT_ERROR, "x", reported=True)], now=0.1)
-    (abort,) = h.take_commands()
-    assert isinstance(abort, Abort) and abort.transfer_id == "t-1"
-
-
-def test_a_sibling_that_ends_unscheduled_does_not_free_the_others_kv() -> None:
-    h = half()
-    params = _router_claimed() | {"siblings": 2}
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    h.build([], now=0.0)
-    assert h.request_finished(make_request("1_d", 40, params), [], now=0.05) == (False, None)  # never scheduled
-    assert h.take_commands() == []
-    h.on_worker_output([PullOutcome("0_d", "t-1", 0, True, nblocks=2, reported=True)], now=0.1)
-    assert h.take_commands() == [Done("t-1")]
-
-
-def test_a_sibling_that_reads_nothing_does_not_abort_the_handoff_another_one_reads() -> None:
-    h = half()
-    params = _router_claimed() | {"siblings": 2}
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4], cached=2), 0, now=0.0)
-    assert h.take_commands() == []  # the other sibling still reads the prefill's blocks
-    h.build([], now=0.0)
-    h.on_worker_output([PullOutcome("0_d", "t-1", 0, True, nblocks=2, reported=True)], now=0.1)
-    assert h.take_commands() == [Done("t-1")]  # the share completes: the prefill frees
-    assert (h.counters["recv_ok"], h.counters["recv_released"]) == (1, 1)
-
-
-def test_a_sibling_that_reads_nothing_first_leaves_the_claim_to_the_one_that_loads() -> None:
-    h = half()
-    params = d_params("t-1", num_tokens=40, siblings=2)
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2], cached=2), 0, now=0.0)
-    assert h.take_commands() == []
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.0)
-    assert h.take_commands() == [Claim("t-1")]
-    h.on_result(Claimed("t-1", handoff("t-1", [7, 8], num_tokens=40)), now=0.1)
-    (plan,) = h.build([], now=0.1).pulls
-    h.on_worker_output([PullOutcome(plan.req_id, "t-1", 0, True, nblocks=2)], now=0.2)
-    assert h.build([], now=0.2).recv_done == (RecvDone("1_d", True),)
-    assert h.take_commands() == [Done("t-1")]
-
-
-def test_siblings_that_all_read_nothing_release_the_prefill_once() -> None:
-    h = half()
-    params = d_params("t-1", num_tokens=40, siblings=2)
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2], cached=2), 0, now=0.0)
-    assert h.take_commands() == []
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4], cached=2), 0, now=0.0)
-    (abort,) = h.take_commands()
-    assert isinstance(abort, Abort) and abort.transfer_id == "t-1" and "local prefix cache" in abort.reason
-
-
-def test_a_sibling_that_ends_before_the_others_are_scheduled_waits_for_them() -> None:
-    h = half()
-    params = d_params("t-1", num_tokens=40, siblings=2)
-    assert h.request_finished(make_request("0_d", 40, params), [], now=0.0) == (False, None)
-    assert h.take_commands() == []  # its sibling has yet to read the prefill's blocks
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.0)
-    assert h.take_commands() == [Claim("t-1")]
-
-
-def test_without_a_count_a_sibling_joins_while_the_others_load_and_a_late_one_fails() -> None:
-    h = half()
-    params = _router_claimed()
-    h.update_state_after_alloc(make_request("0_d", 40, params), make_blocks([1, 2]), 40, now=0.0)
-    h.update_state_after_alloc(make_request("1_d", 40, params), make_blocks([3, 4]), 40, now=0.0)
-    h.build([], now=0.0)
-    h.on_worker_output([PullOutcome("0_d", "t-1", 0, True, nblocks=2, reported=True)], now=0.1)
-    assert h.take_commands() == []  # the joined sibling still reads
-    h.on_worker_output([PullOutcome("1_d", "t-1", 0, True, nblocks=2, reported=True)], now=0.2)
-    assert h.take_commands() == [Done("t-1")]
+# ---- decode: the early pull, checked against the claim -------------------------------------------
 
 
 def test_early_pull_from_a_location_the_ledger_contradicts_fails() -> None:
     h = half()
-    h.update_state_after_alloc(make_request("d1", 40, _early_params()), make_blocks([1, 2]), 40, now=0.0)
+    h.update_state_after_alloc(make_request("d1", 40, early_params()), make_blocks([1, 2]), 40, now=0.0)
     h.take_commands()
     h.build([], now=0.0)
     h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.01)
@@ -561,7 +232,7 @@ def test_early_pull_from_a_location_the_ledger_contradicts_fails() -> None:
 
 def test_early_pull_whose_claim_fails_is_a_load_error() -> None:
     h = half()
-    h.update_state_after_alloc(make_request("d1", 40, _early_params()), make_blocks([1, 2]), 40, now=0.0)
+    h.update_state_after_alloc(make_request("d1", 40, early_params()), make_blocks([1, 2]), 40, now=0.0)
     h.take_commands()
     h.build([], now=0.0)
     h.on_worker_output([PullOutcome("d1", "t-1", 0, True, nblocks=2)], now=0.01)
@@ -574,8 +245,8 @@ def test_early_pull_whose_claim_fails_is_a_load_error() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        _early_params(location={"block_ids": "nope"}),  # unreadable: ignored
-        _early_params(location=handoff("t-1", [7, 8], num_tokens=40, block_size=16).location),  # unusable
+        early_params(location={"block_ids": "nope"}),  # unreadable: ignored
+        early_params(location=handoff("t-1", [7, 8], num_tokens=40, block_size=16).location),  # unusable
         d_params("t-1", num_tokens=40, remote_location=handoff("t-1", [7], num_tokens=40).location.model_dump()),
     ],
     ids=["unreadable", "incompatible", "no-kv-key"],
