@@ -1,9 +1,6 @@
 """The decode side under the router's claim (`scheduler_decode.py`, module doc): no claim round trip, the
 workers report the pull themselves, and the synchronous load of an idle engine (`decode_load.py`); driven
-with vLLM's own Request and KV blocks.
-
-No I/O: commands are read from `take_commands()` and the control thread's answers are fed back as the
-result messages it would produce. `now` is passed explicitly, so leases and deadlines need no sleeping.
+with vLLM's own Request and KV blocks, without I/O, as `test_scheduler_decode.py` says.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The decode side's siblings (vLLM's n > 1: one handoff, several decode requests; `siblings.py`): one
-claim, one end after the last sibling settled; driven with vLLM's own Request and KV blocks.
-
-No I/O: commands are read from `take_commands()` and the control thread's answers are fed back as the
-result messages it would produce. `now` is passed explicitly, so leases and deadlines need no sleeping.
+claim, one end after the last sibling settled; driven without I/O, as `test_scheduler_decode.py` says.
 """
 
 from __future__ import annotations
