@@ -10,6 +10,13 @@ Every state change goes through `_move`, the one place that calls `on_transition
 
 `forgive` closes a breaker that opened because of a shared dependency rather than the instance (the
 pool calls it when the ledger turns out to have been down: see `Pool.ledger_outage`).
+
+A burst counts once: while closed, a failure counts only if its request was dispatched after the last
+failure that counted (`on_dispatch` numbers the requests; `record_failure` gets the number back).
+Why: requests in flight together and failing together (one client's fan-out of hundreds of prompts,
+whose connect timeouts came from the router's own queueing) are one signal, not hundreds; before, one
+such request opened the prefill's breaker and every other client got "unavailable". A dead engine still
+opens it: each request sent after a counted failure fails too. A failure without a number counts.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ class CircuitBreaker:
         self._successes = 0
         self._opened_at = 0.0
         self._probing = False
+        self._sent = 0  # requests dispatched (`on_dispatch` numbers them)
+        self._burst = 0  # requests numbered up to this were in flight when the last failure counted
 
     @property
     def closed(self) -> bool:
@@ -77,10 +86,13 @@ class CircuitBreaker:
             return True
         return st is BreakerState.HALF_OPEN and not self._probing
 
-    def on_dispatch(self, now: float) -> None:
-        """A request was sent: in half-open it is the probe, and no other passes until it ends."""
+    def on_dispatch(self, now: float) -> int:
+        """A request was sent: in half-open it is the probe, and no other passes until it ends. Returns
+        its number, for `record_failure`."""
+        self._sent += 1
         if self._state is not _CLOSED and self.state(now) is BreakerState.HALF_OPEN:
             self._probing = True
+        return self._sent
 
     def record_success(self, now: float) -> None:
         if self._state is _CLOSED:
@@ -95,12 +107,16 @@ class CircuitBreaker:
         elif st is BreakerState.CLOSED:
             self._failures = 0
 
-    def record_failure(self, now: float) -> None:
+    def record_failure(self, now: float, dispatched: int | None = None) -> None:
+        """A request failed; `dispatched` is its number from `on_dispatch` (see the module doc)."""
         st = self.state(now)
         if st is BreakerState.HALF_OPEN:
             self._probing = False
             self._open(now)
         elif st is BreakerState.CLOSED:
+            if dispatched is not None and dispatched <= self._burst:
+                return  # in flight with the last failure that counted: the same burst
+            self._burst = self._sent
             self._failures += 1
             if self._failures >= self.config.failures:
                 self._open(now)

@@ -12,6 +12,14 @@ prompt's decode has answered 200 (an error before that is sent as the error answ
 then the prompts' events are relayed as they come, each re-indexed and given the one id; each prompt's
 final usage event is held and one summed usage event ends the stream, then a single `[DONE]`. An error
 event from one prompt's stream is relayed, the other prompts are cancelled, and the stream ends.
+
+Admission (`admit`) counts what a request costs the engines, not that it is one request: prompts x n
+(vLLM runs n sequences per prompt). A request over `--max-fan-out` (or over `--max-inflight`, which it
+could never fit) is refused with 400 `pd_unsupported_parameter` before any engine work; one that would
+take the router past `--max-inflight` gets 429 `pd_overloaded`. Why: 256 prompts x n=128 was accepted
+with 200 while the router's in-flight gauge read 1 and the prefill had 253 requests in flight; the
+connect timeouts it caused opened the prefill's breaker, and every other client got "unavailable".
+Everything but the prompt is encoded once for all the prompts (`bodies.SplicedBody.fan_out`).
 """
 
 from __future__ import annotations
@@ -23,16 +31,35 @@ from typing import Any
 
 import orjson
 from pdgate.router.answers import split_events
-from pdgate.router.errors import DecodeFailed, RouterError
+from pdgate.router.errors import DecodeFailed, Overloaded, RouterError, UnsupportedByPD
 from pdgate.router.request_flow import ProxiedRequest
 from pdgate.router.streaming import send_body, send_error
 
 from pdgate.asgi import Message, Send
 
-__all__ = ["ServeOne", "fan_out", "merge_answers", "merge_usage"]
+__all__ = ["ServeOne", "admit", "fan_out", "merge_answers", "merge_usage"]
 
 ServeOne = Callable[[ProxiedRequest, Send], Awaitable[str]]
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def admit(body: dict[str, Any], parts: Sequence[Any] | None, others: int, max_inflight: int, max_fan_out: int) -> int:
+    """The engine requests one client request asks for (prompts x n), if it may start while `others`
+    are in flight; else the typed refusal (see the module doc). Validation checked `n`'s type."""
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    prompts = len(parts) if parts else 1
+    weight = prompts * n
+    cap = min(max_fan_out, max_inflight)
+    if weight > cap:
+        raise UnsupportedByPD(
+            f"this request asks for {prompts} prompt(s) x n={n} = {weight} engine requests; the router serves "
+            f"at most {cap} per request (--max-fan-out): send fewer prompts or a smaller n",
+            param="n" if n > 1 else "prompt",
+        )
+    if others + weight > max_inflight:
+        raise Overloaded(f"{others} engine requests in flight; {weight} more would pass the limit of {max_inflight}")
+    return weight
 
 
 def merge_usage(usages: Sequence[Any]) -> dict[str, Any] | None:

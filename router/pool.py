@@ -265,10 +265,10 @@ class Pool:
         """Count one request against `inst` until the returned `Lease` is exited (use it as `with`)."""
         inst.requests += 1
         inst.tokens += tokens
-        inst.breaker.on_dispatch(clock())
+        seq = inst.breaker.on_dispatch(clock())
         if self._on_inflight is not None:
             self._on_inflight(inst)
-        return Lease(self, inst, tokens, clock)
+        return Lease(self, inst, tokens, clock, seq)
 
     def _release(self, inst: LiveInstance, tokens: int) -> None:
         if inst.requests > 0:
@@ -336,10 +336,13 @@ class Lease:
     client's own 4xx...) leaves the breaker alone.
     """
 
-    __slots__ = ("_clock", "_pool", "instance", "ok", "tokens")
+    __slots__ = ("_clock", "_pool", "_seq", "instance", "ok", "tokens")
 
-    def __init__(self, pool: Pool, instance: LiveInstance, tokens: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, pool: Pool, instance: LiveInstance, tokens: int, clock: Callable[[], float], seq: int | None = None
+    ) -> None:
         self._pool = pool
+        self._seq = seq  # the breaker's number for this request: failures of one burst count once
         self.instance = instance
         self.tokens = tokens
         self._clock = clock
@@ -362,4 +365,4 @@ class Lease:
         if self.ok is True:
             inst.breaker.record_success(self._clock())
         elif self.ok is False and not self._pool.ledger_down:
-            inst.breaker.record_failure(self._clock())
+            inst.breaker.record_failure(self._clock(), self._seq)

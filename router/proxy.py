@@ -51,7 +51,7 @@ from pdgate.router.errors import (
     Unauthorized,
     UpstreamRejected,
 )
-from pdgate.router.fanout import fan_out
+from pdgate.router.fanout import admit, fan_out
 from pdgate.router.first_token import FirstToken, decode_body, eligible, first_event, read
 from pdgate.router.loops import HOP_HEADER, LoopDetected
 from pdgate.router.metrics import RouterMetrics
@@ -118,6 +118,7 @@ class Proxy:
         self._client_keys = ClientKeys(s.api_key)
         self._forward_auth = s.forward_client_auth
         self._max_inflight = s.max_inflight
+        self._max_fan_out = s.max_fan_out
         self._max_body = s.max_body_bytes
         self._prefix_chars = s.prefix_chars
         self._first_token = s.first_token_from_prefill
@@ -188,7 +189,7 @@ class Proxy:
                 with contextlib.suppress(Exception):  # the client may be gone, or the answer already ended
                     await end_stream(send, err, req.end)
         finally:
-            self.inflight -= 1
+            self.inflight -= req.weight
             req.finished = True
             watch.stop()
             if req.live is not None:
@@ -225,9 +226,11 @@ class Proxy:
             if limit is not None:
                 check_context(body, req.endpoint, limit)
             parts = split_prompts(body) if req.endpoint == COMPLETIONS else None
+            req.weight = admit(body, parts, self.inflight - 1, self._max_inflight, self._max_fan_out)
         except RouterError as exc:
             await self._reply_error(send, req, exc)
             return exc.code.value
+        self.inflight += req.weight - 1  # counted as one at the entry; it holds prompts x n engine requests
         req.overhead_s = perf_counter() - start  # the rest of the time is waiting for engines
         if self._tracing is None:
             return await self._pd(req, model, send, parts)
@@ -247,11 +250,13 @@ class Proxy:
                 req.first_token = eligible(req.body, completions=req.endpoint == COMPLETIONS, max_model_len=req.limit)
             return await self._one(req, model, send)
         children = []
+        spliced = SplicedBody.fan_out(req.body, req.body["prompt"])  # what the prompts share, encoded once
         for i, part in enumerate(parts):
             child = ProxiedRequest(
                 req.endpoint, mint_transfer_id(), req.rid + f".{i}".encode(), req.client_auth, req.extra
             )
             child.body = part
+            child.spliced = spliced[i]
             child.facts = request_facts(part, req.endpoint, self._prefix_chars)
             child.overhead_s = req.overhead_s
             children.append(child)

@@ -64,6 +64,7 @@ class ProxiedRequest:
         "spliced",
         "started",
         "tid",
+        "weight",
     )
 
     def __init__(
@@ -93,6 +94,7 @@ class ProxiedRequest:
         self.disconnected = False
         self.finished = False
         self.started = False
+        self.weight = 1  # engine requests it counts against --max-inflight (prompts x n, `fanout.admit`)
 
     def end(self) -> None:
         """Called right before the last body message: a disconnect after this is not a cancellation."""

@@ -136,6 +136,12 @@ class RouterSettings(BaseSettings):
         "set (off: client credentials never leave the router)",
     )
     max_inflight: int = Field(4096, ge=1, description="requests in flight beyond which clients get 429")
+    max_fan_out: int = Field(
+        1024,
+        ge=1,
+        description="most engine requests one client request may cause (prompts x n; each counts against "
+        "--max-inflight); a request asking more gets 400 pd_unsupported_parameter before any engine work",
+    )
     max_body_bytes: int = Field(32 << 20, ge=1024, description="larger request bodies get 413")
     header_timeout_s: float = Field(
         30.0, gt=0, description="a connection whose request headers are not complete within this is closed"
