@@ -30,7 +30,7 @@ import httpx
 from pdgate.deploy.local.procs import ManagedProcess, ProcessFailed, free_port, port_is_free, stop_all, wait_http
 from pdgate.deploy.local.tiny_model import MODEL_NAME, is_built
 from pdgate.deploy.local.vllm_env import VllmEnv, ensure_vllm_env, repo_root
-from pdgate.deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec, write_logging_config
+from pdgate.deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec, start_engine, write_logging_config
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
@@ -55,11 +55,27 @@ class StackError(RuntimeError):
     """The stack could not be started; the message says which part failed and where its log is."""
 
 
-def _cpus() -> list[int]:
+def host_cpus() -> list[int]:
+    """The CPUs this process may run on, in order: what engines are pinned to, one each."""
     try:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return list(range(os.cpu_count() or 1))
+
+
+def wait_healthy(
+    engines: Sequence[InstanceHandle], timeout_s: float, log: Log, others: Sequence[ManagedProcess]
+) -> None:
+    """Until each engine answers GET /health; fail fast, naming the process, when any of `others` exits."""
+    for e in engines:
+        waited = wait_http(e.proc, e.url + "/health", timeout_s=timeout_s, others=list(others))
+        log(f"{e.instance_id}: healthy after {waited:.0f} s")
+
+
+def wait_router_ready(router: ManagedProcess, url: str, log: Log, others: Sequence[ManagedProcess]) -> None:
+    """Until the router at `url` reports a compatible prefill/decode pair (its /health answers 200)."""
+    waited = wait_http(router, url + "/health", timeout_s=60, what="ready (a compatible pair)", others=list(others))
+    log(f"router: ready on {url} after {waited:.1f} s")
 
 
 def ensure_model(model_dir: Path, env: VllmEnv, log: Log = print) -> Path:
@@ -280,7 +296,7 @@ class LocalStack:
     # -- pieces -----------------------------------------------------------------------------
 
     def _next_cpu(self) -> str:
-        cpus = _cpus()
+        cpus = host_cpus()
         if max(self.config.n_prefill + self.config.n_decode, self._cpu_cursor + 1) > len(cpus):
             # More engines than cores: two engines pinned to one core starve each other. Measured on a
             # 2-core host (1P2D, docs/NIXL.md): while the prefill held KV it stepped without pause and its
@@ -337,13 +353,7 @@ class LocalStack:
             ),
         )
         flags = cfg.flags()
-        proc = ManagedProcess(
-            instance_id,
-            spec.argv(self.env.python, flags),
-            log_path=log_path,
-            env=self.engine_env(spec, flags),
-            cwd=repo_root(),
-        ).start()
+        proc = start_engine(spec, self.env.python, flags, self.run_dir, env=self.engine_env(spec, flags))
         self.log(f"{instance_id}: starting vLLM on {spec.url}, cpu {spec.cpu} (log {proc.log_path})")
         handle = InstanceHandle(role=role, instance_id=instance_id, spec=spec, proc=proc)
         self.instances.append(handle)
@@ -354,9 +364,7 @@ class LocalStack:
         others = [h.proc for h in handles]
         if self.router is not None:
             others.append(self.router)
-        for h in handles:
-            waited = wait_http(h.proc, h.url + "/health", timeout_s=self.config.startup_timeout_s, others=others)
-            self.log(f"{h.instance_id}: healthy after {waited:.0f} s")
+        wait_healthy(handles, self.config.startup_timeout_s, self.log, others)
         for h in handles:
             wait_http(
                 h.proc,
@@ -371,11 +379,7 @@ class LocalStack:
     def wait_router_ready(self) -> None:
         """Until the router reports a compatible pair: also how a caller re-checks a stack it kept running."""
         assert self.router is not None
-        others = [i.proc for i in self.instances]
-        waited = wait_http(
-            self.router, self.url + "/health", timeout_s=60, what="ready (a compatible pair)", others=others
-        )
-        self.log(f"router: ready after {waited:.1f} s")
+        wait_router_ready(self.router, self.url, self.log, [i.proc for i in self.instances])
 
 
 def router_args(cfg: StackConfig) -> list[str]:
@@ -450,13 +454,7 @@ class SingleInstance:
         env = ensure_vllm_env(self.venv, install=self.install, log=self.log)
         ensure_model(self.model_dir, env, self.log)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = ManagedProcess(
-            "single",
-            self.spec.argv(env.python, self.flags),
-            log_path=self.run_dir / "single.log",
-            env=self.spec.env(repo_root(), self.flags, write_logging_config(self.run_dir / "vllm-logging.json")),
-            cwd=repo_root(),
-        ).start()
+        self.proc = start_engine(self.spec, env.python, self.flags, self.run_dir)
         self.log(f"single: starting vLLM on {self.url} (log {self.proc.log_path})")
         return self
 
@@ -489,4 +487,13 @@ def http_get_json(url: str, timeout: float = 5.0) -> Any:
         return resp.json()
 
 
-__all__ += ["ProcessFailed", "http_get_json", "kv_transfer_config", "router_args"]
+__all__ += [
+    "ProcessFailed",
+    "host_cpus",
+    "http_get_json",
+    "kv_transfer_config",
+    "router_args",
+    "start_engine",
+    "wait_healthy",
+    "wait_router_ready",
+]

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdgate.deploy.local.procs import ManagedProcess
 from pdgate.deploy.local.tiny_model import MODEL_NAME
+from pdgate.deploy.local.vllm_env import repo_root
 
-__all__ = ["ServeFlags", "VllmInstanceSpec", "vllm_base_env", "write_logging_config"]
+__all__ = ["ServeFlags", "VllmInstanceSpec", "start_engine", "vllm_base_env", "write_logging_config"]
 
 # vLLM configures only its own "vllm" logger, so the connector's INFO lines (registration, one line per
 # KV transfer with its claim/pull/confirm times) would go nowhere. This is vLLM's default logging
@@ -147,3 +149,21 @@ class VllmInstanceSpec:
         env = vllm_base_env(repo, kv_cache_gib=flags.kv_cache_gib, cpu=self.cpu, logging_config=logging_config)
         env.update(self.extra_env)
         return env
+
+
+def start_engine(
+    spec: VllmInstanceSpec,
+    python: Path,
+    flags: ServeFlags,
+    run_dir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    wrap: Sequence[str] = (),
+) -> ManagedProcess:
+    """Start one vLLM engine (`spec.name`), logging to run_dir/<name>.log, with vLLM's environment and
+    logging config unless `env` is given; `wrap` goes in front of its argv (e.g. taskset)."""
+    if env is None:
+        env = spec.env(repo_root(), flags, write_logging_config(run_dir / "vllm-logging.json"))
+    argv = [*wrap, *spec.argv(python, flags)]
+    log_path = run_dir / f"{spec.name}.log"
+    return ManagedProcess(spec.name, argv, log_path=log_path, env=dict(env), cwd=repo_root()).start()

@@ -25,10 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdgate.deploy.local.procs import ManagedProcess, free_port, stop_all, wait_http
-from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR, ensure_model
+from pdgate.deploy.local.procs import ManagedProcess, free_port, stop_all
+from pdgate.deploy.local.stack import (
+    DEFAULT_MODEL_DIR,
+    InstanceHandle,
+    ensure_model,
+    host_cpus,
+    start_engine,
+    wait_healthy,
+    wait_router_ready,
+)
 from pdgate.deploy.local.vllm_env import ensure_vllm_env, repo_root
-from pdgate.deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec, write_logging_config
+from pdgate.deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec
 
 Log = Callable[[str], None]
 
@@ -56,10 +64,6 @@ def nixl_kv_config(role: str) -> dict[str, Any]:
     """vLLM's documented NixlConnector config: producer on the prefill, consumer on the decode
     (vLLM 0.32 deprecates `kv_both` for NixlConnector)."""
     return {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"}
-
-
-def _cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
 
 
 def _descendants(pid: int) -> list[int]:
@@ -124,21 +128,10 @@ def describe_pinning(rows: Sequence[dict[str, Any]]) -> str:
 
 
 @dataclass
-class Engine:
-    """One stock vLLM engine of the pair."""
+class Engine(InstanceHandle):
+    """One stock vLLM engine of the pair: a LocalStack engine (url, log) with its NIXL side channel."""
 
-    role: str
-    spec: VllmInstanceSpec
-    proc: ManagedProcess
-    side_channel_port: int
-
-    @property
-    def url(self) -> str:
-        return self.spec.url
-
-    @property
-    def log_path(self) -> Path:
-        return self.proc.log_path
+    side_channel_port: int = 0
 
 
 class NixlPair:
@@ -194,13 +187,10 @@ class NixlPair:
             env = ensure_vllm_env(self.venv, install=self.install, log=self.log)
             ensure_model(self.model_dir, env, self.log)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            cpus = _cpus()
+            cpus = host_cpus()
             for i, role in enumerate(("prefill", "decode")):
                 self.engines.append(self._launch(env.python, role, str(cpus[i % len(cpus)])))
-            procs = [e.proc for e in self.engines]
-            for e in self.engines:
-                waited = wait_http(e.proc, e.url + "/health", timeout_s=self.startup_timeout_s, others=procs)
-                self.log(f"nixl {e.role}: healthy after {waited:.0f} s")
+            wait_healthy(self.engines, self.startup_timeout_s, self.log, [e.proc for e in self.engines])
             if self.tuning.engine_nice is not None:
                 for e in self.engines:
                     self._renice_engine(e)
@@ -234,15 +224,10 @@ class NixlPair:
             # kv_transfer_params (remote_host/remote_port), so the decode needs no setting of its own.
             extra_env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)},
         )
-        argv = spec.argv(python, self.flags)
-        if self.tuning.taskset:
-            argv = ["taskset", "-c", cpu, *argv]
-        env = spec.env(repo_root(), self.flags, write_logging_config(self.run_dir / "vllm-logging.json"))
-        proc = ManagedProcess(
-            f"nixl-{role}", argv, log_path=self.run_dir / f"nixl-{role}.log", env=env, cwd=repo_root()
-        ).start()
+        wrap = ["taskset", "-c", cpu] if self.tuning.taskset else []
+        proc = start_engine(spec, python, self.flags, self.run_dir, wrap=wrap)
         self.log(f"nixl {role}: starting vLLM with NixlConnector on {spec.url}, cpu {cpu}, {self.tuning.name}")
-        return Engine(role=role, spec=spec, proc=proc, side_channel_port=side)
+        return Engine(role=role, instance_id=spec.name, spec=spec, proc=proc, side_channel_port=side)
 
     def _renice_engine(self, e: Engine) -> None:
         """Every thread of the engine core (scheduler, NIXL's handshake and notification threads) and of
@@ -267,11 +252,4 @@ class NixlPair:
         self.router = ManagedProcess(
             "nixl-router", argv, log_path=self.run_dir / "nixl-router.log", env=env, cwd=repo_root()
         ).start()
-        waited = wait_http(
-            self.router,
-            self.url + "/health",
-            timeout_s=60,
-            what="ready (a compatible pair)",
-            others=[e.proc for e in self.engines],
-        )
-        self.log(f"nixl router: ready on {self.url} after {waited:.1f} s")
+        wait_router_ready(self.router, self.url, self.log, [e.proc for e in self.engines])

@@ -21,12 +21,12 @@ def _placements(tmp_path: Path, *, n_prefill: int, n_decode: int, launches: int)
 
 
 def test_more_engines_than_cores_pins_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stack_mod, "_cpus", lambda: [0, 1])
+    monkeypatch.setattr(stack_mod, "host_cpus", lambda: [0, 1])
     assert _placements(tmp_path, n_prefill=1, n_decode=2, launches=3) == ["nobind"] * 3
 
 
 def test_one_core_per_engine_when_there_are_enough(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stack_mod, "_cpus", lambda: [2, 5])
+    monkeypatch.setattr(stack_mod, "host_cpus", lambda: [2, 5])
     # 1P1D on two cores: each engine its own core. A third engine added later (add_instance) would share
     # a core with a pinned one, so it is left unpinned.
     assert _placements(tmp_path, n_prefill=1, n_decode=1, launches=3) == ["2", "5", "nobind"]
