@@ -39,6 +39,9 @@ from pdgate.router.errors import (
     NoCompatiblePair,
     PrefillFailed,
     UpstreamRejected,
+    Where,
+    detail,
+    failed,
     snippet,
     translate,
 )
@@ -151,7 +154,8 @@ class Dispatcher:
             return p
 
         def none_left() -> PDGateError:
-            return NoCompatiblePair(self._pool.explain(model, self._clock()))
+            now = self._clock()
+            return NoCompatiblePair(self._pool.explain(model, now, public=True), detail=self._pool.explain(model, now))
 
         await retry_elsewhere(
             "prefill", self._p_tries, pick, lambda p: self._prefill_once(req, p), none_left, self._pause
@@ -184,7 +188,7 @@ class Dispatcher:
         self._m.handoff.observe(perf_counter() - t)
 
     async def _prefill_once(self, req: ProxiedRequest, p: LiveInstance) -> None:
-        where = f"prefill {p.id}"
+        where = Where(*p.where("prefill"))
         if req.spliced is None:  # once per request: retries and the decode splice onto the same encoding
             req.spliced = SplicedBody(req.body)
         payload = req.spliced.prefill(prefill_params(req.tid, req.kv_key, self._engine_meta), token_ids=req.first_token)
@@ -209,8 +213,7 @@ class Dispatcher:
                         self._take_answer(req, data)
                     except Exception as exc:  # the prefill's answer cannot be decoded from: its failure
                         lease.failed()
-                        detail = exc.message if isinstance(exc, PDGateError) else f"{type(exc).__name__}: {exc}"
-                        raise PrefillFailed(f"{where}: {detail}") from exc
+                        raise failed(PrefillFailed, where, *_unusable(exc)) from exc
                     lease.succeeded()
                     req.prefill = p
                     return
@@ -219,7 +222,7 @@ class Dispatcher:
                     req.abort_reason = "prefill_rejected"
                     raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
                 lease.failed()
-                raise PrefillFailed(f"{where} answered {resp.status}: {snippet(data)}")
+                raise failed(PrefillFailed, where, f"answered {resp.status}", snippet(data))
         except PDGateError as exc:
             if exc.retryable:  # this attempt's handoff dies with it; a retry creates its own
                 self.abort(req, "prefill_failed")
@@ -264,8 +267,13 @@ class Dispatcher:
             return cands[self._d_policy.choose(cands, req.facts, self._rng) or 0]
 
         def none_left() -> PDGateError:
-            why = self._pool.explain(prefill.view.model or "?", self._clock())
-            return NoCompatiblePair(f"no available decode can take the KV of {prefill.id}: {why}")
+            model, now = prefill.view.model or "?", self._clock()
+            public, internal = prefill.where("prefill")
+            why = self._pool.explain(model, now, public=True)
+            return NoCompatiblePair(
+                f"no available decode can take the KV of {public}: {why}",
+                detail=f"no available decode can take the KV of {internal}: {self._pool.explain(model, now)}",
+            )
 
         failures: list[PDGateError] = []
 
@@ -283,7 +291,10 @@ class Dispatcher:
                 raise
             # The decode that failed first had claimed the KV: the retry could only find it gone. The
             # client is told what went wrong, not what the retry found.
-            raise DecodeFailed(f"{failures[0].message}; a retry found the KV gone") from exc
+            first = failures[0]
+            raise DecodeFailed(
+                f"{first.message}; a retry found the KV gone", detail=f"{detail(first)}; a retry found the KV gone"
+            ) from exc
 
     async def _claim_for(self, req: ProxiedRequest, d: LiveInstance) -> RouterClaim | None:
         """Claim the handoff for decode `d`; None when it cannot be done now (the decode claims itself) or
@@ -313,7 +324,9 @@ class Dispatcher:
         except ClaimRefused as exc:
             if exc.code is Code.HANDOFF_TERMINAL:
                 req.abort_reason = "kv_expired"
-                raise KVExpired(f"the KV of transfer {req.tid} is gone before decode {d.id} could claim it") from exc
+                raise KVExpired(
+                    f"the KV of transfer {req.tid} is gone before decode {d.public} could claim it"
+                ) from exc
             log.warning("handoff %s: claim for %s refused (%s); the decode claims", req.tid, d.id, exc)
             return None
         if h.deadline is None:
@@ -339,7 +352,7 @@ class Dispatcher:
         return claim.sealed(self._claim_key, transfer_id=req.tid, location=location)
 
     async def _decode_once(self, req: ProxiedRequest, d: LiveInstance, send: Send) -> str:
-        where = f"decode {d.id}"
+        where = Where(*d.where("decode"))
         facts = req.facts
         claim = await self._claim_for(req, d)
         n = req.body.get("n")
@@ -373,12 +386,14 @@ class Dispatcher:
                     elif facts.stream:
                         if not is_sse(resp.header(b"content-type")):
                             ctype = (resp.header(b"content-type") or b"no content-type").decode("latin-1")
-                            raise DecodeFailed(f"{where} answered a stream request with {ctype!r}, not SSE")
+                            raise failed(
+                                DecodeFailed, where, "answered a stream request with a body that is not SSE", ctype
+                            )
                         data = await resp.next_chunk(self._d_timeout)
                         if data is None:
-                            raise DecodeFailed(f"{where} answered 200 with an empty stream")
+                            raise failed(DecodeFailed, where, "answered 200 with an empty stream")
                         if b'"error"' in data and (found := engine_error(data)) is not None and found[0] == 0:
-                            raise DecodeFailed(f"{where} failed the request before its first token: {found[1]}")
+                            raise failed(DecodeFailed, where, "failed the request before its first token", found[1])
                         self._m.decode_ttft.observe(perf_counter() - t)
                     else:
                         self._m.decode_ttft.observe(perf_counter() - t)
@@ -397,7 +412,7 @@ class Dispatcher:
                             lease.failed()
                             req.abort_reason = "decode_stream_broke"
                             self._m.error(error.code.value)
-                            log.warning("%s after the stream started: %s", error.code.value, error.message)
+                            log.warning("%s after the stream started: %s", error.code.value, detail(error))
                             return error.code.value
                         lease.succeeded()
                         req.live = None
@@ -411,13 +426,13 @@ class Dispatcher:
                 if resp.status == 410:
                     lease.succeeded()
                     req.abort_reason = "kv_expired"
-                    raise KVExpired(f"the KV of transfer {req.tid} expired before {where} could claim it")
+                    raise KVExpired(f"the KV of transfer {req.tid} expired before {where.public} could claim it")
                 if v == Verdict.REJECTED:
                     lease.succeeded()
                     req.abort_reason = "decode_rejected"
                     raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
                 lease.failed()
-                raise DecodeFailed(f"{where} answered {resp.status}: {snippet(data)}")
+                raise failed(DecodeFailed, where, f"answered {resp.status}", snippet(data))
             finally:
                 if resp is not None:
                     resp.close()
@@ -448,17 +463,31 @@ class Dispatcher:
             await asyncio.wait(list(self._bg), timeout=timeout)
 
 
-def _check_json_answer(data: bytes, where: str) -> None:
+def _check_json_answer(data: bytes, where: Where) -> None:
     """A 200 JSON answer must be a whole JSON object: an empty or cut body is the decode's failure, and
     the client must never get it as a 200."""
     if not data:
-        raise DecodeFailed(f"{where} answered 200 with an empty body")
+        raise failed(DecodeFailed, where, "answered 200 with an empty body")
     try:
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise DecodeFailed(f"{where} answered 200 with a body that is not JSON ({exc})") from exc
+        raise failed(DecodeFailed, where, "answered 200 with a body that is not JSON", str(exc)) from exc
     if not isinstance(parsed, dict):
-        raise DecodeFailed(f"{where} answered 200 with JSON that is not an object")
+        raise failed(DecodeFailed, where, "answered 200 with JSON that is not an object")
+
+
+def _unusable(exc: Exception) -> tuple[str, str]:
+    """(what the client reads, what the log adds) about a prefill answer the router cannot use: the
+    router's own sentence, the field a parse refused, never the value the engine sent."""
+    if isinstance(exc, first_token.BadFirstToken):
+        return f"answered a first token the router refuses: {exc}", ""
+    if isinstance(exc, InvalidTransferParams):
+        field = exc.context.get("field")
+        what = f"kv_transfer_params.{field} is invalid" if isinstance(field, str) else "kv_transfer_params are invalid"
+        return f"answered with {what}", exc.message
+    if isinstance(exc, PrefillFailed):  # `bodies.kv_params_from_prefill`: the router's own words
+        return exc.message.removeprefix("prefill "), ""
+    return "answered with something the router cannot use", f"{type(exc).__name__}: {exc}"
 
 
 def _same_location(hint: object, ledger: KVLocation | None) -> bool:

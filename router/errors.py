@@ -29,13 +29,19 @@ param}}`) with the code also in the `X-PDGate-Error` header. Once an SSE stream 
 an event whose JSON has an "error" key, and clients that read until [DONE] still terminate.
 
 The boundary tables live here too: `UPSTREAM_FAILURES` (what an exception while talking to an engine
-becomes, per side) and `META_FAILURES` (what a `MetaClient` error becomes), both applied by `translate`.
+becomes, per side) and `META_FAILURES` (what a `MetaClient` error becomes), both applied by `translate`,
+the router's one translation of a foreign failure.
+
+What a client reads about an engine's failure names the role and an opaque name (`Where.public`,
+`pool.Pool.public_name`), never the instance id (which defaults to the engine's address) nor the
+engine's own words: those are the error's `detail` (`failed`, `detail`), which the log and the admin
+read. An engine's 4xx is the exception: it is the client's own error, relayed as the engine wrote it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, NamedTuple
 
 import orjson
 
@@ -67,8 +73,11 @@ __all__ = [
     "UnsupportedByPD",
     "UpstreamRejected",
     "UpstreamTimeout",
+    "Where",
+    "detail",
     "error_body",
     "error_headers",
+    "failed",
     "snippet",
     "sse_error",
     "translate",
@@ -222,20 +231,48 @@ UPSTREAM_FAILURES: Mapping[Side, Mapping[type[BaseException], type[RouterError]]
 META_FAILURES: Mapping[type[BaseException], type[RouterError]] = {MetaError: MetaserverUnavailable}
 
 
-def translate(exc: BaseException, table: Mapping[type[BaseException], type[RouterError]], where: str) -> RouterError:
-    """The router error `table` names for `exc`, its message prefixed with `where` (who failed).
+class Where(NamedTuple):
+    """Who failed: `public` as a client reads it (a role and an opaque name), `internal` as the log and
+    the admin read it (the instance id too). `pool.LiveInstance.where` makes one."""
 
-    Unlike `pdgate.errors.map_exceptions` this also maps other packages' `PDGateError`s (a `MetaError`
-    is one), because a boundary decides what a foreign failure means to its own caller.
+    public: str
+    internal: str
+
+
+def failed(cls: type[RouterError], where: Where, what: str, engine_said: str = "") -> RouterError:
+    """`cls` telling the client that `where` `what` (a sentence of the router's own); the detail for the
+    log adds the instance id and `engine_said` (the engine's own words, which a client never reads)."""
+    internal = f"{where.internal} {what}" + (f": {engine_said}" if engine_said else "")
+    return cls(f"{where.public} {what}", detail=internal)
+
+
+def detail(err: PDGateError) -> str:
+    """What the log says about `err`: its detail (instance ids, an engine's words) or else its message."""
+    found = err.context.get("detail")
+    return found if isinstance(found, str) else err.message
+
+
+def translate(
+    exc: BaseException, table: Mapping[type[BaseException], type[RouterError]], where: str | Where
+) -> RouterError:
+    """The router error `table` names for `exc`, its message prefixed with `where` (who failed). With a
+    `Where` (an engine failed) the client reads the exception's type only and the detail holds its words
+    (they may name the engine's address); with a plain string the message carries them.
+
+    It also maps other packages' `PDGateError`s (a `MetaError` is one), because a boundary decides what
+    a foreign failure means to its own caller; a `RouterError` is already the router's and passes.
     """
     if isinstance(exc, RouterError):
         return exc
     for from_type, to_type in table.items():
         if isinstance(exc, from_type):
-            detail = str(exc)
+            said = str(exc)
             if not type(exc).__module__.startswith("pdgate."):  # not one of ours: name its type
-                detail = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
-            err = to_type(f"{where}: {detail}")
+                said = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+            if isinstance(where, Where):
+                err = to_type(f"{where.public}: {type(exc).__name__}", detail=f"{where.internal}: {said}")
+            else:
+                err = to_type(f"{where}: {said}")
             err.__cause__ = exc
             return err
     raise exc

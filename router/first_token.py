@@ -40,7 +40,7 @@ event, whose prompt ids end with the first token, has them taken out (`answers.P
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -134,7 +134,7 @@ class BadFirstToken(ValueError):
     prefill's failure (retried on another prefill), never a token the client gets."""
 
 
-def _ids(value: Any) -> bool:
+def _ids(value: Any) -> TypeGuard[list[int]]:
     return type(value) is list and all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in value)
 
 

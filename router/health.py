@@ -5,10 +5,12 @@ while no compatible pair is available, and also while the metaserver (or its sto
 because every request then fails at the handoff step even though the last registry snapshot still
 lists healthy instances.
 
-Who sees what: instance URLs (and the detailed reason of a failed registry read, which may hold the
-metaserver's address) are shown only to a caller holding the admin right (`access.AdminCheck`), since
-an engine's address lets a caller bypass the router's keys. Everyone else gets the same verdict, the
-same per-instance availability by id, and reasons that never name an address.
+Who sees what: instance URLs and ids (an id defaults to `<host>-<port>`), and the detailed reason of a
+failed registry read, which may hold the metaserver's address, are shown only to a caller holding the
+admin right (`access.AdminCheck`), since an engine's address lets a caller bypass the router's keys.
+Everyone else gets the same verdict, the same per-instance availability under each instance's opaque
+name (`Pool.public_name`, the name client errors use; the admin's rows pair it with the id as
+`public_id`), and reasons that never name an address.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ def health_body(pool: Pool, discovery: Discovery, now: float, *, full: bool) -> 
     elif not served:
         known = pool.known_models()
         reason = (
-            "; ".join(pool.explain(m, now) for m in known) if known else "no prefill or decode instance is registered"
+            "; ".join(pool.explain(m, now, public=not full) for m in known)
+            if known
+            else "no prefill or decode instance is registered"
         )
     instances = []
     for inst in pool.instances.values():
         row: dict[str, Any] = {
-            "id": inst.id,
+            "id": inst.id if full else inst.public,
             "role": inst.view.role.value,
             "model": inst.view.model,
             "dp_rank": inst.view.dp_rank,
@@ -46,6 +50,7 @@ def health_body(pool: Pool, discovery: Discovery, now: float, *, full: bool) -> 
             "breaker": inst.breaker.state(now).value,
         }
         if full:
+            row["public_id"] = inst.public
             row["url"] = inst.view.url
         instances.append(row)
     ok = bool(served) and registry is None

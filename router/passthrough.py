@@ -130,7 +130,7 @@ class Passthrough:
         failures: list[str] = []
         for inst in self._instances(model)[:_TRIES]:
             url = inst.view.url
-            tried.append(inst.id)
+            tried.append(inst.public)  # what the client reads: opaque names (`Pool.public_name`)
             try:
                 resp = await self._upstream().request(method, url + target, headers, body, timeout=self._timeout)
                 try:
@@ -139,7 +139,7 @@ class Passthrough:
                     resp.close()
             except Exception as exc:
                 log.warning("%s %s on %s failed: %r", method, path, inst.id, exc)
-                failures.append(f"{inst.id}: {type(exc).__name__}")
+                failures.append(f"{inst.public}: {type(exc).__name__}")
                 continue
             if resp.status == 404:  # this instance does not serve the route; another one may
                 continue

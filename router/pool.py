@@ -39,7 +39,11 @@ checks both against each other under random changes).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace as replace_view
 from types import TracebackType
 
 from pdgate.router.breaker import BreakerConfig, BreakerState, CircuitBreaker
@@ -54,10 +58,11 @@ __all__ = ["Lease", "LiveInstance", "Pool"]
 class LiveInstance:
     """The router's live record of one instance (one DP rank): load, breaker, health."""
 
-    __slots__ = ("breaker", "compat", "health_reason", "healthy", "id", "requests", "tokens", "view")
+    __slots__ = ("breaker", "compat", "health_reason", "healthy", "id", "public", "requests", "tokens", "view")
 
-    def __init__(self, view: InstanceView, breaker: CircuitBreaker) -> None:
+    def __init__(self, view: InstanceView, breaker: CircuitBreaker, public: str = "") -> None:
         self.id = view.id
+        self.public = public or view.id  # what a client may read for this instance (`Pool.public_name`)
         self.view = view
         self.requests = 0
         self.tokens = 0
@@ -69,6 +74,11 @@ class LiveInstance:
     @property
     def reported(self) -> int:
         return self.view.reported
+
+    def where(self, side: str) -> tuple[str, str]:
+        """This instance serving `side`, as a client reads it (the opaque name) and as the log and the
+        admin read it (the instance id too): the `where` of `errors.Where`."""
+        return f"{side} {self.public}", f"{side} {self.id} ({self.public})"
 
     def unavailable(self, now: float) -> str | None:
         """Why this instance takes no new work now, or None."""
@@ -108,6 +118,14 @@ class Pool:
         # The clock-free candidate lists (see the module docstring); None: test instance by instance.
         self._fast_p: dict[str, list[LiveInstance] | None] = {}
         self._fast_d: dict[int, list[LiveInstance] | None] = {}
+        self._public_key = os.urandom(16)  # names instances to clients (`public_name`), per process
+
+    def public_name(self, instance_id: str) -> str:
+        """The opaque name a client reads for an instance: `#` and a keyed hash of its id. Instance ids
+        default to `<host>-<port>`, and an engine's address lets a caller bypass the router's keys, so
+        client-facing errors and the open `/health` never show one (SECURITY.md); the admin `/health`
+        and the log pair each id with this name. Stable for the router process's life."""
+        return "#" + hmac.new(self._public_key, instance_id.encode(), hashlib.sha256).hexdigest()[:10]
 
     # -- refresh ----------------------------------------------------------------------------
 
@@ -118,7 +136,9 @@ class Pool:
         for v in views:
             inst = self.instances.get(v.id)
             if inst is None:
-                inst = LiveInstance(v, CircuitBreaker(self._breaker_cfg, self._transition_cb(v.id)))
+                inst = LiveInstance(
+                    v, CircuitBreaker(self._breaker_cfg, self._transition_cb(v.id)), self.public_name(v.id)
+                )
             else:
                 inst.view = v
             instances[v.id] = inst
@@ -249,9 +269,14 @@ class Pool:
     def known_models(self) -> list[str]:
         return sorted(set(self.prefills) | set(self.decodes))
 
-    def explain(self, model: str, now: float) -> str:
-        views = [inst.view for inst in self.instances.values()]
-        down = [(inst.view, why) for inst in self.instances.values() if (why := inst.unavailable(now)) is not None]
+    def explain(self, model: str, now: float, *, public: bool = False) -> str:
+        """Why no pair serves `model` now; `public`: naming each instance by role and opaque name, as a
+        client may read it (the error's message, the open `/health`), else by id (the log, the admin)."""
+        if public:
+            views = [replace_view(i.view, id=f"{_role(i.view)} {i.public}") for i in self.instances.values()]
+        else:
+            views = [inst.view for inst in self.instances.values()]
+        down = [(views[n], why) for n, inst in enumerate(self.instances.values()) if (why := inst.unavailable(now))]
         return explain(
             model,
             [v for v in views if v.role.can_prefill() and not v.draining],
@@ -366,3 +391,7 @@ class Lease:
             inst.breaker.record_success(self._clock())
         elif self.ok is False and not self._pool.ledger_down:
             inst.breaker.record_failure(self._clock(), self._seq)
+
+
+def _role(view: InstanceView) -> str:
+    return "instance" if view.role is Role.BOTH else view.role.value

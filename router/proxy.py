@@ -50,6 +50,7 @@ from pdgate.router.errors import (
     RouterError,
     Unauthorized,
     UpstreamRejected,
+    detail,
 )
 from pdgate.router.fanout import admit, fan_out
 from pdgate.router.first_token import FirstToken, decode_body, eligible, first_event, read
@@ -209,7 +210,7 @@ class Proxy:
         if not isinstance(err, UpstreamRejected):
             self._m.error(err.code.value)
             level = logging.WARNING if isinstance(err, PDError) else logging.INFO
-            log.log(level, "%s: %s", err.code.value, err.message)
+            log.log(level, "%s: %s", err.code.value, detail(err))
         await send_error(send, err, [(b"x-request-id", req.rid)], req.end)
 
     # -- the flow -----------------------------------------------------------------------------
@@ -302,7 +303,7 @@ class Proxy:
                 await self._reply_error(send, req, exc)
             else:  # the prefill's first token went out: the stream ends with the error instead
                 self._m.error(exc.code.value)
-                log.warning("%s after the first token: %s", exc.code.value, exc.message)
+                log.warning("%s after the first token: %s", exc.code.value, detail(exc))
                 await end_stream(client, exc, req.end)
             return exc.code.value
 

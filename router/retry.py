@@ -81,6 +81,7 @@ async def retry_elsewhere(
             if not exc.retryable:
                 raise
             last = exc
-            log.warning("%s %s failed (attempt %d/%d): %s", side, inst.id, n + 1, tries, exc.message)
+            found = exc.context.get("detail")  # `errors.detail`: the log reads the engine's words too
+            log.warning("%s %s failed (attempt %d/%d): %s", side, inst.id, n + 1, tries, found or exc.message)
     assert last is not None
     raise last

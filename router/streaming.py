@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import orjson
-from pdgate.router.errors import UPSTREAM_FAILURES, DecodeFailed, RouterError, sse_error, translate
+from pdgate.router.errors import UPSTREAM_FAILURES, DecodeFailed, RouterError, Where, failed, sse_error, translate
 
 from pdgate.asgi import Send
 from pdgate.upstream import UpstreamResponse
@@ -73,12 +73,12 @@ async def relay_stream(
     headers: Sequence[tuple[bytes, bytes]],
     idle_timeout: float,
     before_end: Callable[[], None],
-    where: str,
+    where: Where,
 ) -> RouterError | None:
     """Relay a 200 SSE answer whose first body bytes (`first`) were already read.
 
     Returns None when the stream ended as it should, else the error that was sent as the last event.
-    `where` names the decode in that error.
+    `where` names the decode in that error; what the engine said goes to its detail (the log), not to the client.
     """
     await send({"type": "http.response.start", "status": resp.status, "headers": headers})
     tail = b""
@@ -89,7 +89,7 @@ async def relay_stream(
             at, message = found
             if at:
                 await send({"type": "http.response.body", "body": chunk[:at], "more_body": True})
-            error = DecodeFailed(f"{where}: the engine failed the request mid-stream: {message}")
+            error = failed(DecodeFailed, where, "failed the request mid-stream", message)
             break
         tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
         if tail.rstrip().endswith(b"[DONE]"):
@@ -101,10 +101,14 @@ async def relay_stream(
         try:
             chunk = await resp.next_chunk(idle_timeout)
         except Exception as exc:  # whatever the decode's connection did, it is the decode's failure
-            error = translate(exc, UPSTREAM_FAILURES["decode"], f"{where}: stream broke")
+            error = translate(
+                exc,
+                UPSTREAM_FAILURES["decode"],
+                Where(f"{where.public}: stream broke", f"{where.internal}: stream broke"),
+            )
             break
     if error is None and not tail.rstrip().endswith(b"[DONE]"):
-        error = DecodeFailed(f"{where}: stream ended without [DONE]")
+        error = failed(DecodeFailed, where, "ended its stream without [DONE]")
     await end_stream(send, error, before_end)
     return error
 

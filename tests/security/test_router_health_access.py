@@ -20,9 +20,14 @@ def test_instance_urls_are_shown_only_to_a_caller_with_the_admin_token() -> None
         wait_until(lambda: d.health()["status"] == "ok", timeout=20, what="a PD pair")
 
         anonymous = httpx.get(d.url + "/health", timeout=5).json()
-        assert {i["id"] for i in anonymous["instances"]} == {p.id, dec.id}
-        assert all("url" not in i for i in anonymous["instances"])
+        admin = httpx.get(d.url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).json()
+        # Instance ids default to <host>-<port>: an anonymous caller reads each one's opaque name instead,
+        # which the admin's rows pair with the id.
+        assert {i["id"] for i in anonymous["instances"]} == {i["public_id"] for i in admin["instances"]}
+        assert {i["id"] for i in admin["instances"]} == {p.id, dec.id}
+        assert all("url" not in i and "public_id" not in i for i in anonymous["instances"])
         assert p.url not in httpx.get(d.url + "/health", timeout=5).text
+        assert p.id not in httpx.get(d.url + "/health", timeout=5).text
 
         client_key = httpx.get(d.url + "/health", headers={"Authorization": "Bearer nope"}, timeout=5).json()
         assert all("url" not in i for i in client_key["instances"])

@@ -145,7 +145,10 @@ class Deployment:
             sim.reset()
 
     def health(self) -> dict[str, Any]:
-        return dict(HTTP.get(self.url + "/health").json())
+        """The admin's /health (instance ids: an anonymous caller reads opaque names), as the tests wait on it."""
+        token = self.settings.admin_token or self.settings.metaserver_token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return dict(HTTP.get(self.url + "/health", headers=headers).json())
 
     def wait_available(self, *ids: str, available: bool = True) -> None:
         """Poll the router's /health until each instance id is (un)available to it."""

@@ -1,0 +1,100 @@
+"""Client-facing errors name a role and an opaque name, never an engine's address nor its own words
+(issue #21, finding 10). The details go to the router's log and to the admin's `/health`.
+
+Real parts: a router over real sockets (`Deployment`, static instances whose ids are `<host>-<port>`,
+an admin token), fake engines on real sockets (`hostile_engine`, `test_router_bad_answers.Engine`) and
+the official `openai` client. Before the fix a client read "127.0.0.1-18102 has its circuit breaker
+open" and the engine's error body.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from pdgate.urls import static_instance_id
+from tests.integration.router.conftest import Deployment
+from tests.integration.router.test_router_bad_answers import Engine, Script, head
+from tests.security.hostile_engine import MODEL, Decode, prefill
+
+TOKEN = "error-disclosure-admin-token"
+SECRET = "engine-internal 10.9.8.7:5555 stack trace"  # what a failing engine says about itself
+OPAQUE = re.compile(r"(prefill|decode) (#[0-9a-f]{10})")
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[[Script], Engine]]:
+    made: list[Engine] = []
+
+    def make(script: Script) -> Engine:
+        made.append(Engine(script))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.stop()
+
+
+def failing(req: dict[str, Any]) -> bytes:
+    body = SECRET.encode()
+    return head("503 Service Unavailable", "content-type: text/plain", f"content-length: {len(body)}") + body
+
+
+def router(prefills: list[Engine], decodes: list[Engine], **settings: Any) -> Deployment:
+    return Deployment(
+        prefill=[e.url for e in prefills], decode=[e.url for e in decodes], model=MODEL, admin_token=TOKEN, **settings
+    )
+
+
+def admin_names(d: Deployment) -> dict[str, str]:
+    """Opaque name -> instance id, as the admin's /health pairs them."""
+    rows = httpx.get(d.url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).json()["instances"]
+    return {i["public_id"]: i["id"] for i in rows}
+
+
+def hidden(message: str, *engines: Engine) -> bool:
+    """Nothing in `message` names an engine: no id, no port, none of its words."""
+    return SECRET not in message and all(
+        static_instance_id(e.url) not in message and e.url.rsplit(":", 1)[1] not in message for e in engines
+    )
+
+
+def test_an_engine_failure_names_the_role_and_an_opaque_name(
+    engines: Callable[[Script], Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    p, d = engines(prefill(TOKEN)), engines(failing)
+    with router([p], [d], breaker_failures=1000) as r:
+        with caplog.at_level(logging.WARNING), pytest.raises(openai.APIStatusError) as info:
+            r.openai().completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        err = info.value
+        assert err.status_code == 502 and err.code == "pd_decode_failed" and "answered 503" in err.message
+        assert hidden(err.message, p, d), err.message
+        found = OPAQUE.search(err.message)
+        assert found is not None and found[1] == "decode"
+        assert admin_names(r)[found[2]] == static_instance_id(d.url)  # the admin maps the name back
+    logged = caplog.text
+    assert static_instance_id(d.url) in logged and SECRET in logged  # the details are in the log
+
+
+def test_an_open_breaker_is_reported_without_the_address(engines: Callable[[Script], Engine]) -> None:
+    p, d = engines(failing), engines(Decode())
+    with router([p], [d], breaker_failures=1, breaker_open_s=60) as r:
+        client = r.openai()
+        with pytest.raises(openai.APIStatusError) as first:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert first.value.code == "pd_prefill_failed" and hidden(first.value.message, p, d)
+        with pytest.raises(openai.APIStatusError) as then:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        err = then.value
+        assert err.status_code == 503 and err.code == "pd_no_compatible_pair"
+        assert "has its circuit breaker open" in err.message and hidden(err.message, p, d), err.message
+        found = OPAQUE.search(err.message)
+        assert found is not None and admin_names(r)[found[2]] == static_instance_id(p.url)
+        anonymous = httpx.get(r.url + "/health", timeout=5).text  # the open /health: same names, no address
+        assert hidden(anonymous, p, d) and found[2] in anonymous
