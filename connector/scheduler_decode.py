@@ -82,7 +82,9 @@ logger = logging.getLogger(__name__)
 _SETTLE_AFTER_S = 0.003
 
 # A claim that failed for one of these left nothing to abort: the record is terminal or unknown.
-_NOTHING_TO_ABORT = frozenset({Code.HANDOFF_TERMINAL, Code.HANDOFF_NOT_FOUND, Code.NOT_FOUND})
+# A claim refused for one of these leaves nothing of ours to abort: the handoff is gone, or another decode
+# holds it (ILLEGAL_TRANSITION, pdgate/claim_wait.py) and aborting would free the KV that decode reads.
+_NOTHING_TO_ABORT = frozenset({Code.HANDOFF_TERMINAL, Code.HANDOFF_NOT_FOUND, Code.NOT_FOUND, Code.ILLEGAL_TRANSITION})
 
 
 class DecodeSide:

@@ -20,6 +20,7 @@ from pdgate.meta_client import (
 from pdgate.models import (
     CONTRACT_VERSION,
     MAX_BATCH_ITEMS,
+    MAX_BODY_BYTES,
     TERMINAL_STATES,
     AbortBody,
     BatchAbort,
@@ -57,6 +58,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CONTRACT_VERSION",
     "MAX_BATCH_ITEMS",
+    "MAX_BODY_BYTES",
     "TERMINAL_STATES",
     "AbortBody",
     "BatchAbort",

@@ -16,8 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("router", "metaserver", "connector", "sim", "deploy")
-# The router may run the metaserver in its own process (no --metaserver): only these modules build it.
-EMBEDS = {"router/app.py", "router/embedded.py"}
+# The router may run the metaserver in its own process (no --metaserver): only these modules build it,
+# serve its routes on the fast lane, or check that its store is shared between workers.
+EMBEDS = {"router/app.py", "router/routes.py", "router/workers.py"}
 
 
 def _imports(path: Path) -> set[str]:

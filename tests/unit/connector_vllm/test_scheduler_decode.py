@@ -318,6 +318,16 @@ def test_claim_of_a_gone_handoff_fails_without_abort() -> None:
     assert h.counters["claims_failed"] == 1
 
 
+def test_claim_held_by_another_decode_fails_without_abort() -> None:
+    # The other decode is reading the prefill's blocks: an abort from this one would free them under it.
+    h = half()
+    h.update_state_after_alloc(make_request("d1", 40, d_params()), make_blocks([1, 2]), 40, now=0.0)
+    h.take_commands()
+    h.on_result(ClaimFailed("t-1", Code.ILLEGAL_TRANSITION, "claimed by decode d-other"), now=0.0)
+    assert h.build([], now=0.0).recv_done == (RecvDone("d1", False, (1, 2)),)
+    assert h.take_commands() == []
+
+
 def test_claim_that_timed_out_fails_and_aborts() -> None:
     h = half()
     req = make_request("d1", 40, d_params())
