@@ -5,7 +5,9 @@ exception trees that were translated into each other by hand, and the connector 
 strings. Now each failure is a `PDGateError` carrying a `Code`; the code alone decides the HTTP
 status, the OpenAI error `type`, and whether a retry elsewhere can help. Each boundary (HTTP answer
 -> client exception, transport exception -> pull outcome, metaserver error -> router error) has one
-mapping table, applied with `map_exceptions`, in the manner of httpx's `_transports/default.py`.
+mapping table next to the code that crosses it, in the manner of httpx's `_transports/default.py`:
+`pdgate.meta_client.BY_STATUS` and `TRANSPORT_ERRORS`, the router's `UPSTREAM_FAILURES` and
+`META_FAILURES` (applied by `pdgate.router.errors.translate`, the one translation of a foreign failure).
 
     PDGateError                 code -> (status, retryable, OpenAI type): the code's own entry
     └── one subclass per package where callers catch a family (pdgate.meta_client.MetaError,
@@ -17,13 +19,11 @@ retry loop and the connector's control thread read it, and nothing else decides 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-__all__ = ["CODES", "Code", "CodeInfo", "PDGateError", "info", "map_exceptions"]
+__all__ = ["CODES", "Code", "CodeInfo", "PDGateError", "info"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,11 @@ class Code(str, Enum):
     OVERLOADED = "pd_overloaded", CodeInfo(429, retryable=True, openai_type="rate_limit_error")
     UPSTREAM_TIMEOUT = "pd_upstream_timeout", CodeInfo(504, retryable=True)
     METASERVER_UNAVAILABLE = "pd_metaserver_unavailable", CodeInfo(503, retryable=True)
+    # The metaserver refused the router itself (401/403: a wrong token; 400/422: router and metaserver
+    # disagree). No outage and no client's fault: 503 because the service cannot serve as configured,
+    # and not retryable (every instance and every retry meets the same refusal): its own code tells
+    # the operator to fix the router's or the metaserver's settings instead of waiting for a recovery.
+    METASERVER_MISCONFIGURED = "pd_metaserver_misconfigured", CodeInfo(503)
     BLOCK_PLAN_INVALID = "pd_block_plan_invalid", CodeInfo(502)
     TP_LAYOUT_UNSUPPORTED = "pd_tp_layout_unsupported", CodeInfo(502)
     INVALID_TRANSFER_PARAMS = "pd_invalid_transfer_params", CodeInfo(400, openai_type=_BAD)
@@ -167,21 +172,3 @@ class PDGateError(Exception):
 
     def __str__(self) -> str:
         return self.message
-
-
-@contextlib.contextmanager
-def map_exceptions(mapping: Mapping[type[BaseException], type[PDGateError]], **context: Any) -> Iterator[None]:
-    """Re-raise a foreign exception as the pdgate error the boundary's table names (first match wins).
-
-    Each boundary keeps its table next to the code that crosses it; errors that are already a
-    `PDGateError`, and exceptions the table does not list, pass through unchanged.
-    """
-    try:
-        yield
-    except PDGateError:
-        raise
-    except Exception as exc:
-        for from_type, to_type in mapping.items():
-            if isinstance(exc, from_type):
-                raise to_type(str(exc) or type(exc).__name__, **context) from exc
-        raise
