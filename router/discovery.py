@@ -49,7 +49,7 @@ from pdgate.router.pairing import InstanceView
 from pdgate.router.pool import Pool
 from pdgate.router.settings import RouterSettings
 
-from pdgate.meta_client import MetaAPI, MetaError, MetaUnavailable
+from pdgate.meta_client import MetaAPI, MetaBadRequest, MetaError, MetaUnauthorized, MetaUnavailable
 from pdgate.models import Role
 from pdgate.upstream import ConnectFailed, ReadTimeout, Upstream, UpstreamError
 from pdgate.urls import check_engine_url, static_instance_id
@@ -109,7 +109,7 @@ class Discovery:
         except Exception as exc:
             detail = exc.detail if isinstance(exc, MetaError) else f"{type(exc).__name__}: {exc}"
             if self.registry_error is None:
-                log.warning("registry refresh failed (keeping the last snapshot): %s", detail)
+                log.warning("registry refresh failed (keeping the last snapshot): %s: %s", _reason(exc), detail)
             self.registry_error = detail
             self.registry_reason = _reason(exc)
             self._recovered_at = None
@@ -299,6 +299,11 @@ def _reason(exc: BaseException) -> str:
         return f"request failed ({type(exc).__name__})"
     if isinstance(exc, MetaUnavailable):
         return "the metaserver or its store is unreachable"
+    if isinstance(exc, (MetaUnauthorized, MetaBadRequest)):  # `errors.MetaserverMisconfigured`, as /health says it
+        return (
+            f"the metaserver refused the router ({exc.status} {exc.code.value}): a configuration error, "
+            "not an outage (check the router's metaserver token)"
+        )
     if isinstance(exc, MetaError):
         return f"the metaserver refused to list the instances ({exc.status} {exc.code})"
     return f"request failed ({type(exc).__name__})"

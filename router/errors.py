@@ -21,7 +21,8 @@ router's retry loop (`pdgate.router.retry`) and the wire format read the same ta
         ├── NoInstance               503 pd_no_instance (a passed-through route: no instance answered)
         ├── Overloaded               429 pd_overloaded (with Retry-After)
         ├── UpstreamTimeout          504 pd_upstream_timeout (retryable)
-        └── MetaserverUnavailable    503 pd_metaserver_unavailable
+        ├── MetaserverUnavailable    503 pd_metaserver_unavailable (retryable: an outage)
+        └── MetaserverMisconfigured  503 pd_metaserver_misconfigured (the metaserver refused the router)
 
 Before the response has started, an error is an OpenAI error body (`{"error": {message, type, code,
 param}}`) with the code also in the `X-PDGate-Error` header. Once an SSE stream has started it is one
@@ -41,12 +42,12 @@ read. An engine's 4xx is the exception: it is the client's own error, relayed as
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import orjson
 
 from pdgate.errors import Code, PDGateError
-from pdgate.meta_client import MetaError
+from pdgate.meta_client import MetaBadRequest, MetaError, MetaUnauthorized
 from pdgate.upstream import ReadTimeout
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "ContextTooLong",
     "DecodeFailed",
     "KVExpired",
+    "MetaserverMisconfigured",
     "MetaserverUnavailable",
     "MethodNotAllowed",
     "ModelNotFound",
@@ -220,6 +222,21 @@ class MetaserverUnavailable(PDError):
     code = Code.METASERVER_UNAVAILABLE
 
 
+class MetaserverMisconfigured(PDError):
+    """The metaserver refused the router itself: a wrong token (401/403) or a request it will never take
+    (400/413/422: router and metaserver disagree). A configuration error, said as one: no retry, no
+    outage, and the message names the settings to check."""
+
+    code = Code.METASERVER_MISCONFIGURED
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(
+            f"{message} (a configuration error, not an outage: check the router's metaserver token, "
+            "--metaserver-token-file or the admin token, and that router and metaserver run the same version)",
+            **context,
+        )
+
+
 # What any exception while connecting to, sending to or reading from one engine becomes: a failure of
 # that instance (breaker, retry elsewhere), never a bare 500. First match wins.
 UPSTREAM_FAILURES: Mapping[Side, Mapping[type[BaseException], type[RouterError]]] = {
@@ -227,8 +244,13 @@ UPSTREAM_FAILURES: Mapping[Side, Mapping[type[BaseException], type[RouterError]]
     "decode": {ReadTimeout: UpstreamTimeout, Exception: DecodeFailed},
 }
 
-# What a metaserver client error becomes when the proxy needs the ledger to go on.
-META_FAILURES: Mapping[type[BaseException], type[RouterError]] = {MetaError: MetaserverUnavailable}
+# What a metaserver client error becomes when the proxy needs the ledger to go on. First match wins: a
+# refusal of the router itself is its configuration, anything else an outage.
+META_FAILURES: Mapping[type[BaseException], type[RouterError]] = {
+    MetaUnauthorized: MetaserverMisconfigured,
+    MetaBadRequest: MetaserverMisconfigured,
+    MetaError: MetaserverUnavailable,
+}
 
 
 class Where(NamedTuple):

@@ -22,6 +22,7 @@ from pdgate.urls import static_instance_id
 from tests.integration.router.conftest import Deployment
 from tests.integration.router.test_router_bad_answers import Engine, Script, head
 from tests.security.hostile_engine import MODEL, Decode, prefill
+from tests.support.ports import wait_until
 
 TOKEN = "error-disclosure-admin-token"
 SECRET = "engine-internal 10.9.8.7:5555 stack trace"  # what a failing engine says about itself
@@ -98,3 +99,22 @@ def test_an_open_breaker_is_reported_without_the_address(engines: Callable[[Scri
         assert found is not None and admin_names(r)[found[2]] == static_instance_id(p.url)
         anonymous = httpx.get(r.url + "/health", timeout=5).text  # the open /health: same names, no address
         assert hidden(anonymous, p, d) and found[2] in anonymous
+
+
+def test_a_wrong_metaserver_token_is_a_configuration_error_not_an_outage(engines: Callable[[Script], Engine]) -> None:
+    """A router whose metaserver token is wrong answered 503 pd_metaserver_unavailable, retryable, as if the
+    metaserver were down; it is a distinct code, not retried, and /health says it is the configuration."""
+    p, d = engines(prefill(TOKEN)), engines(Decode())
+    with Deployment(admin_token=TOKEN) as metaserver:  # a router's embedded metaserver, used as a separate one
+        with Deployment(
+            metaserver=metaserver.url, metaserver_token="not-the-token", prefill=[p.url], decode=[d.url], model=MODEL
+        ) as r:
+            wait_until(lambda: r.health()["models"] == [MODEL], timeout=20, what="the static pair")
+            with pytest.raises(openai.APIStatusError) as info:
+                r.openai().completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            err = info.value
+            assert err.status_code == 503 and err.code == "pd_metaserver_misconfigured", err.message
+            assert "configuration error" in err.message and err.response.headers.get("retry-after") is None
+            got = httpx.get(r.url + "/health", timeout=5)
+            assert got.status_code == 503 and "configuration error" in got.json()["reason"], got.json()
+    assert p.completions == 0 and d.completions == 0  # no handoff: no engine was asked
