@@ -8,7 +8,8 @@ rule (`mismatch`, `tp_mismatch`, `source_rank`) in `pdgate.pairing`, the params 
 prefill. Each hop has one constructor: the router's request to a prefill (`prefill_request`), the prefill's
 answer with the KV it holds (`KVTransferParams(...)` with the `remote_*` fields, `to_dict()`), and the
 router's request to a decode (`decode_request` of that answer, then `with_claim` per decode attempt). The
-router's are plain functions on dicts because it runs them on every request and reads none of the fields.
+router's are plain functions on dicts because it runs them on every request; what it reads of a prefill's
+answer it reads through `KVTransferParams.parse`, like every other reader.
 
 The router's claim (`RouterClaim`, the `claimed_by`/`claim_deadline`/`claim_lease_s` fields): the router
 claims the handoff in the ledger for the decode it picked before it sends the request, and says so here.
@@ -293,8 +294,9 @@ def decode_request(
 
     Everything the prefill said travels verbatim (a vLLM NIXL prefill's keys included) but a claim, which
     only the router grants (`with_claim`); the router's handoff id wins, and the prefill's `kv_key` and
-    `metaserver`, when it sent them, win over the router's. Done on the dict rather than through `parse`:
-    the router reads none of these fields, and the decode parses them anyway, naming any field it refuses.
+    `metaserver`, when it sent them, win over the router's (the router refuses an answer whose `kv_key` is
+    not the handoff's). Done on the dict the router already checked with `parse`, so that keys this
+    contract does not type travel as they came; the decode parses them again, naming any field it refuses.
     """
     out = dict(answer)
     for key in _ROUTER_KEYS:

@@ -12,7 +12,8 @@ the prefill's answer into the client's (`pdgate.router.answers`). Every other fi
 
 The `kv_transfer_params` of both hops are the contract's (`pdgate.contract`): the prefill's
 request is `prefill_request`, and the decode's is `decode_request` of the prefill's answer. The router
-does not parse that answer: it reads none of its fields, and the decode parses them, naming any it refuses.
+reads that answer's fields only through `KVTransferParams.parse` (`attempts`: an answer it refuses is the
+prefill's failure) and forwards the dict it checked, untyped keys included.
 
 A completion with several prompts is split (`split_prompts`) into one request per prompt, each with
 its own prefill/decode pair (`pdgate.router.fanout`): vLLM returns the `kv_transfer_params` of the first
