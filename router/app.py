@@ -199,6 +199,7 @@ def create_app(
     # The token of the ledger's write routes: the admin check's, and what the router's claims are sealed
     # with (pdgate.claim_seal; the decodes' connectors hold the same token).
     ledger_token = msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token
+    parts.pool.key_public_names(claim_seal.claim_key(ledger_token))  # client-facing names, alike on every worker
     holder = parts.holder
     options = {"load_factor": s.prefix_load_factor}
     proxy = Proxy(

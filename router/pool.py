@@ -118,13 +118,20 @@ class Pool:
         # The clock-free candidate lists (see the module docstring); None: test instance by instance.
         self._fast_p: dict[str, list[LiveInstance] | None] = {}
         self._fast_d: dict[int, list[LiveInstance] | None] = {}
-        self._public_key = os.urandom(16)  # names instances to clients (`public_name`), per process
+        self._public_key = os.urandom(16)  # names instances to clients (`public_name`); see `key_public_names`
+
+    def key_public_names(self, secret: bytes | None) -> None:
+        """Name instances under a key derived from `secret` (the router's claim key, from the admin token),
+        so that every worker and replica holding that token gives an instance the same name; without
+        one the names are this process's own. Called before the first snapshot."""
+        if secret is not None:
+            self._public_key = hmac.new(secret, b"pdgate public instance names", hashlib.sha256).digest()
 
     def public_name(self, instance_id: str) -> str:
         """The opaque name a client reads for an instance: `#` and a keyed hash of its id. Instance ids
         default to `<host>-<port>`, and an engine's address lets a caller bypass the router's keys, so
         client-facing errors and the open `/health` never show one (SECURITY.md); the admin `/health`
-        and the log pair each id with this name. Stable for the router process's life."""
+        and the log pair each id with this name. Stable while the key is (`key_public_names`)."""
         return "#" + hmac.new(self._public_key, instance_id.encode(), hashlib.sha256).hexdigest()[:10]
 
     # -- refresh ----------------------------------------------------------------------------

@@ -118,3 +118,11 @@ def test_a_wrong_metaserver_token_is_a_configuration_error_not_an_outage(engines
             got = httpx.get(r.url + "/health", timeout=5)
             assert got.status_code == 503 and "configuration error" in got.json()["reason"], got.json()
     assert p.completions == 0 and d.completions == 0  # no handoff: no engine was asked
+
+
+def test_routers_holding_one_admin_token_name_an_instance_alike(engines: Callable[[Script], Engine]) -> None:
+    """An opaque name read in one router's error maps back through any replica's (or worker's) admin view."""
+    p, d = engines(prefill(TOKEN)), engines(Decode())
+    with router([p], [d]) as one, router([p], [d]) as two:
+        assert admin_names(one) == admin_names(two)
+        assert set(admin_names(one).values()) == {static_instance_id(p.url), static_instance_id(d.url)}
