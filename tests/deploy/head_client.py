@@ -39,8 +39,9 @@ def instance(token: str, instance_id: str) -> dict[str, Any] | None:
     return record
 
 
-def router_health() -> dict[str, Any]:
-    r = httpx.get(f"{ROUTER}/health", timeout=5)
+def router_health(token: str = "") -> dict[str, Any]:
+    """The router's /health as the admin reads it (an anonymous caller reads opaque names, not ids)."""
+    r = httpx.get(f"{ROUTER}/health", headers=_auth(token) if token else {}, timeout=5)
     available = sorted(i["id"] for i in r.json()["instances"] if i["available"])
     return {"status": r.status_code, "available": available}
 
@@ -59,13 +60,13 @@ def wait_instances(token: str, expected: str, timeout: str) -> list[str]:
         time.sleep(0.1)
 
 
-def wait_router(expected: str, timeout: str) -> dict[str, Any]:
+def wait_router(expected: str, timeout: str, token: str = "") -> dict[str, Any]:
     """Poll the router's /health until it is ready with exactly `expected` available; print the last."""
     want = {"status": 200, "available": sorted(json.loads(expected))}
     deadline = time.monotonic() + float(timeout)
     while True:
         try:
-            got = router_health()
+            got = router_health(token)
         except (httpx.HTTPError, ValueError, KeyError):
             got = {}
         if got == want or time.monotonic() > deadline:

@@ -62,7 +62,8 @@ class Rehearsal:
         return json.loads(result.stdout.strip().splitlines()[-1])
 
     def wait_router(self, expected: list[str], timeout: float) -> None:
-        got = self.client("wait-router", json.dumps(expected), str(timeout), timeout=timeout + 60)
+        token = self.head_services["metaserver"]["environment"]["PDGATE_METASERVER_ADMIN_TOKEN"]
+        got = self.client("wait-router", json.dumps(expected), str(timeout), token, timeout=timeout + 60)
         assert got == {"status": 200, "available": sorted(expected)}, f"router: {got}\n{self.logs()}"
 
     def start_engine(self, role: str) -> Proc:
