@@ -16,6 +16,7 @@ from pdgate.models import Instance, InstanceLoad, InstanceRegistration, Instance
 __all__ = [
     "KEPT_ON_REREGISTER",
     "RegistrationInvalid",
+    "end_drain",
     "is_live",
     "matches",
     "new_instance",
@@ -89,6 +90,11 @@ def renew(inst: Instance, *, now: float, load: InstanceLoad | None) -> Instance:
 def start_drain(inst: Instance) -> Instance:
     """DRAINING instances stay listed (their work finishes) but the router gives them nothing new."""
     return inst.model_copy(update={"state": InstanceState.DRAINING})
+
+
+def end_drain(inst: Instance) -> Instance:
+    """An operator's undrain (`pdgate undrain`): the instance takes new work again."""
+    return inst.model_copy(update={"state": InstanceState.READY})
 
 
 def matches(inst: Instance, *, role: Role | None, model: str | None, state: InstanceState | None) -> bool:

@@ -197,6 +197,10 @@ async def drain(c: Call) -> Reply:
     return await c.svc.drain(c.params["instance_id"], engine=c.engine), 200
 
 
+async def undrain(c: Call) -> Reply:
+    return await c.svc.undrain(c.params["instance_id"], engine=c.engine), 200
+
+
 async def deregister(c: Call) -> Reply:
     await c.svc.deregister(c.params["instance_id"], engine=c.engine)
     return None, 204
@@ -282,6 +286,8 @@ ROUTES: tuple[Route, ...] = (
           body=HeartbeatBody, body_required=False, errors=(404,)),
     Route("POST", "/v1/instances/{instance_id}/drain", drain, "Stop giving the instance new work", "registry",
           Instance, errors=(404,)),
+    Route("POST", "/v1/instances/{instance_id}/undrain", undrain, "Undo a drain: the instance takes new work again",
+          "registry", Instance, errors=(404,)),
     Route("POST", "/v1/instances/{instance_id}/token", instance_token,
           "The engine token of this instance id (admin token only; see SECURITY.md)", "registry", EngineToken,
           admin=True),

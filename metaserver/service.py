@@ -103,6 +103,16 @@ class MetaService:
         log.info("instance %s draining", instance_id)
         return inst
 
+    async def undrain(self, instance_id: str, *, engine: str | None = None) -> Instance:
+        """Undo a drain (`pdgate undrain`): the instance takes new work again."""
+        check_id(instance_id, "instance_id")
+        check_engine(engine, (instance_id,), f"undrain {instance_id}")
+        inst = await self.store.drain(instance_id, now=self.clock(), state=InstanceState.READY)
+        if inst is None:
+            raise InstanceNotFound(f"instance {instance_id} is not registered")
+        log.info("instance %s takes work again (undrained)", instance_id)
+        return inst
+
     async def deregister(self, instance_id: str, *, engine: str | None = None) -> None:
         check_id(instance_id, "instance_id")
         check_engine(engine, (instance_id,), f"remove {instance_id}")

@@ -25,6 +25,7 @@ from pdgate.models import (
     HandoffState,
     Instance,
     InstanceLoad,
+    InstanceState,
     KVLocation,
 )
 
@@ -76,7 +77,10 @@ class Store(ABC):
         """Renew the lease; None when the instance is unknown or its lease already lapsed."""
 
     @abstractmethod
-    async def drain(self, instance_id: str, *, now: float) -> Instance | None: ...
+    async def drain(
+        self, instance_id: str, *, now: float, state: InstanceState = InstanceState.DRAINING
+    ) -> Instance | None:
+        """Set a live instance's state (DRAINING; READY undoes an operator's drain); None when unknown."""
 
     @abstractmethod
     async def deregister(self, instance_id: str) -> bool:

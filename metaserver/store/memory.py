@@ -29,6 +29,7 @@ from pdgate.models import (
     HandoffState,
     Instance,
     InstanceLoad,
+    InstanceState,
     KVLocation,
 )
 
@@ -113,12 +114,14 @@ class MemoryStore(Store):
             self._instances[instance_id] = inst
             return inst
 
-    async def drain(self, instance_id: str, *, now: float) -> Instance | None:
+    async def drain(
+        self, instance_id: str, *, now: float, state: InstanceState = InstanceState.DRAINING
+    ) -> Instance | None:
         async with self._lock:
             inst = self._live(instance_id, now)
             if inst is None:
                 return None
-            inst = registry.start_drain(inst)
+            inst = registry.start_drain(inst) if state is InstanceState.DRAINING else registry.end_drain(inst)
             self._instances[instance_id] = inst
             return inst
 

@@ -263,8 +263,10 @@ class RedisStore(Store):
         res = await self._guard(self._scripts["heartbeat"](keys=keys, args=args))
         return _instance(_pairs(res)) if res else None
 
-    async def drain(self, instance_id: str, *, now: float) -> Instance | None:
-        args = [repr(now), InstanceState.DRAINING.value]
+    async def drain(
+        self, instance_id: str, *, now: float, state: InstanceState = InstanceState.DRAINING
+    ) -> Instance | None:
+        args = [repr(now), state.value]
         res = await self._guard(self._scripts["drain"](keys=[self.keys.instance(instance_id)], args=args))
         return _instance(_pairs(res)) if res else None
 
