@@ -1,0 +1,121 @@
+"""The prefix-cache index (router/kv_index.py): events, sequence gaps, restarts, leaving, the bound."""
+
+from __future__ import annotations
+
+import pytest
+from pdgate.router.kv_index import BlockHasher, Cleared, KVIndex, Outcome, Removed, Stored, block_key
+
+
+def test_stored_removed_cleared_move_what_an_instance_holds() -> None:
+    idx = KVIndex()
+    assert idx.apply("p1", 0, [Stored((1, 2, 3))]) is Outcome.APPLIED
+    assert idx.matched("p1", [1, 2, 3, 4]) == 3
+    assert idx.apply("p1", 1, [Removed((2,))]) is Outcome.APPLIED
+    assert idx.matched("p1", [1, 2, 3]) == 1  # only a prefix counts: 3 without 2 is no reuse
+    assert idx.apply("p1", 2, [Cleared(), Stored((9,))]) is Outcome.APPLIED
+    assert idx.matched("p1", [1]) == 0
+    assert idx.matched("p1", [9]) == 1
+    assert idx.matched("unknown", [9]) == 0
+
+
+def test_instances_are_separate() -> None:
+    idx = KVIndex()
+    idx.apply("p1", 0, [Stored((1, 2))])
+    idx.apply("p2", 0, [Stored((1,))])
+    assert (idx.matched("p1", [1, 2]), idx.matched("p2", [1, 2])) == (2, 1)
+    assert idx.instances() == ["p1", "p2"]
+    assert idx.total() == 3
+
+
+def test_a_gap_applies_nothing_until_replayed() -> None:
+    idx = KVIndex()
+    idx.apply("p1", 0, [Stored((1,))])
+    assert idx.apply("p1", 3, [Stored((4,))]) is Outcome.GAP
+    assert idx.matched("p1", [1, 4]) == 1 and idx.expected("p1") == 1
+    # the replay sends 1..3; the live batch 3, offered again, is then a duplicate
+    assert idx.apply("p1", 1, [Stored((2,))], replayed=True) is Outcome.APPLIED
+    assert idx.apply("p1", 2, [Removed((1,))], replayed=True) is Outcome.APPLIED
+    assert idx.apply("p1", 3, [Stored((4,))], replayed=True) is Outcome.APPLIED
+    assert idx.apply("p1", 3, [Stored((4,))]) is Outcome.DUPLICATE
+    assert idx.apply("p1", 4, [Stored((5,))]) is Outcome.APPLIED
+    assert idx.matched("p1", [2, 4, 5]) == 3 and idx.matched("p1", [1]) == 0  # 1 was removed
+
+
+def test_replay_batches_already_applied_are_duplicates() -> None:
+    idx = KVIndex()
+    idx.apply("p1", 0, [Stored((1,))])
+    idx.apply("p1", 1, [Stored((2,))])
+    assert idx.apply("p1", 0, [Cleared()], replayed=True) is Outcome.DUPLICATE
+    assert idx.size("p1") == 2
+
+
+def test_an_unfillable_gap_drops_the_instance_until_fresh_events() -> None:
+    idx = KVIndex()
+    idx.apply("p1", 0, [Stored((1, 2))])
+    assert idx.apply("p1", 7, [Stored((8,))]) is Outcome.GAP
+    idx.resume("p1", 7)
+    assert idx.size("p1") == 0  # what it held between 1 and 6 is unknown: nothing is claimed
+    assert idx.apply("p1", 7, [Stored((8,))]) is Outcome.APPLIED
+    assert idx.matched("p1", [8]) == 1
+
+
+def test_a_restarted_engine_numbering_from_zero_drops_old_entries() -> None:
+    idx = KVIndex()
+    for seq in range(5):
+        idx.apply("p1", seq, [Stored((seq,))])
+    assert idx.apply("p1", 0, [Stored((100,))]) is Outcome.RESTART
+    assert idx.matched("p1", [0]) == 0 and idx.matched("p1", [100]) == 1
+    assert idx.apply("p1", 1, [Stored((101,))]) is Outcome.APPLIED
+
+
+def test_live_duplicates_after_a_replay_are_not_a_restart() -> None:
+    idx = KVIndex()
+    idx.apply("p1", 0, [Stored((1,))])
+    assert idx.apply("p1", 2, [Stored((3,))]) is Outcome.GAP
+    idx.apply("p1", 1, [Stored((2,))], replayed=True)
+    idx.apply("p1", 2, [Stored((3,))], replayed=True)
+    idx.apply("p1", 3, [Stored((4,))], replayed=True)
+    # live messages queued during the replay: 2 (the gap's), then 3, then new ones
+    assert idx.apply("p1", 2, [Stored((3,))]) is Outcome.DUPLICATE
+    assert idx.apply("p1", 3, [Stored((4,))]) is Outcome.DUPLICATE
+    assert idx.apply("p1", 4, [Stored((5,))]) is Outcome.APPLIED
+    assert idx.matched("p1", [1, 2, 3, 4, 5]) == 5
+
+
+def test_an_instance_that_leaves_takes_its_entries() -> None:
+    idx = KVIndex()
+    idx.apply("p1", 0, [Stored((1,))])
+    idx.apply("p2", 0, [Stored((1,))])
+    idx.forget("p1")
+    assert idx.instances() == ["p2"] and idx.matched("p1", [1]) == 0
+    assert idx.expected("p1") is None
+    assert idx.apply("p1", 5, [Stored((1,))]) is Outcome.APPLIED  # back: followed afresh
+
+
+def test_more_blocks_than_the_bound_drops_the_instance() -> None:
+    idx = KVIndex(max_blocks=4)
+    idx.apply("p1", 0, [Stored((1, 2, 3, 4))])
+    assert idx.size("p1") == 4
+    assert idx.apply("p1", 1, [Stored((5,))]) is Outcome.OVERFLOW
+    assert idx.size("p1") == 0
+    assert idx.apply("p1", 2, [Stored((6,))]) is Outcome.APPLIED
+    with pytest.raises(ValueError):
+        KVIndex(max_blocks=0)
+
+
+def test_block_key_is_the_same_in_bytes_and_int_modes() -> None:
+    h = bytes(range(32))
+    as_int = int.from_bytes(h, "big") & ((1 << 64) - 1)  # vLLM's maybe_convert_block_hash
+    assert block_key(h) == block_key(as_int) == as_int
+
+
+def test_hasher_counts_full_blocks_only_and_chains() -> None:
+    hasher = BlockHasher(4)
+    a = hasher.keys(list(range(11)))
+    assert len(a) == 2
+    b = hasher.keys([*range(8), 99, 98, 97])
+    assert b == a  # the partial tail does not count
+    c = hasher.keys([0, 1, 2, 3, 9, 9, 9, 9])
+    assert c[0] == a[0] and c[1] != a[1]
+    assert hasher.keys(list(range(40)), limit=3) == hasher.keys(list(range(12)))
+    assert BlockHasher(4, seed="other").keys(list(range(4))) != a[:1]
