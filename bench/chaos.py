@@ -4,15 +4,17 @@ Each scenario starts a fresh stack (Redis through tests.support.redis, a metaser
 routers, 2 prefill + 2 decode `pdgate-sim`s that move every handoff through the ledger), puts N
 concurrent streaming clients plus a trickle of non-streaming ones on it (official `openai` client, see
 chaos_load.py), injects one fault at a known time and keeps the load on until the error rate is back to
-zero. Then it checks what must be zero: untyped failures, handoffs left READY/CLAIMED past their leases,
-prefill blocks still held. Scale: thousands of concurrent streams through one router, its RSS per 1,000
+zero. Then it checks what must be zero: errors seen by clients, typed or not, in every scenario where an
+engine survives the fault (issue 24: a fault costs latency, never an error), untyped failures, handoffs
+left READY/CLAIMED past their leases, prefill blocks still held; and what the fault cost: p50/p99 time to
+first token and end-to-end latency during the fault window against before the fault. Scale: thousands of concurrent streams through one router, its RSS per 1,000
 open streams and its open fds.
 
 Prints a table, writes bench/results/chaos.json (chaos-quick.json with --quick) and, unless --no-docs,
 docs/RELIABILITY.md (generated from the results; never edit it by hand). Every process it starts is
 killed by PID when it ends, also on Ctrl-C or SIGTERM. Exit status 1 when a zero was not met.
 
-    .venv-vllm/bin/python bench/chaos.py [--quick] [--streams 256] [--only 1 3 4a] [--no-scale] [--no-docs]
+    .venv-vllm/bin/python bench/chaos.py [--quick] [--streams 256] [--only 1 3 4a 9] [--no-scale] [--no-docs]
 """
 
 from __future__ import annotations

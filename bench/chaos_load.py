@@ -18,6 +18,11 @@ A request ends in exactly one class:
            fire before it reads what arrived). Only those two qualify; a bad answer (5xx without a code,
            truncated 200) is untyped whatever the stall.
 
+Each record carries `t0` and `t1` (wall clock at the start of the request's first attempt and at its
+end: t1 - t0 is its end-to-end latency), `ft` (streams: seconds from t0 to the first token) and `p` (the
+router's `X-PDGate-Path` header when it sent one: `whole` is an answer served without disaggregation), so
+the orchestrator can compare latency before and during a fault.
+
 The process measures its own event-loop stalls (a 0.1 s ticker) and writes the worst of them to the last
 line of `--out` as `{"lag": ...}` (not a request record).
 
@@ -44,9 +49,10 @@ import openai
 
 from pdgate.errors import Code
 
-__all__ = ["TYPED_CODES", "classify_exception", "main"]
+__all__ = ["PATH_HEADER", "TYPED_CODES", "classify_exception", "main"]
 
 TYPED_CODES = frozenset(c.value for c in Code)
+PATH_HEADER = "x-pdgate-path"  # how the router served a request; "whole" when it did not disaggregate
 _CLIENT_SIDE = ("connection:", "client timeout")  # failures a stalled client can cause by itself
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 
@@ -121,24 +127,31 @@ class Load:
     def record(self, rec: dict[str, Any]) -> None:
         self.out.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
-    async def _once(self, client: openai.AsyncOpenAI, prompt: str, stream: bool) -> tuple[str, str | None, str]:
+    async def _once(
+        self, client: openai.AsyncOpenAI, prompt: str, stream: bool
+    ) -> tuple[str, str | None, str, float | None, str | None]:
+        """(outcome, code, detail, wall clock of the first token, the router's X-PDGate-Path) of one answer."""
         n, finish = 0, None
+        first: float | None = None
+        create = client.completions.with_raw_response.create
         if stream:
-            resp = await client.completions.create(
-                model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens, stream=True
-            )
-            async for chunk in resp:
+            raw = await create(model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens, stream=True)
+            async for chunk in raw.parse():
                 for c in chunk.choices:
+                    if c.text and first is None:
+                        first = time.time()
                     n += 1 if c.text else 0
                     finish = c.finish_reason or finish
         else:
-            full = await client.completions.create(model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens)
+            raw = await create(model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens)
+            full = raw.parse()
             if full.choices:
                 n = full.usage.completion_tokens if full.usage else len(full.choices[0].text.split())
                 finish = full.choices[0].finish_reason
+        path = raw.headers.get(PATH_HEADER)
         if finish is None or n < self.a.max_tokens:
-            return ("untyped", None, f"truncated 200: {n} tokens, finish_reason {finish}")
-        return ("ok", None, "")
+            return ("untyped", None, f"truncated 200: {n} tokens, finish_reason {finish}", first, path)
+        return ("ok", None, "", first, path)
 
     async def request(self, worker: int, seq: int, stream: bool) -> None:
         t0 = time.time()
@@ -147,6 +160,8 @@ class Load:
         first = self.rr
         self.rr += 1
         outcome: tuple[str, str | None, int | None, str] = ("untyped", None, None, "not sent")
+        first_token: float | None = None
+        path: str | None = None
         retries = 0
         failed_on: list[int] = []
         for attempt in range(tries):
@@ -155,7 +170,7 @@ class Load:
             if attempt and which == first % len(self.clients):
                 await asyncio.sleep(0.2)
             try:
-                kind, code, detail = await self._once(client, _prompt(worker, seq), stream)
+                kind, code, detail, first_token, path = await self._once(client, _prompt(worker, seq), stream)
                 outcome = (kind, code, 200, detail)
             except Exception as exc:
                 outcome = classify_exception(exc)
@@ -177,6 +192,10 @@ class Load:
             rec["st"] = status
         if kind != "ok":
             rec["d"] = detail
+        if first_token is not None:
+            rec["ft"] = round(first_token - t0, 4)  # time to first token (streams), from the first attempt
+        if path:
+            rec["p"] = path  # the router's X-PDGate-Path ("whole": served without disaggregation)
         if retries:
             rec["r"] = retries
         if failed_on:

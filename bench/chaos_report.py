@@ -10,6 +10,7 @@ _COLS = [
     ("scenario", "scenario"),
     ("sent", "sent"),
     ("ok", "answered fully"),
+    ("client_errors", "errors seen by clients"),
     ("typed", "typed errors by code"),
     ("untyped", "untyped"),
     ("client_stalled", "load generator's own"),
@@ -17,6 +18,8 @@ _COLS = [
     ("stranded_handoffs", "stranded handoffs"),
     ("held_blocks", "held blocks"),
     ("recovery_s", "recovery s"),
+    ("added_ttft_ms", "added TTFT p50 / p99 ms"),
+    ("added_e2e_ms", "added E2E p50 / p99 ms"),
     ("load_avg", "load 1m"),
     ("pass", "pass"),
 ]
@@ -28,10 +31,14 @@ def _cell(row: dict[str, Any], key: str) -> str:
     if "error" in row and key == "pass":
         return "ERROR"
     v = row.get(key)
+    if key == "client_errors" and v is None and isinstance(row.get("untyped"), int):  # results older than the column
+        v = sum((row.get("typed") or {}).values()) + row["untyped"]
     if key == "typed":
         return ", ".join(f"{k} {n}" for k, n in (v or {}).items()) or "0"
     if key == "pass":
         return "yes" if v else "NO"
+    if key.startswith("added_") and isinstance(v, list):
+        return " / ".join("n/a" if x is None else f"{x:+.0f}" for x in v)
     return "n/a" if v is None else str(v)
 
 
@@ -66,6 +73,26 @@ def _md_row(r: dict[str, Any]) -> str:
     return "| " + " | ".join(_cell(r, k).replace("|", "/") for k, _ in _COLS) + " |"
 
 
+def _lat_line(name: str, lat: dict[str, Any]) -> str:
+    def ms(key: str) -> str:
+        v = lat.get(key)
+        return "n/a" if v is None else f"{v:.0f}"
+
+    return (
+        f"{name} {lat.get('n')} streams, TTFT p50/p99 {ms('ttft_p50_ms')}/{ms('ttft_p99_ms')} ms, "
+        f"E2E p50/p99 {ms('e2e_p50_ms')}/{ms('e2e_p99_ms')} ms"
+    )
+
+
+def _latency(r: dict[str, Any]) -> str:
+    """Absolute latencies behind the added-latency columns (absent in results older than issue 24)."""
+    lat = r.get("latency")
+    if not lat:
+        return ""
+    during = _lat_line(f"during its {lat['window_s']} s window", lat["during"])
+    return f"{_lat_line('before', lat['before'])}; {during}"
+
+
 def _checks(r: dict[str, Any]) -> str:
     c = dict(r.get("checks") or {})
     parts = [f"`{k}`: {v}" for k, v in c.items() if not isinstance(v, dict | list) or len(str(v)) < 160]
@@ -96,7 +123,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         "One fault at a known time; the load runs until no request has failed for "
         f"{k['quiet_s']} s.",
         "",
-        "Columns: **sent** requests finished; **answered fully** all tokens and a finish_reason; **typed** "
+        "Columns: **sent** requests finished; **answered fully** all tokens and a finish_reason; **errors seen "
+        "by clients** every request that did not end answered fully, typed or not (the load generator's own "
+        "failures apart): where an engine survives the fault (every scenario here) it must be 0, since a "
+        "fault may cost latency, never an error (issue 24); **typed** "
         "errors carrying a pdgate code (HTTP error or SSE error event); **untyped** a 5xx without a code, an "
         "empty or truncated 200, a reset without an error event, a client timeout (must be 0); **load "
         "generator's own** a reset or a client timeout while the load generator itself did not run (it "
@@ -105,8 +135,19 @@ def render_markdown(result: dict[str, Any]) -> str:
         "stall s** the longest the load generator's event loop did not run; **stranded "
         "handoffs** READY or CLAIMED records still live after the longest lease chain (must be 0); **held "
         "blocks** prefill KV blocks still held after recovery (must be 0); **recovery s** from the fault to "
-        "the end of the last failed request; **load 1m** the machine's 1-minute load average as the scenario "
-        "ended (other work on the machine included).",
+        "the end of the last failed request; **added TTFT / E2E p50 / p99 ms** what the fault added to the "
+        "time to first token and to the end-to-end latency of streams answered fully: p50 and p99 during "
+        "the fault window minus p50 and p99 before it, in the same run. The **fault window** runs from the "
+        "fault until it is healed (a killed process is healed at once, or when it is started again; a "
+        "stopped one when it is continued; Redis or the metaserver one instance lease after it is back, "
+        "while engines re-register) or until the last failed request ended, whichever is later, and lasts "
+        "at least the quiet time above; a stream counts in it when it was in flight at some moment of it. "
+        "**Before** is the streams that started and ended in the warm-up before the fault (its own set-up, "
+        "such as scenario 4's slowed decodes, excluded). Per scenario below: the absolute numbers and "
+        "**served whole** (answers the router marked `X-PDGate-Path: whole`, served without "
+        "disaggregation). **load 1m** the machine's 1-minute load average as the scenario ended (other "
+        "work on the machine included). **pass** every zero above, a recovery and the scenario's own "
+        "checks.",
         "",
         "| " + " | ".join(h for _, h in _COLS) + " |",
         "|" + "---|" * len(_COLS),
@@ -121,6 +162,10 @@ def render_markdown(result: dict[str, Any]) -> str:
             line += f": not run here: {r['skipped']}"
         else:
             line += f": streams {r.get('streams_sent')}, client retries {r.get('client_retries')}"
+            if r.get("served_whole") is not None:
+                line += f", served whole {r['served_whole']}"
+            if _latency(r):
+                line += f"; {_latency(r)}"
             if r.get("error"):
                 line += f"; error: {r['error']}"
             if _checks(r):
