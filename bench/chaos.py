@@ -7,8 +7,8 @@ chaos_load.py), injects one fault at a known time and keeps the load on until th
 zero. Then it checks what must be zero: errors seen by clients, typed or not, in every scenario where an
 engine survives the fault (issue 24: a fault costs latency, never an error), untyped failures, handoffs
 left READY/CLAIMED past their leases, prefill blocks still held; and what the fault cost: p50/p99 time to
-first token and end-to-end latency during the fault window against before the fault. Scale: thousands of concurrent streams through one router, its RSS per 1,000
-open streams and its open fds.
+first token and end-to-end latency during the fault window against before the fault. Scale: thousands
+of concurrent streams through one router, its RSS per 1,000 open streams and its open fds.
 
 Prints a table, writes bench/results/chaos.json (chaos-quick.json with --quick) and, unless --no-docs,
 docs/RELIABILITY.md (generated from the results; never edit it by hand). Every process it starts is
