@@ -1,4 +1,5 @@
-"""The faults of the chaos suite (issue 10, scenarios 1-6 and 8); the network partition is in chaos_netns.
+"""The faults of the chaos suite (issue 10, scenarios 1-6 and 8; issue 24, scenario 9); the network partition
+is in chaos_netns.
 
 Each fault is a function of a `Ctx`: it injects at once, and returns when the fault is healed (a kill is
 healed when it returns; a SIGSTOP or an outage when the process is back). What a scenario must show
@@ -15,7 +16,7 @@ from typing import Any
 
 import httpx
 from chaos_run import Ctx
-from chaos_stack import TOKEN, held_blocks, sim_stats, wait_ready
+from chaos_stack import TOKEN, Proc, held_blocks, sim_stats, wait_ready
 
 __all__ = ["SCENARIOS"]
 
@@ -178,6 +179,60 @@ def restart_metaserver(ctx: Ctx) -> None:
     _probe_after(ctx)
 
 
+def kill_all_prefills(ctx: Ctx) -> None:
+    """SIGKILL every prefill, keep them dead for `prefills_down_s`, then start them again (same id, same
+    port when it is free): with no prefill live the router must serve requests whole on the decodes."""
+    st = ctx.stack
+    old = list(st.prefills)
+    for p in old:
+        p.kill()
+    t_dead = time.time()
+    time.sleep(max(0.0, ctx.knobs.prefills_down_s - (t_dead - ctx.t_fault)))
+    ctx.extra["prefills_down_s"] = round(time.time() - ctx.t_fault, 2)
+    ctx.extra["whole_at_restart"] = _undisaggregated(st.routers[0].url)
+    for i, p in enumerate(old):
+        st.prefills[i] = _restart_sim(ctx, "prefill", f"p{i}", p.port)
+
+
+def _restart_sim(ctx: Ctx, role: str, iid: str, port: int) -> Proc:
+    """The engine back on its port, or on a fresh one when the old port cannot be bound yet."""
+    new = ctx.stack.start_sim(role, iid, port=port)
+    try:
+        wait_ready(new.url, proc=new)
+    except RuntimeError:  # exited at once: the port is still taken
+        new = ctx.stack.start_sim(role, iid)
+        wait_ready(new.url, proc=new)
+        ctx.extra[f"{iid}_new_port"] = True
+    return new
+
+
+def _undisaggregated(router_url: str) -> dict[str, float] | None:
+    """pdgate_router_undisaggregated_total by reason: requests the router served whole (None: no answer)."""
+    try:
+        text = httpx.get(router_url + "/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pdgate_router_undisaggregated_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in line else ""
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def after_all_prefills(ctx: Ctx) -> None:
+    """What served the load while no prefill lived, and that the prefills are back in rotation after."""
+    recs = ctx.records()
+    window = [r for r in recs if ctx.t_fault <= r["t0"] <= ctx.t_healed]
+    ctx.extra["requests_started_while_down"] = len(window)
+    ctx.extra["whole_answers_while_down"] = sum(1 for r in window if r["o"] == "ok" and r.get("p") == "whole")
+    ctx.extra["router_undisaggregated"] = _undisaggregated(ctx.stack.routers[0].url)
+    ctx.extra["decode_plain_requests"] = sum(_counts(d.url).get("plain", 0) for d in ctx.stack.decodes)
+    ctx.extra["prefill_requests_after"] = sum(_counts(p.url).get("prefill", 0) for p in ctx.stack.prefills)
+    ctx.extra["ok_served_whole"] = ctx.extra["whole_answers_while_down"] > 0
+    ctx.extra["ok_prefills_back_in_rotation"] = ctx.extra["prefill_requests_after"] > 0
+
+
 def kill_router(ctx: Ctx) -> None:
     ctx.stack.routers[1].kill()
 
@@ -223,4 +278,9 @@ SCENARIOS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "5-metaserver-restart": ("Kill and restart the metaserver", restart_metaserver, {"after": after_outage}),
     "6-kill-router": ("Kill one of two routers (client round robin)", kill_router, {"routers": 2, "failover": True}),
     "8-reregister": ("Engine registered twice / back on a new URL", reregister, {"after": after_reregister}),
+    "9-kill-all-prefills": (
+        "SIGKILL every prefill for 10 s, then start them again",
+        kill_all_prefills,
+        {"after": after_all_prefills},
+    ),
 }

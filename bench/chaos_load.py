@@ -136,6 +136,7 @@ class Load:
         create = client.completions.with_raw_response.create
         if stream:
             raw = await create(model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens, stream=True)
+            path = raw.headers.get(PATH_HEADER)
             async for chunk in raw.parse():
                 for c in chunk.choices:
                     if c.text and first is None:
@@ -143,12 +144,12 @@ class Load:
                     n += 1 if c.text else 0
                     finish = c.finish_reason or finish
         else:
-            raw = await create(model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens)
-            full = raw.parse()
+            answer = await create(model=self.a.model, prompt=prompt, max_tokens=self.a.max_tokens)
+            path = answer.headers.get(PATH_HEADER)
+            full = answer.parse()
             if full.choices:
                 n = full.usage.completion_tokens if full.usage else len(full.choices[0].text.split())
                 finish = full.choices[0].finish_reason
-        path = raw.headers.get(PATH_HEADER)
         if finish is None or n < self.a.max_tokens:
             return ("untyped", None, f"truncated 200: {n} tokens, finish_reason {finish}", first, path)
         return ("ok", None, "", first, path)
