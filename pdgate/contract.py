@@ -34,9 +34,20 @@ from pydantic import ValidationError
 from pdgate import claim_seal
 from pdgate.errors import Code, PDGateError
 from pdgate.models import MAX_KV_KEY, KVLocation, is_valid_id
-from pdgate.pairing import TP_GE_TRANSPORTS, KVFacts, KVShape, Mismatch, mismatch, source_rank, tp_mismatch
+from pdgate.pairing import (
+    TALKS_TO,
+    TP_GE_TRANSPORTS,
+    KVFacts,
+    KVShape,
+    Mismatch,
+    mismatch,
+    source_rank,
+    tp_mismatch,
+    transports_talk,
+)
 
 __all__ = [
+    "TALKS_TO",
     "TP_GE_TRANSPORTS",
     "InvalidTransferParams",
     "KVFacts",
@@ -49,6 +60,7 @@ __all__ = [
     "prefill_request",
     "source_rank",
     "tp_mismatch",
+    "transports_talk",
     "with_claim",
 ]
 
@@ -293,10 +305,12 @@ def decode_request(
     """The prefill's answer as the router forwards it to a decode, the one definition of that hop.
 
     Everything the prefill said travels verbatim (a vLLM NIXL prefill's keys included) but a claim, which
-    only the router grants (`with_claim`); the router's handoff id wins, and the prefill's `kv_key` and
-    `metaserver`, when it sent them, win over the router's (the router refuses an answer whose `kv_key` is
-    not the handoff's). Done on the dict the router already checked with `parse`, so that keys this
-    contract does not type travel as they came; the decode parses them again, naming any field it refuses.
+    only the router grants (`with_claim`); the router's handoff id wins, and so does the router's
+    `metaserver` when it has one: a prefill naming another ledger would send the decode to claim from (and
+    pull where) that ledger says. The prefill's `kv_key` wins (the router refuses an answer whose `kv_key`
+    is not the handoff's), and its `metaserver` is kept only where the router has none. Done on the dict
+    the router already checked with `parse`, so that keys this contract does not type travel as they came;
+    the decode parses them again, naming any field it refuses.
     """
     out = dict(answer)
     for key in _ROUTER_KEYS:
@@ -306,7 +320,7 @@ def decode_request(
     out["transfer_id"] = transfer_id
     if out.get("kv_key") is None and kv_key is not None:
         out["kv_key"] = kv_key
-    if out.get("metaserver") is None and metaserver:
+    if metaserver:
         out["metaserver"] = metaserver
     return out
 

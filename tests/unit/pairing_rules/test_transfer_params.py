@@ -69,6 +69,10 @@ def test_the_decode_request_keeps_what_the_prefill_said() -> None:
     assert out["kv_key"] == 9  # the prefill's own value wins
     assert out["remote_block_ids"] == [[1, 2]] and out["metaserver"] == "http://meta:1"
     assert (out["remote_host"], out["tp_size"]) == ("10.0.0.5", 2)
+    # A prefill naming another ledger does not get to send the decode there: the router's wins.
+    hostile = decode_request({**from_p, "metaserver": "http://evil:1"}, "pd-1", kv_key=9, metaserver="http://meta:1")
+    assert hostile["metaserver"] == "http://meta:1"
+    assert decode_request({"metaserver": "http://m:2"}, "t", kv_key=5)["metaserver"] == "http://m:2"  # none of ours
     no_key = decode_request({"kv_key": None}, "t", kv_key=5, metaserver=None)
     assert no_key["kv_key"] == 5 and "metaserver" not in no_key
     assert from_p == {  # the prefill's answer itself is left as it was
