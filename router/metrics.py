@@ -13,6 +13,7 @@ Phases of a request, each its own histogram so each gets buckets that fit it:
 from __future__ import annotations
 
 from pdgate.router.breaker import BreakerState
+from pdgate.router.decider import PATH_REASONS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["LABEL_CODE", "LABEL_INSTANCE", "LABEL_ROLE", "LABEL_SIDE", "RouterMetrics"]
@@ -86,6 +87,13 @@ class RouterMetrics:
             "Requests whose malformed traceparent/tracestate was not forwarded to the engines",
             registry=r,
         )
+        decisions = Counter(
+            "pdgate_router_decisions",
+            "PD or whole per request, by the decider's rule (router/decider.py)",
+            ["path", "reason"],
+            registry=r,
+        )
+        self._decisions = {(a.value, b.value): decisions.labels(a.value, b.value) for a, b in PATH_REASONS}
         self._error_children: dict[str, Counter] = {}
 
     def error(self, code: str) -> None:
@@ -93,6 +101,10 @@ class RouterMetrics:
         if child is None:
             child = self._error_children[code] = self.errors.labels(code)
         child.inc()
+
+    def decision(self, labels: tuple[str, str]) -> None:
+        """Count one decision (`Decision.labels`: path, reason)."""
+        self._decisions[labels].inc()
 
     def set_breaker(self, instance_id: str, state: BreakerState) -> None:
         self.breaker_state.labels(instance_id).set(state.gauge)

@@ -1,0 +1,191 @@
+"""Conditional disaggregation: for each request, PD (prefill on a prefill, decode pulls the KV) or whole
+(the decode instance runs the request alone), and why (issue #22 item 3). Pure: every input is passed in
+(the candidates' state is a snapshot the caller took), like the policies; the caller counts the decision
+(`RouterMetrics.decision`) and carries it out.
+
+Why a threshold on the non-cached prompt. PD pays a fixed price per request: a second engine hop, the
+handoff in the ledger, the KV transfer and the prefill's own queue. What it buys is a decode whose running
+streams are not stalled by long prefills, and that only outweighs the price when the prefill is long.
+Measured on this project's CPU machine class (/work/shared/reference/goodput-method.md; max goodput under
+TTFT and TPOT SLOs, PD 1P1D vs two colocated replicas): ~2,048-token prompts PD 1.0-1.2x colocated;
+128-token prompts 0.16-0.38x; mixed 50-2,000 tokens 0.39x. So short prompts must go whole and only long
+ones gain from PD; the break-even lies between 128 and 2,048 tokens. The default, 1,024 non-cached tokens
+(`DeciderConfig.min_pd_tokens`), sits below the measured even point on purpose: on accelerators the
+transfer is cheaper relative to the prefill (fast interconnects) and the interference PD removes grows
+with batch size, both moving the break-even down; llm-d's P/D decider and Dynamo's conditional
+disaggregation gate on the same quantity with thresholds of that order. Deployments should measure theirs
+(`--pd-min-tokens`).
+
+Non-cached, not prompt length. A prompt the candidate decode already holds mostly in its prefix cache costs
+that decode little to prefill, so what counts is the prompt minus the decode's cached prefix (Dynamo:
+"prefill locally when the decode already holds most of it"); the cached length comes from the KV-event
+index (`kv_index.py`) and is 0 when events are off.
+
+Order of the rules (first match wins), each a `Reason`:
+  mode "always"/"never"       today's behaviour (always PD) or PD off, whatever the request
+  no_prefill                  no prefill can take the request (none eligible, or no decode pairs with one)
+  ledger_down                 the handoff ledger is known to be down: PD would fail, whole needs no ledger
+  short_prompt                the prompt itself is under the threshold
+  decode_cached               the prompt is long but the decode's cached prefix leaves less than the threshold
+  prefill_busy                the prefill's queue is at `prefill_busy_load` and deeper than the decode's:
+                              PD would queue longer than running whole
+  slo_ttft                    the client set x-slo-ttft-ms and the prefill's queue is deeper than the decode's
+                              (PD's extra hop and queue count against TTFT)
+  slo_tpot -> PD              the client set x-slo-tpot-ms at or under `strict_tpot_ms`: the threshold halves,
+                              since a prefill run whole stalls the decode's streams for its duration
+  long_prompt -> PD           the non-cached prompt reaches the threshold
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "PATH_REASONS",
+    "DeciderConfig",
+    "Decision",
+    "Inputs",
+    "Path",
+    "Reason",
+    "SideState",
+    "Slo",
+    "decide",
+    "slo_from_headers",
+]
+
+HEADER_TTFT = "x-slo-ttft-ms"
+HEADER_TPOT = "x-slo-tpot-ms"
+
+
+class Path(enum.Enum):
+    PD = "pd"
+    WHOLE = "whole"
+
+
+class Reason(enum.Enum):
+    ALWAYS = "always"
+    NEVER = "never"
+    NO_PREFILL = "no_prefill"
+    LEDGER_DOWN = "ledger_down"
+    SHORT_PROMPT = "short_prompt"
+    DECODE_CACHED = "decode_cached"
+    PREFILL_BUSY = "prefill_busy"
+    SLO_TTFT = "slo_ttft"
+    SLO_TPOT = "slo_tpot"
+    LONG_PROMPT = "long_prompt"
+
+
+# Every (path, reason) the decider can answer: the metric's label pairs, created at zero.
+PATH_REASONS: tuple[tuple[Path, Reason], ...] = (
+    (Path.PD, Reason.ALWAYS),
+    (Path.WHOLE, Reason.NEVER),
+    (Path.WHOLE, Reason.NO_PREFILL),
+    (Path.WHOLE, Reason.LEDGER_DOWN),
+    (Path.WHOLE, Reason.SHORT_PROMPT),
+    (Path.WHOLE, Reason.DECODE_CACHED),
+    (Path.WHOLE, Reason.PREFILL_BUSY),
+    (Path.WHOLE, Reason.SLO_TTFT),
+    (Path.PD, Reason.SLO_TPOT),
+    (Path.PD, Reason.LONG_PROMPT),
+)
+
+MODES = ("always", "conditional", "never")
+
+
+@dataclass(frozen=True, slots=True)
+class DeciderConfig:
+    mode: str = "always"  # today's behaviour until a deployment opts in (`--disaggregation conditional`)
+    min_pd_tokens: int = 1024  # non-cached prompt tokens from which PD pays (module docstring)
+    prefill_busy_load: float = 8.0  # a prefill this loaded (`policies.load_of`) and busier than the decode
+    strict_tpot_ms: float = 50.0  # a TPOT SLO at or under this halves the threshold
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}")
+        if self.min_pd_tokens < 0 or self.prefill_busy_load <= 0 or self.strict_tpot_ms <= 0:
+            raise ValueError("thresholds must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class SideState:
+    """One candidate instance as the decider sees it: its load (`policies.load_of`) and KV use (0..1)."""
+
+    id: str
+    load: float
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    prompt_tokens: int
+    decode: SideState  # the decode chosen for the request (it runs it whole, or pulls the KV)
+    prefill: SideState | None  # the best prefill that pairs with it; None: no prefill can take it
+    decode_cached_tokens: int = 0  # leading prompt tokens the decode's prefix cache holds (KV events)
+    ledger_ok: bool = True
+    slo: Slo = Slo()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    path: Path
+    reason: Reason
+    where: str  # the instance that runs the request whole, or the prefill of a PD request
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return self.path.value, self.reason.value
+
+
+def decide(cfg: DeciderConfig, x: Inputs) -> Decision:
+    """PD or whole for one request, the rule that decided and where it goes (module docstring)."""
+    whole_at = x.decode.id
+    if cfg.mode == "never":
+        return Decision(Path.WHOLE, Reason.NEVER, whole_at)
+    if cfg.mode == "always":
+        return Decision(Path.PD, Reason.ALWAYS, x.prefill.id if x.prefill is not None else "")
+    p = x.prefill
+    if p is None:
+        return Decision(Path.WHOLE, Reason.NO_PREFILL, whole_at)
+    if not x.ledger_ok:
+        return Decision(Path.WHOLE, Reason.LEDGER_DOWN, whole_at)
+    threshold = cfg.min_pd_tokens
+    strict_tpot = x.slo.tpot_ms is not None and x.slo.tpot_ms <= cfg.strict_tpot_ms
+    if strict_tpot:
+        threshold //= 2
+    suffix = x.prompt_tokens - min(max(x.decode_cached_tokens, 0), x.prompt_tokens)
+    if x.prompt_tokens < threshold:
+        return Decision(Path.WHOLE, Reason.SHORT_PROMPT, whole_at)
+    if suffix < threshold:
+        return Decision(Path.WHOLE, Reason.DECODE_CACHED, whole_at)
+    if p.load >= cfg.prefill_busy_load and p.load > x.decode.load:
+        return Decision(Path.WHOLE, Reason.PREFILL_BUSY, whole_at)
+    if x.slo.ttft_ms is not None and p.load > x.decode.load:
+        return Decision(Path.WHOLE, Reason.SLO_TTFT, whole_at)
+    if strict_tpot and suffix < cfg.min_pd_tokens:
+        return Decision(Path.PD, Reason.SLO_TPOT, p.id)
+    return Decision(Path.PD, Reason.LONG_PROMPT, p.id)
+
+
+def _positive_ms(raw: str | None) -> float | None:
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def slo_from_headers(headers: Mapping[str, str]) -> Slo:
+    """The request's SLO headers (as llm-d names them); a missing or malformed value is no SLO. Header
+    names must be lower-case keys, as ASGI gives them."""
+    return Slo(_positive_ms(headers.get(HEADER_TTFT)), _positive_ms(headers.get(HEADER_TPOT)))
