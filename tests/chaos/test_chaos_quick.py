@@ -4,7 +4,8 @@ One run of the real script (its own process, as users run it) feeds every test h
 scenario against a real stack (redis-server, metaserver, router, 2P2D pdgate-sim), load on the official
 `openai` client. What must hold for each fault: nothing untyped reaches a client, no handoff is left
 READY/CLAIMED past its leases, no prefill block stays held, and the stack recovers. The run must also
-leave no process behind.
+leave no process behind. Every row carries the issue-24 columns: errors seen by clients and the latency
+the fault added (p50/p99 TTFT and end-to-end, during the fault window against before it).
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def test_fault_loses_nothing(quick: dict[str, dict[str, Any]], name: str) -> Non
     assert not failed, row["checks"]
 
 
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_row_says_what_clients_saw_and_what_the_fault_cost(quick: dict[str, dict[str, Any]], name: str) -> None:
+    row = quick[name]
+    assert row["client_errors"] == sum(row["typed"].values()) + row["untyped"], row
+    assert row["engines_survive"] is True  # no scenario here takes every engine down
+    lat = row["latency"]
+    assert lat["window_s"] >= 2.0, lat  # at least the quick mode's quiet time
+    for period in ("before", "during"):
+        assert lat[period]["n"] > 0, lat  # streams answered fully on both sides of the fault
+        assert 0 < lat[period]["ttft_p50_ms"] <= lat[period]["ttft_p99_ms"] <= lat[period]["e2e_p99_ms"], lat
+    for key in ("added_ttft_ms", "added_e2e_ms"):
+        assert len(row[key]) == 2 and all(isinstance(v, float) for v in row[key]), row[key]
+    assert isinstance(row["served_whole"], int)
+
+
 def test_redis_down_answers_typed_503_fast_and_health_says_why(quick: dict[str, dict[str, Any]]) -> None:
     for name in ("4a-redis-restart", "4b-redis-restart-aof"):
         checks = quick[name]["checks"]
@@ -84,14 +100,15 @@ def test_every_started_process_is_gone(quick: dict[str, dict[str, Any]]) -> None
 
 def test_outage_is_named_as_the_metaserver_also_past_the_instance_lease(quick: dict[str, dict[str, Any]]) -> None:
     """Redis (or the metaserver) down longer than the engines' instance lease: while it is down the router
-    answers pd_metaserver_unavailable, and right after it is back it keeps serving the engines whose records
-    lapsed meanwhile, instead of answering pd_no_compatible_pair until they re-register. (Requests of the
+    serves (whole, issue 24) or answers pd_metaserver_unavailable, and right after it is back it keeps
+    serving the engines whose records lapsed meanwhile, instead of answering pd_no_compatible_pair until
+    they re-register. (Requests of the
     load that fail in the moments before the router's registry refresh notices the outage can still open
     breakers; those are closed again when it does: see `Pool.ledger_outage`.)"""
     for name in ("4a-redis-restart", "4b-redis-restart-aof", "5-metaserver-restart"):
         checks = quick[name]["checks"]
         during, after = checks["probe_answers"], checks["probe_after_answers"]
         assert during and after, checks
-        assert all(k == "503 pd_metaserver_unavailable" for k in during), during
+        assert all(k == "503 pd_metaserver_unavailable" or k.startswith("200") for k in during), during
         assert all(k == "503 pd_metaserver_unavailable" or k.startswith("200") for k in after), after
         assert any(k.startswith("200") for k in after), after
