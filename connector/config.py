@@ -33,6 +33,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from pdgate.connector.errors import ConfigError
+from pdgate.connector.transport.mooncake import PROTOCOLS as MOONCAKE_PROTOCOLS
 
 __all__ = [
     "ALLOWED_KEYS",
@@ -48,7 +49,7 @@ __all__ = [
     "settings_table",
 ]
 
-TRANSPORTS = ("nixl", "llmdatadist")
+TRANSPORTS = ("nixl", "mooncake", "llmdatadist")
 
 # Environment fallbacks for keys that should stay off the command line (the key, when set, wins).
 ENV_METASERVER_URL = "PDGATE_CONNECTOR_METASERVER_URL"
@@ -125,9 +126,16 @@ class ConnectorConfig:
         shown="`<role>-<host>-<port>-dp<rank>`",
     )
     model: str = _key("str", "The model name to advertise.", shown="the served model name")
-    transport: str = _key("transport", "`nixl` or `llmdatadist`.", default="nixl")
+    transport: str = _key("transport", "`nixl`, `mooncake` or `llmdatadist`.", default="nixl")
     transport_options: Mapping[str, Any] = _key(
         "dict", "Keyword arguments for the transport (see `transport/README.md`).", factory=dict
+    )
+    mooncake_protocol: str | None = _key(
+        "mooncake_protocol",
+        "mooncake: `tcp`, `rdma` or `ascend`; P and D must agree. Unset: the installed wheel's (`-non-cuda` tcp, "
+        "`-npu` ascend, CUDA builds rdma).",
+        default=None,
+        shown="the installed wheel's",
     )
     rank_table: str | None = _key(
         "str",
@@ -402,6 +410,10 @@ def _check(key: str, value: Any, *, where: str | None = None) -> Any:
     if kind == "transport":
         if value not in TRANSPORTS:
             raise bad(f"one of {list(TRANSPORTS)}")
+        return value
+    if kind == "mooncake_protocol":
+        if value not in MOONCAKE_PROTOCOLS:
+            raise bad(f"one of {list(MOONCAKE_PROTOCOLS)}")
         return value
     if kind in ("pos", "nonneg"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):

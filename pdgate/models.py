@@ -157,6 +157,7 @@ class InstanceState(str, Enum):
 
 class TransportKind(str, Enum):
     NIXL = "nixl"  # NIXL/UCX: GPU hosts and the portable CPU path
+    MOONCAKE = "mooncake"  # Mooncake transfer engine: tcp on CPU, rdma, ascend on NPUs
     LLMDATADIST = "llmdatadist"  # CANN llm_datadist on Ascend NPUs
     SIM = "sim"  # pdgate-sim engines: no bytes move
 

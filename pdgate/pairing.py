@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Protocol
 from pdgate.models import TransportKind
 
 __all__ = [
+    "TALKS_TO",
     "TP_GE_TRANSPORTS",
     "KVFacts",
     "KVShape",
@@ -38,7 +39,20 @@ __all__ = [
     "mismatch",
     "source_rank",
     "tp_mismatch",
+    "transports_talk",
 ]
+
+# Which prefill transports a decode's transport can pull from. Each engine speaks only its own wire protocol
+# (NIXL's UCX, Mooncake's transfer engine and llm_datadist's HCCS links cannot read each other's memory, even
+# on one host), so every kind talks only to itself: mooncake only with mooncake. Mooncake's protocol (tcp,
+# rdma, ascend) is a setting of the connector, checked by the transport itself before a byte moves.
+TALKS_TO: dict[TransportKind, frozenset[TransportKind]] = {kind: frozenset({kind}) for kind in TransportKind}
+
+
+def transports_talk(prefill: TransportKind, decode: TransportKind) -> bool:
+    """Whether a decode on transport `decode` can pull a prefill's KV held behind transport `prefill`."""
+    return prefill in TALKS_TO.get(decode, frozenset())
+
 
 # Transports whose decode ranks each link to one prefill rank of their own: they need P tp >= D tp.
 TP_GE_TRANSPORTS: frozenset[TransportKind] = frozenset({TransportKind.LLMDATADIST})
@@ -128,7 +142,7 @@ def mismatch(p: KVShape, d: KVShape) -> Mismatch | None:
     if a is not None and b is not None and a != b:
         return Mismatch("kv_layout", a, b)
     a, b = p.transport, d.transport
-    if a is not None and b is not None and a != b:
+    if a is not None and b is not None and not transports_talk(a, b):
         return Mismatch("transport", a, b)
     a, b = p.tp_size, d.tp_size
     if a is None or b is None or a == b:

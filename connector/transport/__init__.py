@@ -1,7 +1,7 @@
 """KV block transports behind one small interface: ``base.py`` (the interface and the shapes of a pull),
 ``errors.py`` (the failures); import them from there.
 
-Engine adapters (``nixl.py``, ``llmdatadist.py``) import their engine lazily, inside the
+Engine adapters (``nixl.py``, ``mooncake.py``, ``llmdatadist.py``) import their engine lazily, inside the
 constructor, so importing this package never pulls in nixl, CANN or torch.
 """
 
@@ -16,8 +16,12 @@ def transport_class(kind: str) -> type[Transport]:
         from pdgate.connector.transport.nixl import NixlTransport
 
         return NixlTransport
+    if kind == "mooncake":
+        from pdgate.connector.transport.mooncake import MooncakeTransport
+
+        return MooncakeTransport
     if kind == "llmdatadist":
         from pdgate.connector.transport.llmdatadist import LLMDataDistTransport
 
         return LLMDataDistTransport
-    raise ValueError(f"unknown transport kind {kind!r}; expected 'nixl' or 'llmdatadist'")
+    raise ValueError(f"unknown transport kind {kind!r}; expected 'nixl', 'mooncake' or 'llmdatadist'")

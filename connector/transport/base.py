@@ -47,6 +47,7 @@ __all__ = [
     "check_pull",
     "check_pull_against",
     "coalesce",
+    "merge_extents",
     "regions_from_address",
     "regions_to_address",
 ]
@@ -283,6 +284,22 @@ def check_pull_against(req: PullRequest, local: Sequence[KVRegion], remote: Sequ
         local_num_blocks=min(r.num_blocks for r in local),
         remote_num_blocks=min(r.num_blocks for r in remote),
     )
+
+
+def merge_extents(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
+    """Union of the regions' byte extents as (start, length), in address order.
+
+    What an engine registers: vLLM allocates every layer's KV back to back, so the whole cache is one
+    extent and one registration; regions with gaps between them stay separate; overlapping K/V views of
+    one buffer are registered once (Mooncake refuses overlapping registrations)."""
+    spans = sorted((r.base_ptr, r.base_ptr + r.extent) for r in regions)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e - s) for s, e in merged]
 
 
 def coalesce(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]:

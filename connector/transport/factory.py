@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
 
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.devices import DeviceIdentity
@@ -48,6 +49,12 @@ def make_transport(
         raise ConfigError(str(exc)) from exc
     if cfg.transport == "nixl":
         options.setdefault("agent_name", f"{cfg.instance_id}-tp{tp_rank}-{os.getpid()}")
+        return cls(pull_timeout_s=cfg.pull_timeout_s, **options)
+    if cfg.transport == "mooncake":
+        # The session peers reach us at: this server's own host (the one the router calls).
+        options.setdefault("hostname", urlsplit(cfg.url).hostname or "127.0.0.1")
+        if cfg.mooncake_protocol:
+            options.setdefault("protocol", cfg.mooncake_protocol)
         return cls(pull_timeout_s=cfg.pull_timeout_s, **options)
     # llmdatadist: `transport_class` knows no other kind.
     if cfg.role not in ("prefill", "decode"):

@@ -50,6 +50,7 @@ from pdgate.connector.transport.base import (
     RemotePeer,
     Transport,
     coalesce,
+    merge_extents,
 )
 from pdgate.connector.transport.errors import (
     EngineError,
@@ -82,19 +83,6 @@ def _map_nixl_error(exc: BaseException, what: str) -> TransportError:
     if name == "nixlCancelledError":
         return LinkError(f"{what}: {exc}", engine_code=name)
     return EngineError(f"{what}: {exc!r}", engine_code=name)
-
-
-def _merge_extents(regions: Sequence[KVRegion]) -> list[tuple[int, int]]:
-    """Union of the regions' byte extents as (start, length), so overlapping K/V views of one
-    buffer are registered once."""
-    spans = sorted((r.base_ptr, r.base_ptr + r.extent) for r in regions)
-    merged: list[list[int]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e - s) for s, e in merged]
 
 
 def _block_table(regions: Sequence[KVRegion], device_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +183,7 @@ class NixlTransport(Transport):
 
     def register(self, regions: Sequence[KVRegion]) -> None:
         self._check_registration(regions)
-        extents = [(start, length, self._device_id, "") for start, length in _merge_extents(regions)]
+        extents = [(start, length, self._device_id, "") for start, length in merge_extents(regions)]
         try:
             self._reg_descs = self._agent.register_memory(extents, self._mem_type)
             rows, offsets = _block_table(regions, self._device_id)
