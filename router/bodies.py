@@ -22,6 +22,7 @@ prompt only, so one prefill of all of them would leave the others to be recomput
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ class RequestFacts:
     prompt_tokens: int  # estimate: characters / 4, or the length of a token-id prompt
     max_tokens: int
     prefix: bytes  # the first `prefix_chars` of the prompt, for prefix affinity
+    token_ids: Sequence[int] | None = None  # a completions prompt given as token ids (kv-event prefix lookups)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -128,7 +130,9 @@ def request_facts(body: dict[str, Any], endpoint: str, prefix_chars: int) -> Req
         max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         max_tokens = _DEFAULT_MAX_TOKENS
-    return RequestFacts(endpoint, model, stream, tokens, max_tokens, prefix)
+    ids = body.get("prompt") if endpoint != CHAT else None
+    token_ids = ids if isinstance(ids, list) and ids and isinstance(ids[0], int) else None  # validated shape
+    return RequestFacts(endpoint, model, stream, tokens, max_tokens, prefix, token_ids)
 
 
 def split_prompts(body: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -99,6 +99,7 @@ class BlockHasher:
 @dataclass(frozen=True, slots=True)
 class Stored:
     keys: tuple[int, ...]
+    block_size: int = 0  # tokens per block, as the engine states it (0: not stated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class KVIndex:
         self._blocks: dict[str, set[int]] = {}
         self._next: dict[str, int] = {}  # the sequence number expected next
         self._last_live: dict[str, int] = {}  # the last live sequence number seen (restart detection)
+        self._block_size: dict[str, int] = {}  # tokens per block, from the engine's BlockStored events
 
     # -- feeding -----------------------------------------------------------------------------
 
@@ -158,6 +160,8 @@ class KVIndex:
         for ev in events:
             if isinstance(ev, Stored):
                 held.update(ev.keys)
+                if ev.block_size:
+                    self._block_size[instance] = ev.block_size
             elif isinstance(ev, Removed):
                 held.difference_update(ev.keys)
             else:
@@ -189,6 +193,7 @@ class KVIndex:
         self._blocks.pop(instance, None)
         self._next.pop(instance, None)
         self._last_live.pop(instance, None)
+        self._block_size.pop(instance, None)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -203,6 +208,10 @@ class KVIndex:
                 break
             n += 1
         return n
+
+    def block_size(self, instance: str) -> int | None:
+        """The block size `instance`'s events stated (None before its first stored block)."""
+        return self._block_size.get(instance)
 
     def size(self, instance: str) -> int:
         held = self._blocks.get(instance)

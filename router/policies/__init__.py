@@ -39,12 +39,13 @@ class Policy(Protocol):
 
 
 def _registry() -> dict[str, type[Any]]:
+    from pdgate.router.policies.cache_aware import CacheAware
     from pdgate.router.policies.least_load import LeastLoad
     from pdgate.router.policies.power_of_two import PowerOfTwo
     from pdgate.router.policies.prefix_affinity import PrefixAffinity
     from pdgate.router.policies.round_robin import RoundRobin
 
-    return {cls.name: cls for cls in (RoundRobin, LeastLoad, PowerOfTwo, PrefixAffinity)}
+    return {cls.name: cls for cls in (RoundRobin, LeastLoad, PowerOfTwo, PrefixAffinity, CacheAware)}
 
 
 POLICIES: dict[str, type[Any]] = _registry()

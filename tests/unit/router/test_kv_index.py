@@ -27,6 +27,16 @@ def test_instances_are_separate() -> None:
     assert idx.total() == 3
 
 
+def test_the_block_size_is_the_engines_own() -> None:
+    idx = KVIndex()
+    assert idx.block_size("p1") is None
+    idx.apply("p1", 0, [Stored((1,), block_size=16)])
+    idx.apply("p1", 1, [Stored((2,))])  # unstated: kept
+    assert idx.block_size("p1") == 16
+    idx.forget("p1")
+    assert idx.block_size("p1") is None
+
+
 def test_a_gap_applies_nothing_until_replayed() -> None:
     idx = KVIndex()
     idx.apply("p1", 0, [Stored((1,))])

@@ -27,7 +27,7 @@ def facts(prefix: bytes = b"") -> RequestFacts:
 
 
 def test_registry_names() -> None:
-    assert sorted(POLICIES) == ["least_load", "power_of_two", "prefix_affinity", "round_robin"]
+    assert sorted(POLICIES) == ["cache_aware", "least_load", "power_of_two", "prefix_affinity", "round_robin"]
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("random")
     assert isinstance(make_policy("prefix_affinity", load_factor=2.0, unrelated=1), PrefixAffinity)
