@@ -1,0 +1,184 @@
+"""The KV-event subscriber against vLLM's own ZmqEventPublisher over real ZMQ sockets (no engine boot).
+
+The publisher is vLLM 0.32's class, in this process: its PUB socket, sequence numbers, msgpack batches
+and ROUTER replay socket are the engine's. A gap is made for real: batches published under another topic
+never pass the subscriber's topic filter, yet sit in the publisher's replay buffer under their numbers
+(the test sets the publisher's topic bytes between publishes; it waits until each batch was sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from pdgate.router.kv_events import KVEventSubscriber, Source, decode_batch
+from pdgate.router.kv_index import KVIndex, Outcome, block_key
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+
+from tests.support.ports import free_port
+
+TOPIC = "kv"
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def stored(*ids: int, medium: str = "GPU") -> BlockStored:
+    return BlockStored(
+        block_hashes=[h(i) for i in ids],
+        parent_block_hash=None,
+        token_ids=[0] * 16 * len(ids),
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def removed(*ids: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[h(i) for i in ids], medium="GPU")
+
+
+class Pub:
+    """vLLM's publisher plus what the test needs: waiting until a batch was sent, and hiding batches."""
+
+    def __init__(self, replay: bool = True, buffer_steps: int = 100) -> None:
+        self.port = free_port()
+        self.replay_port = free_port() if replay else None
+        self.pub = ZmqEventPublisher(
+            0,
+            endpoint=f"tcp://*:{self.port}",
+            replay_endpoint=f"tcp://*:{self.replay_port}" if replay else None,
+            buffer_steps=buffer_steps,
+            topic=TOPIC,
+        )
+        self.sent = 0
+
+    def source(self, instance: str = "p1") -> Source:
+        replay = f"tcp://127.0.0.1:{self.replay_port}" if self.replay_port else None
+        return Source(instance, f"tcp://127.0.0.1:{self.port}", replay, TOPIC)
+
+    async def publish(self, *events: object, hidden: bool = False) -> None:
+        self.pub._topic_bytes = b"zz" if hidden else TOPIC.encode()  # another topic: filtered out live
+        self.pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
+        self.sent += 1
+        await until(lambda: self.pub._event_queue.unfinished_tasks == 0)
+        self.pub._topic_bytes = TOPIC.encode()
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def pubs() -> Iterator[list[Pub]]:
+    made: list[Pub] = []
+    yield made
+    for p in made:
+        p.pub.shutdown()
+
+
+async def connected(pub: Pub, index: KVIndex, instance: str = "p1") -> None:
+    """PUB/SUB drops what is sent before the subscription is live: send empty batches until one lands."""
+    while index.expected(instance) is None:
+        await pub.publish()
+        await asyncio.sleep(0.02)
+
+
+async def test_stored_removed_cleared_reach_the_index(pubs: list[Pub]) -> None:
+    pubs.append(pub := Pub())
+    index = KVIndex()
+    seen: list[Outcome] = []
+    sub = KVEventSubscriber(index, on_outcome=lambda _i, o: seen.append(o))
+    sub.sync({"p1": pub.source()})
+    try:
+        await connected(pub, index)
+        await pub.publish(stored(1, 2, 3), stored(7, medium="CPU"))
+        await until(lambda: index.size("p1") == 3)
+        assert index.matched("p1", [block_key(h(i)) for i in (1, 2, 3)]) == 3
+        assert index.block_size("p1") == 16
+        await pub.publish(removed(2))
+        await until(lambda: index.size("p1") == 2)
+        assert index.matched("p1", [block_key(h(1)), block_key(h(2))]) == 1
+        await pub.publish(AllBlocksCleared(), stored(9))
+        await until(lambda: index.expected("p1") == pub.sent)
+        assert index.size("p1") == 1 and index.matched("p1", [block_key(h(9))]) == 1
+        assert set(seen) == {Outcome.APPLIED}
+    finally:
+        await sub.close()
+
+
+async def test_a_gap_is_filled_from_the_replay_socket(pubs: list[Pub]) -> None:
+    pubs.append(pub := Pub())
+    index = KVIndex()
+    seen: list[Outcome] = []
+    sub = KVEventSubscriber(index, on_outcome=lambda _i, o: seen.append(o))
+    sub.sync({"p1": pub.source()})
+    try:
+        await connected(pub, index)
+        await pub.publish(stored(1))
+        await pub.publish(stored(2), hidden=True)
+        await pub.publish(removed(1), stored(3), hidden=True)
+        await pub.publish(stored(4))  # the subscriber sees a gap here and asks for the two it missed
+        await until(lambda: index.expected("p1") == pub.sent)
+        assert Outcome.GAP in seen
+        assert index.matched("p1", [block_key(h(i)) for i in (2, 3, 4)]) == 3
+        assert index.matched("p1", [block_key(h(1))]) == 0  # the replayed removal was applied
+    finally:
+        await sub.close()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_an_unfillable_gap_drops_the_instance_until_fresh_events(pubs: list[Pub], replay: bool) -> None:
+    pubs.append(pub := Pub(replay=replay, buffer_steps=2))
+    index = KVIndex()
+    sub = KVEventSubscriber(index, replay_timeout_s=2.0)
+    sub.sync({"p1": pub.source()})
+    try:
+        await connected(pub, index)
+        await pub.publish(stored(1, 2))
+        for i in range(4):  # more than the replay buffer keeps
+            await pub.publish(stored(10 + i), hidden=True)
+        await pub.publish(stored(5))
+        await until(lambda: index.expected("p1") == pub.sent)
+        # what was held before the hole is unknown now: only the fresh batch counts
+        assert index.matched("p1", [block_key(h(1))]) == 0
+        assert index.matched("p1", [block_key(h(5))]) == 1
+        assert index.size("p1") == 1
+    finally:
+        await sub.close()
+
+
+async def test_an_instance_that_leaves_takes_its_entries(pubs: list[Pub]) -> None:
+    pubs.append(a := Pub())
+    pubs.append(b := Pub())
+    index = KVIndex()
+    sub = KVEventSubscriber(index)
+    sub.sync({"p1": a.source("p1"), "p2": b.source("p2")})
+    try:
+        await connected(a, index, "p1")
+        await connected(b, index, "p2")
+        await a.publish(stored(1))
+        await b.publish(stored(1))
+        await until(lambda: index.size("p1") == 1 and index.size("p2") == 1)
+        sub.sync({"p2": b.source("p2")})
+        assert sub.following() == ["p2"] and index.instances() == ["p2"]
+        await a.publish(stored(2))
+        await b.publish(stored(3))
+        await until(lambda: index.size("p2") == 2)
+        assert index.size("p1") == 0
+    finally:
+        await sub.close()
+
+
+def test_a_payload_that_is_not_a_batch_is_refused() -> None:
+    with pytest.raises(ValueError):
+        decode_batch(b"\x93\x01")
+    with pytest.raises(ValueError):
+        decode_batch(b"not msgpack \xc1")
