@@ -41,7 +41,7 @@ log "ruff"
 # folders are linked under build/typecheck/pdgate (pyproject's mypy_path) first.
 log "mypy --strict"
 mkdir -p build/typecheck/pdgate
-for d in router metaserver connector deploy sim; do ln -sfn "$ROOT/$d" "build/typecheck/pdgate/$d"; done
+for d in router metaserver connector deploy sim cli; do ln -sfn "$ROOT/$d" "build/typecheck/pdgate/$d"; done
 for f in pdgate/*.py; do ln -sfn "$ROOT/$f" "build/typecheck/$f"; done
 "$VENV/bin/mypy" -p pdgate
 log "pytest"

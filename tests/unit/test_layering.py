@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("router", "metaserver", "connector", "sim", "deploy")
+PACKAGES = ("router", "metaserver", "connector", "sim", "deploy", "cli")
 # The router may run the metaserver in its own process (no --metaserver): only these modules build it,
 # serve its routes on the fast lane, or check that its store is shared between workers.
 EMBEDS = {"router/app.py", "router/routes.py", "router/workers.py"}
