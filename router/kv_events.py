@@ -42,7 +42,7 @@ import zmq.asyncio
 from pdgate.router.kv_index import Cleared, KVEvent, KVIndex, Outcome, Removed, Stored, block_key
 from pdgate.router.pairing import InstanceView
 
-__all__ = ["KVEventSubscriber", "Source", "decode_batch", "parse_sources", "sources_for"]
+__all__ = ["KVEventSubscriber", "KVEvents", "Source", "decode_batch", "parse_sources", "sources_for"]
 
 log = logging.getLogger("pdgate.router.kv_events")
 
@@ -235,3 +235,42 @@ class KVEventSubscriber:
                 return  # the rest cannot be applied in order: the caller resumes after the gap
             if self.index.apply(instance, seq, events, replayed=True) is Outcome.GAP:
                 return  # the buffer no longer holds the start: the caller resumes
+
+
+class KVEvents:
+    """The router's KV-event following as one piece: the index the policy reads, the subscriber feeding it,
+    and the loop keeping the subscriber on the pool's instances (`run`, started by the app's lifespan)."""
+
+    def __init__(
+        self,
+        explicit: dict[str, Source],
+        port: int | None = None,
+        replay_port: int | None = None,
+        max_blocks: int = 1 << 20,
+    ) -> None:
+        self.index = KVIndex(max_blocks)
+        self.explicit = explicit
+        self.port = port
+        self.replay_port = replay_port
+        self.subscriber: KVEventSubscriber | None = None
+
+    def update(self, views: Sequence[InstanceView]) -> None:
+        """Follow the publishers of `views` (the pool's snapshot); instances gone take their entries."""
+        if self.subscriber is None:
+            self.subscriber = KVEventSubscriber(self.index)
+        self.subscriber.sync(sources_for(views, self.explicit, self.port, self.replay_port))
+
+    async def run(self, views: Callable[[], Sequence[InstanceView]], interval_s: float) -> None:
+        """Re-read the pool's snapshot every `interval_s` (the registry refresh's period) until cancelled."""
+        seen: Sequence[InstanceView] | None = None
+        try:
+            while True:
+                now = views()
+                if now is not seen:  # the pool replaces its snapshot as a whole: identity is change
+                    self.update(now)
+                    seen = now
+                await asyncio.sleep(interval_s)
+        finally:
+            if self.subscriber is not None:
+                await self.subscriber.close()
+                self.subscriber = None

@@ -182,3 +182,27 @@ def test_a_payload_that_is_not_a_batch_is_refused() -> None:
         decode_batch(b"\x93\x01")
     with pytest.raises(ValueError):
         decode_batch(b"not msgpack \xc1")
+
+
+async def test_the_pool_follower_tracks_instances_as_they_come_and_go(pubs: list[Pub]) -> None:
+    from pdgate.router.kv_events import KVEvents
+    from pdgate.router.pairing import InstanceView
+
+    from pdgate.models import Role
+
+    pubs.append(pub := Pub())
+    kv = KVEvents({}, port=pub.port, replay_port=pub.replay_port)  # derived from the registration's URL
+    snapshot: list[tuple[InstanceView, ...]] = [(InstanceView("p1", Role.PREFILL, "http://127.0.0.1:1", "m"),)]
+    task = asyncio.create_task(kv.run(lambda: snapshot[0], 0.01))
+    try:
+        await connected(pub, kv.index)
+        await pub.publish(stored(1, 2))
+        await until(lambda: kv.index.size("p1") == 2)
+        snapshot[0] = ()  # the instance left the pool
+        await until(lambda: kv.index.instances() == [])
+        assert kv.subscriber is not None and kv.subscriber.following() == []
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert kv.subscriber is None
