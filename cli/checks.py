@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -322,9 +321,9 @@ def clock_skew(f: Facts) -> list[Finding]:
 
     try:
         client = redis.Redis.from_url(f.redis, socket_timeout=f.admin.s.timeout_s)
-        t0 = time.time()
+        t0 = f.clock()
         sec, usec = client.time()
-        t1 = time.time()
+        t1 = f.clock()
         client.close()
     except redis.RedisError as exc:
         return [Finding("clock", "fail", f"redis at {f.redis} cannot be read: {exc}", "check --redis")]

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pdgate.cli.client import Admin, CliError
@@ -49,7 +51,7 @@ class Facts:
     redis: str | None = None
     allowed_engine_networks: str | None = None
     side_channel_ports: str = "5600-5607"
-    notes: list[str] = field(default_factory=list)
+    clock: Callable[[], float] = time.time  # this host's wall clock (the clock check compares it)
 
 
 def gather(admin: Admin, args: argparse.Namespace) -> Facts:

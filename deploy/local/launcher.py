@@ -34,6 +34,7 @@ from pdgate.deploy.local.vllm_env import VllmEnvError, ensure_vllm_env
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pdgate.cli_config import write_cli_config
 from pdgate.settings import add_settings_flags, given, invalid_settings
 
 __all__ = ["ModelSettings", "UpSettings", "VenvSettings", "build_parser", "main", "parse_cli"]
@@ -221,18 +222,24 @@ def cmd_up(args: UpSettings) -> int:
         install=args.install,
     )
     stack = LocalStack(cfg, log=say)
+    cli_file: Path | None = None
     try:
         with Ticker(
             "still starting (vLLM engines take about a minute to boot on 2 cores; each one logs under "
             "the run dir above)"
         ):
             stack.start()
+        # For the `pdgate` command run from here (pdgate instances, top, doctor): this stack and its token.
+        cli_file = write_cli_config(Path(".pdgate") / "cli.toml", router=stack.url, token=stack.admin_token)
+        say(f"pdgate command configured for this stack in {cli_file} (try: pdgate instances, pdgate doctor)")
         demo(stack)
         if args.exit_after_demo:
             return 0
         return _serve_until_stopped(stack)
     finally:
         stack.stop()
+        if cli_file is not None:
+            cli_file.unlink(missing_ok=True)
         say("stopped")
 
 
