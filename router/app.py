@@ -201,7 +201,12 @@ def create_app(
     ledger_token = msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token
     parts.pool.key_public_names(claim_seal.claim_key(ledger_token))  # client-facing names, alike on every worker
     holder = parts.holder
-    options = {"load_factor": s.prefix_load_factor}
+    kv = holder["kv_events"] = _kv_events(s)  # None unless --kv-events / --kv-events-port
+    options = {
+        "load_factor": s.prefix_load_factor,
+        "kv_index": kv.index if kv is not None else None,
+        "hash_seed": s.kv_events_hash_seed,
+    }
     proxy = Proxy(
         s,
         pool=parts.pool,
@@ -281,6 +286,15 @@ class _Parts:
         self.cards = ModelCards(self.pool, lambda: self.holder["upstream"], clock, s.health_timeout_s, lambda: auth)
 
 
+def _kv_events(s: RouterSettings) -> Any:
+    """The KV-event following (router/kv_events.py) when configured; imported only then (pyzmq, msgspec)."""
+    if not s.kv_events and s.kv_events_port is None:
+        return None
+    from pdgate.router.kv_events import KVEvents
+
+    return KVEvents.from_settings(s)
+
+
 def _lifespan(
     s: RouterSettings,
     parts: _Parts,
@@ -319,6 +333,9 @@ def _lifespan(
             await discovery.health_once()
             discovery.start()
             stack.push_async_callback(discovery.stop)
+            if holder.get("kv_events") is not None:
+                holder["kv_events"].start(lambda: parts.pool.views, s.refresh_interval_s)
+                stack.push_async_callback(holder["kv_events"].stop)
             yield
 
     return lifespan

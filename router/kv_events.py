@@ -41,6 +41,7 @@ import zmq
 import zmq.asyncio
 from pdgate.router.kv_index import Cleared, KVEvent, KVIndex, Outcome, Removed, Stored, block_key
 from pdgate.router.pairing import InstanceView
+from pdgate.router.settings import RouterSettings
 
 __all__ = ["KVEventSubscriber", "KVEvents", "Source", "decode_batch", "parse_sources", "sources_for"]
 
@@ -253,12 +254,28 @@ class KVEvents:
         self.port = port
         self.replay_port = replay_port
         self.subscriber: KVEventSubscriber | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def update(self, views: Sequence[InstanceView]) -> None:
         """Follow the publishers of `views` (the pool's snapshot); instances gone take their entries."""
         if self.subscriber is None:
             self.subscriber = KVEventSubscriber(self.index)
         self.subscriber.sync(sources_for(views, self.explicit, self.port, self.replay_port))
+
+    @classmethod
+    def from_settings(cls, s: RouterSettings) -> KVEvents:
+        return cls(parse_sources(s.kv_events), s.kv_events_port, s.kv_events_replay_port, s.kv_events_max_blocks)
+
+    def start(self, views: Callable[[], Sequence[InstanceView]], interval_s: float) -> None:
+        """Start `run` in the background (the app's lifespan; `stop` ends it)."""
+        self._task = asyncio.get_running_loop().create_task(self.run(views, interval_s), name="kv-events")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def run(self, views: Callable[[], Sequence[InstanceView]], interval_s: float) -> None:
         """Re-read the pool's snapshot every `interval_s` (the registry refresh's period) until cancelled."""

@@ -30,8 +30,8 @@ from pdgate.urls import InvalidEngineURL, IPNetwork, check_engine_url, parse_net
 __all__ = ["ENV_PREFIX", "POLICY_NAMES", "RouterSettings", "build_parser", "parse_cli"]
 
 ENV_PREFIX = "PDGATE_ROUTER_"
-POLICY_NAMES = ("round_robin", "least_load", "power_of_two", "prefix_affinity")
-PolicyName = Literal["round_robin", "least_load", "power_of_two", "prefix_affinity"]
+POLICY_NAMES = ("round_robin", "least_load", "power_of_two", "prefix_affinity", "cache_aware")
+PolicyName = Literal["round_robin", "least_load", "power_of_two", "prefix_affinity", "cache_aware"]
 UrlList = Annotated[list[str], NoDecode]
 
 
@@ -113,6 +113,36 @@ class RouterSettings(BaseSettings):
     prefix_load_factor: float = Field(
         1.25, ge=1.0, description="prefix_affinity: skip an instance above this multiple of the mean load"
     )
+    kv_events: UrlList = Field(
+        default_factory=list,
+        json_schema_extra={"metavar": "ID=PUB[|REPLAY]"},
+        description="follow instance ID's vLLM KV events (--kv-events-config, zmq publisher) at PUB, with its "
+        "replay endpoint; cache_aware then knows what each instance holds (router/kv_events.py). Off by default",
+    )
+    kv_events_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="follow every registered instance's KV events at its URL's host, this port + its DP rank "
+        "(vLLM's offset); --kv-events names win",
+    )
+    kv_events_replay_port: int | None = Field(
+        None, ge=1, le=65535, description="with --kv-events-port: the engines' replay port (+ DP rank)"
+    )
+    kv_events_hash_seed: str = Field(
+        "vllm-none-hash", description="the engines' PYTHONHASHSEED when they set one (their block hashes' seed)"
+    )
+    kv_events_max_blocks: int = Field(
+        1 << 20, ge=1, description="blocks indexed per instance at most (about 70 MiB per million)"
+    )
+    disaggregation: Literal["always", "conditional", "never"] = Field(
+        "always",
+        description="PD for every request (always), by the decider's rules (conditional: router/decider.py), "
+        "or never (each request whole on a decode)",
+    )
+    pd_min_tokens: int = Field(
+        1024, ge=0, description="conditional: non-cached prompt tokens from which a request goes PD"
+    )
 
     # -- clients ----------------------------------------------------------------------------
     api_key: UrlList = Field(
@@ -193,7 +223,7 @@ class RouterSettings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     access_log: bool = Field(False, description="uvicorn access log (one line per request)")
 
-    @field_validator("prefill", "decode", "api_key", mode="before")
+    @field_validator("prefill", "decode", "api_key", "kv_events", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
