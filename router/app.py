@@ -201,7 +201,7 @@ def create_app(
     ledger_token = msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token
     parts.pool.key_public_names(claim_seal.claim_key(ledger_token))  # client-facing names, alike on every worker
     holder = parts.holder
-    kv = holder["kv_events"] = _kv_events(s)  # None unless --kv-events / --kv-events-port
+    kv = holder["kv_events"] = _kv_events(s, parts.metrics)  # None unless --kv-events / --kv-events-port
     options = {
         "load_factor": s.prefix_load_factor,
         "kv_index": kv.index if kv is not None else None,
@@ -286,13 +286,13 @@ class _Parts:
         self.cards = ModelCards(self.pool, lambda: self.holder["upstream"], clock, s.health_timeout_s, lambda: auth)
 
 
-def _kv_events(s: RouterSettings) -> Any:
+def _kv_events(s: RouterSettings, metrics: RouterMetrics) -> Any:
     """The KV-event following (router/kv_events.py) when configured; imported only then (pyzmq, msgspec)."""
     if not s.kv_events and s.kv_events_port is None:
         return None
     from pdgate.router.kv_events import KVEvents
 
-    return KVEvents.from_settings(s)
+    return KVEvents.from_settings(s, on_outcome=metrics.kv_event_batch)
 
 
 def _lifespan(

@@ -248,8 +248,10 @@ class KVEvents:
         port: int | None = None,
         replay_port: int | None = None,
         max_blocks: int = 1 << 20,
+        on_outcome: Callable[[str, Outcome], None] | None = None,
     ) -> None:
         self.index = KVIndex(max_blocks)
+        self._on_outcome = on_outcome  # each batch's fate, for the metrics
         self.explicit = explicit
         self.port = port
         self.replay_port = replay_port
@@ -259,12 +261,13 @@ class KVEvents:
     def update(self, views: Sequence[InstanceView]) -> None:
         """Follow the publishers of `views` (the pool's snapshot); instances gone take their entries."""
         if self.subscriber is None:
-            self.subscriber = KVEventSubscriber(self.index)
+            self.subscriber = KVEventSubscriber(self.index, on_outcome=self._on_outcome)
         self.subscriber.sync(sources_for(views, self.explicit, self.port, self.replay_port))
 
     @classmethod
-    def from_settings(cls, s: RouterSettings) -> KVEvents:
-        return cls(parse_sources(s.kv_events), s.kv_events_port, s.kv_events_replay_port, s.kv_events_max_blocks)
+    def from_settings(cls, s: RouterSettings, on_outcome: Callable[[str, Outcome], None] | None = None) -> KVEvents:
+        explicit = parse_sources(s.kv_events)
+        return cls(explicit, s.kv_events_port, s.kv_events_replay_port, s.kv_events_max_blocks, on_outcome)
 
     def start(self, views: Callable[[], Sequence[InstanceView]], interval_s: float) -> None:
         """Start `run` in the background (the app's lifespan; `stop` ends it)."""

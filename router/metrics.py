@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pdgate.router.breaker import BreakerState
 from pdgate.router.decider import PATH_REASONS
+from pdgate.router.kv_index import Outcome
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["LABEL_CODE", "LABEL_INSTANCE", "LABEL_ROLE", "LABEL_SIDE", "RouterMetrics"]
@@ -94,6 +95,14 @@ class RouterMetrics:
             registry=r,
         )
         self._decisions = {(a.value, b.value): decisions.labels(a.value, b.value) for a, b in PATH_REASONS}
+        kv_events = Counter(
+            "pdgate_router_kv_event_batches",
+            "KV-event batches from the engines, by what the index did (router/kv_index.py Outcome: applied, "
+            "duplicate, gap (replay asked), restart, overflow)",
+            ["outcome"],
+            registry=r,
+        )
+        self._kv_events = {o.value: kv_events.labels(o.value) for o in Outcome}
         self._error_children: dict[str, Counter] = {}
 
     def error(self, code: str) -> None:
@@ -105,6 +114,10 @@ class RouterMetrics:
     def decision(self, labels: tuple[str, str]) -> None:
         """Count one decision (`Decision.labels`: path, reason)."""
         self._decisions[labels].inc()
+
+    def kv_event_batch(self, _instance: str, outcome: Outcome) -> None:
+        """Count one KV-event batch (the subscriber's `on_outcome`)."""
+        self._kv_events[outcome.value].inc()
 
     def set_breaker(self, instance_id: str, state: BreakerState) -> None:
         self.breaker_state.labels(instance_id).set(state.gauge)

@@ -85,3 +85,8 @@ def test_the_prefill_holding_the_prompt_gets_it(
     for _ in range(4):
         client.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
     assert [s.count("prefill") for s in dep.by_role("prefill")] == [4, 0]  # started in order: pa, pb
+    text = dep.app.metrics.render().decode()
+    applied = [
+        ln for ln in text.splitlines() if ln.startswith('pdgate_router_kv_event_batches_total{outcome="applied"}')
+    ]
+    assert applied and float(applied[0].split()[-1]) >= 1
