@@ -40,8 +40,13 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from pdgate.router.bodies import RequestFacts
+from pdgate.router.policies import load_of
+from pdgate.router.pool import LiveInstance
+from pdgate.router.settings import RouterSettings
 
 __all__ = [
     "PATH_REASONS",
@@ -52,7 +57,10 @@ __all__ = [
     "Reason",
     "SideState",
     "Slo",
+    "config_from",
     "decide",
+    "decide_request",
+    "side",
     "slo_from_headers",
 ]
 
@@ -189,3 +197,36 @@ def slo_from_headers(headers: Mapping[str, str]) -> Slo:
     """The request's SLO headers (as llm-d names them); a missing or malformed value is no SLO. Header
     names must be lower-case keys, as ASGI gives them."""
     return Slo(_positive_ms(headers.get(HEADER_TTFT)), _positive_ms(headers.get(HEADER_TPOT)))
+
+
+def config_from(s: RouterSettings) -> DeciderConfig:
+    """The decider's settings (`--disaggregation`, `--pd-min-tokens`)."""
+    return DeciderConfig(mode=s.disaggregation, min_pd_tokens=s.pd_min_tokens)
+
+
+def side(inst: LiveInstance) -> SideState:
+    """An instance as the decider sees it: the policies' load and its last reported KV use."""
+    return SideState(inst.id, load_of(inst), inst.view.kv_usage)
+
+
+def decide_request(
+    cfg: DeciderConfig,
+    req: RequestFacts,
+    decode: LiveInstance,
+    prefill: LiveInstance | None,
+    *,
+    cached_tokens: Callable[[LiveInstance, RequestFacts], int] | None = None,
+    ledger_ok: bool = True,
+    slo: Slo = Slo(),
+) -> Decision:
+    """`decide` for the router's own objects: the decode and prefill the policies chose (None: no prefill
+    pairs with the decode), `cached_tokens` the KV-event lookup (`CacheAware.cached_tokens`; None when events
+    are off), the ledger's state (not `Pool.ledger_down`) and the request's SLO headers (`slo_from_headers`).
+    In mode "always" nothing is looked up: today's path costs nothing more."""
+    if cfg.mode != "conditional":
+        return decide(
+            cfg, Inputs(req.prompt_tokens, SideState(decode.id, 0.0), None if prefill is None else side(prefill))
+        )
+    cached = cached_tokens(decode, req) if cached_tokens is not None else 0
+    x = Inputs(req.prompt_tokens, side(decode), None if prefill is None else side(prefill), cached, ledger_ok, slo)
+    return decide(cfg, x)
