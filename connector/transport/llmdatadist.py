@@ -299,6 +299,8 @@ class LLMDataDistTransport(Transport):
 
     def poll(self) -> list[PullResult]:
         out: list[PullResult] = []
+        if self._closed:  # a pull that ended while close() waited for it is abandoned, not reported
+            return out
         while True:
             try:
                 out.append(self._results.get_nowait())

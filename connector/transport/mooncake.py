@@ -23,9 +23,13 @@ Why it looks like this (what Mooncake 0.3.13 does, checked on CPU hosts over pro
   made no progress for that long, and the read returns -1. We never report a failure while a read may
   still be writing, so ``PullRequest.timeout_s`` only fails pulls that waited in the queue past it.
 * Mooncake answers every failure with -1. Which one it was is told by what follows: a read that ran for
-  the progress timeout stalled (:class:`PullTimeout`); otherwise, if the peer's RPC port still accepts a
-  connection the peer is alive and refused the ranges (its memory is no longer registered:
-  :class:`RemoteKVMissing`), else it is gone (:class:`PeerUnreachable`).
+  the progress timeout stalled (:class:`PullTimeout`); otherwise one-byte probe reads of the peer's first
+  buffer (into a registered scratch byte, never a KV block) tell a live peer that refused the ranges
+  (:class:`RemoteKVMissing`) from one that is gone (:class:`PeerUnreachable`).
+* A refused batch returns at its first refusal while the rest of it is still queued on the connection;
+  seen on 0.3.13: the next read then waited a second or was refused too. So the probes go on until one
+  succeeds or the engine's admission timeout (``MC_TCP_ADMISSION_TIMEOUT_MS``, 1 s) has passed: the
+  failure is reported, and the next pull starts, on a drained connection.
 
 The ``mooncake`` import happens in the constructor, so this module imports without it.
 
@@ -38,13 +42,13 @@ Address exported by :meth:`MooncakeTransport.local_address`::
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.metadata
 import logging
 import math
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -106,12 +110,12 @@ def default_protocol(installed: Iterable[str] | None = None) -> str:
     return "tcp"
 
 
-def _peer_alive(host: str, port: int, timeout_s: float = 1.0) -> bool:
+def _settle_s() -> float:
+    """How long a refused batch's leftovers may linger on a connection: the TCP admission timeout, plus slack."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+        return float(os.environ.get("MC_TCP_ADMISSION_TIMEOUT_MS", "1000")) / 1000 + 0.5
+    except ValueError:
+        return 1.5
 
 
 class _Remote:
@@ -134,6 +138,7 @@ class _Remote:
             if not (isinstance(item, list) and len(item) == 2 and all(isinstance(v, int) and v > 0 for v in item)):
                 raise InvalidPull(f"mooncake peer {session}: buffer {item!r} is not [base, length]")
             spans.append((item[0], item[0] + item[1]))
+        self.probe_addr = spans[0][0]  # one byte the peer serves for as long as it serves anything
         for r in regions:  # descriptors must name memory the peer registered, or the read is refused late
             if not any(s <= r.base_ptr and r.base_ptr + r.extent <= e for s, e in spans):
                 raise InvalidPull(f"mooncake peer {session}: region {r.name!r} lies outside its registered buffers")
@@ -180,6 +185,8 @@ class MooncakeTransport(Transport):
         self.port: int = int(self._engine.get_rpc_port())
         self.session = f"{hostname}:{self.port}"
         self._extents: list[tuple[int, int]] = []
+        # One registered byte that probe reads land in (never a KV block): see _classify.
+        self._scratch = ctypes.create_string_buffer(64)
         self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
         self._pending: set[str] = set()
         self._pending_lock = threading.Lock()
@@ -194,7 +201,8 @@ class MooncakeTransport(Transport):
     def register(self, regions: Sequence[KVRegion]) -> None:
         self._check_registration(regions)
         extents = merge_extents(regions)
-        rc = self._engine.batch_register_memory([s for s, _ in extents], [n for _, n in extents])
+        scratch = ctypes.addressof(self._scratch)
+        rc = self._engine.batch_register_memory([s for s, _ in extents] + [scratch], [n for _, n in extents] + [64])
         if rc != 0:
             raise RegistrationError(f"mooncake batch_register_memory of {len(extents)} extents returned {rc}")
         self._extents = extents
@@ -237,7 +245,7 @@ class MooncakeTransport(Transport):
         # Wait for a read in progress: it cannot be cancelled, and its destination must stay registered
         # until it ends (at the latest after the engine's progress timeout).
         self._worker.shutdown(wait=True, cancel_futures=True)
-        for start, _ in self._extents:
+        for start, _ in self._extents + ([(ctypes.addressof(self._scratch), 64)] if self._extents else []):
             rc = self._engine.unregister_memory(start)
             if rc != 0:
                 logger.warning("mooncake %s: unregister_memory(%#x) returned %d", self.session, start, rc)
@@ -285,11 +293,21 @@ class MooncakeTransport(Transport):
         code = f"mooncake rc {rc}"
         if took_s >= self._progress_s * 0.9:
             return PullTimeout(f"{what}: no progress for {took_s:.1f}s (the engine's stall deadline)", engine_code=code)
-        if _peer_alive(remote.host, remote.port):
-            return RemoteKVMissing(
-                f"{what}: the peer refused the ranges (its memory is not registered)", engine_code=code
-            )
+        if self._probe(remote):
+            return RemoteKVMissing(f"{what}: the peer refused the ranges (not registered there)", engine_code=code)
         return PeerUnreachable(f"{what}: the peer does not answer", engine_code=code)
+
+    def _probe(self, remote: _Remote) -> bool:
+        """Whether the peer still serves its first buffer: one-byte reads until one succeeds or the leftovers
+        of the refused batch have had time to drain (a read right after a refusal may be refused too)."""
+        deadline = self._clock() + _settle_s()
+        scratch = ctypes.addressof(self._scratch)
+        while True:
+            if self._engine.transfer_sync_read(remote.session, scratch, remote.probe_addr, 1) == 0:
+                return True
+            if self._clock() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def _deliver(self, future: Future[PullResult]) -> None:
         try:

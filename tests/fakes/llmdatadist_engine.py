@@ -43,6 +43,8 @@ class Faults:
     _pull: dict[int, _Rule] = field(default_factory=dict)
     #: When set (and not yet signalled), every pull_blocks waits on it: a slow, blocking pull.
     gate: threading.Event | None = None
+    #: How long a pull waits on a closed ``gate`` before failing as the engine's sync_kv_timeout would.
+    gate_timeout_s: float = 30.0
 
     def fail_next_link(
         self, remote_cluster_id: int, code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED, times: int = 1
@@ -154,7 +156,7 @@ class CacheManager:
             _raise(LLMStatusCode.LLM_PARAM_INVALID, "src_blocks and dst_blocks differ in length")
         remote_id = src_cache_key.cluster_id
         world.record("pull_blocks", dd.cluster_id, [remote_id])
-        if world.faults.gate is not None and not world.faults.gate.wait(timeout=30):
+        if world.faults.gate is not None and not world.faults.gate.wait(timeout=world.faults.gate_timeout_s):
             _raise(LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "[pull_blocks] gate never opened")
         healthy = world.links.get(frozenset((dd.cluster_id, remote_id)))
         if healthy is None:
