@@ -18,7 +18,11 @@ One task per instance: a SUB socket, each batch applied in order (`KVIndex.apply
 messages under load or across a reconnect) asks the replay socket for the missing batches; what the replay
 cannot give (no replay endpoint, buffer rotated, no answer within `replay_timeout_s`) drops the instance's
 entries until fresh events rebuild them (`KVIndex.resume`). A batch that does not decode counts as lost.
-An instance that leaves the pool stops its task and takes its entries (`KVIndex.forget`).
+An instance that leaves the pool stops its task and takes its entries (`KVIndex.forget`). A lost connection
+(the socket monitor's DISCONNECTED: the engine restarted, or the network dropped batches) forgets the
+instance too: a restarted engine numbers from 0 again with an empty cache, and its new numbers can lie
+above the old ones, where they would read as a gap "filled" from the new engine's replay on top of stale
+entries.
 
 Only blocks on the GPU (medium "GPU" or unstated) are indexed: they are what a request reuses without a
 load. Text and chat prompts: the router does not tokenize, so their block hashes are unknown before the
@@ -165,23 +169,34 @@ class KVEventSubscriber:
             self._on_outcome(instance, outcome)
 
     async def _follow(self, src: Source) -> None:
+        """Read `src`'s batches in order; a lost connection forgets what it held (module docstring)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(src.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
         try:
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) != 3:
-                    continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                await self._offer(src, seq, frames[2])
+                ready = dict(await poller.poll())
+                if monitor in ready:  # first: a batch read after it comes from the new connection
+                    await monitor.recv_multipart()
+                    self.index.forget(src.instance)  # a restarted engine's cache is empty; a blip lost batches
+                    self._count(src.instance, Outcome.RESTART)
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    if len(frames) == 3:
+                        await self._offer(src, int.from_bytes(frames[1], "big", signed=True), frames[2])
         except asyncio.CancelledError:
             raise
         except Exception:  # pragma: no cover - a bug must not end the router; the entries go stale-safe
             log.exception("kv events of %s: follower stopped", src.instance)
             self.index.drop(src.instance)
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
 
     async def _offer(self, src: Source, seq: int, payload: bytes) -> None:

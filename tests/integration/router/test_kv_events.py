@@ -45,9 +45,9 @@ def removed(*ids: int) -> BlockRemoved:
 class Pub:
     """vLLM's publisher plus what the test needs: waiting until a batch was sent, and hiding batches."""
 
-    def __init__(self, replay: bool = True, buffer_steps: int = 100) -> None:
-        self.port = free_port()
-        self.replay_port = free_port() if replay else None
+    def __init__(self, replay: bool = True, buffer_steps: int = 100, ports: tuple[int, int] | None = None) -> None:
+        self.port = ports[0] if ports else free_port()
+        self.replay_port = (ports[1] if ports else free_port()) if replay else None
         self.pub = ZmqEventPublisher(
             0,
             endpoint=f"tcp://*:{self.port}",
@@ -206,3 +206,28 @@ async def test_the_pool_follower_tracks_instances_as_they_come_and_go(pubs: list
         with pytest.raises(asyncio.CancelledError):
             await task
     assert kv.subscriber is None
+
+
+async def test_a_restarted_engine_numbering_past_the_old_counter_leaves_nothing_stale(pubs: list[Pub]) -> None:
+    old = Pub()
+    index = KVIndex()
+    seen: list[Outcome] = []
+    sub = KVEventSubscriber(index, on_outcome=lambda _i, o: seen.append(o))
+    sub.sync({"p1": old.source()})
+    try:
+        await connected(old, index)
+        await old.publish(stored(1))
+        await until(lambda: index.size("p1") == 1)
+        last = index.expected("p1") or 0
+        old.pub.shutdown()
+        await until(lambda: Outcome.RESTART in seen)  # the connection dropped: what it held is gone
+        assert index.size("p1") == 0
+        pubs.append(new := Pub(ports=(old.port, old.replay_port or 0)))  # the engine again, same ports
+        for _ in range(last + 5):  # its numbers pass the old ones while nobody hears them
+            await new.publish(stored(99), hidden=True)
+        await connected(new, index)
+        await new.publish(stored(2))
+        await until(lambda: index.matched("p1", [block_key(h(2))]) == 1)
+        assert index.matched("p1", [block_key(h(1))]) == 0
+    finally:
+        await sub.close()
