@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request, Response
 from pdgate.metaserver.settings import MetaSettings
+from pdgate.router import status as status_page
 from pdgate.router.access import AdminCheck, ClientKeys
 from pdgate.router.bodies import CHAT, COMPLETIONS
 from pdgate.router.breaker import BreakerConfig
@@ -110,6 +111,7 @@ class RouterApp:
         self._holder = holder
         self._embedded = embedded
         self._max_register = max_register_bytes
+        self._timed = holder["status"].timing.wrap if "status" in holder else None  # TTFT/TPOT (client_timing)
 
     @property
     def meta(self) -> MetaAPI:
@@ -124,7 +126,7 @@ class RouterApp:
                 err = MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}; use {raw.method}")
                 await send_error(send, err, [(b"allow", raw.method.encode())], lambda: None)
             elif raw.handler == "proxy":
-                await self.proxy(scope, receive, send)
+                await self.proxy(scope, receive, self._timed(send) if self._timed is not None else send)
             else:
                 await self.passthrough(scope, receive, send)
             return
@@ -237,6 +239,8 @@ def create_app(
     _error_handlers(api, embedded=embedded)
     _openai_routes(api, parts, ClientKeys(s.api_key))
     _ops_routes(api, parts, discovery, admin)
+    holder["status"] = status_page.for_router(s, parts.metrics.registry, parts.pool, discovery, clock, holder)
+    status_page.install(api, holder["status"], admin)  # GET / and /status: the page; /status/data: its numbers
     rest: Any = api
     if embedded:
         from pdgate.metaserver.api import build_router
@@ -333,6 +337,8 @@ def _lifespan(
             await discovery.health_once()
             discovery.start()
             stack.push_async_callback(discovery.stop)
+            holder["status"].start()  # the status page's readings (router/status.py)
+            stack.push_async_callback(holder["status"].stop)
             if holder.get("kv_events") is not None:
                 holder["kv_events"].start(lambda: parts.pool.views, s.refresh_interval_s)
                 stack.push_async_callback(holder["kv_events"].stop)

@@ -1,0 +1,74 @@
+"""What a client of the router waits for: time to first token (TTFT) and time per output token (TPOT),
+measured where the client's bytes leave the router (the proxy routes' ASGI `send`).
+
+Why here and not in the phase histograms (`metrics.py`): those time the router's calls to the engines;
+what a user of the status page (`status.py`) asks is how long the answer took to start and how fast it
+streamed, retries and fallbacks included. Measured at the ASGI edge, the proxy's code is untouched.
+
+TTFT: request received -> first body bytes of a 200 answer (a whole JSON answer: its only write).
+TPOT: for a stream, (last token write - first token write) / (token writes - 1), the closing write
+(`[DONE]`, the usage tail) left out. The router writes one SSE event per engine event and vLLM streams one
+token per event by default, so a write is a token (several, with `stream_options` batching: then this is
+the time per write).
+
+The two histograms are registered on the router's registry (`RouterMetrics.registry`) so `/metrics` shows
+them beside the phase histograms.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from pdgate.asgi import Message, Send
+
+__all__ = ["TPOT_BUCKETS", "TTFT_BUCKETS", "ClientTiming"]
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class ClientTiming:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ttft = Histogram(
+            "pdgate_router_ttft_seconds",
+            "Request received to the first answer bytes sent to the client (200 answers)",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "pdgate_router_tpot_seconds",
+            "Streams: time between token writes to the client, per stream (first to last, closing write left out)",
+            buckets=TPOT_BUCKETS,
+            registry=registry,
+        )
+
+    def wrap(self, send: Send) -> Send:
+        """`send` for one proxied request, timing its answer as it goes out."""
+        start = perf_counter()
+        ok = False
+        writes = 0
+        first = last = 0.0
+        ttft, tpot = self.ttft, self.tpot
+
+        async def timed(msg: Message) -> None:
+            nonlocal ok, writes, first, last
+            kind = msg["type"]
+            if kind == "http.response.body":
+                more = msg.get("more_body", False)
+                if ok and msg.get("body"):
+                    now = perf_counter()
+                    if not writes and not first:
+                        first = now
+                        ttft.observe(now - start)
+                    if more:
+                        writes += 1
+                        last = now
+                if not more and ok and writes >= 2:
+                    tpot.observe((last - first) / (writes - 1))
+            elif kind == "http.response.start":
+                ok = msg["status"] == 200
+            await send(msg)
+
+        return timed
