@@ -72,7 +72,8 @@ class Passthrough:
         pool: Pool,
         upstream: Callable[[], Upstream],
         clock: Callable[[], float],
-        trace_dropped: Callable[[], object] = lambda: None,
+        *,
+        trace_dropped: Callable[[], object],
     ) -> None:
         self._pool = pool
         self._trace_dropped = trace_dropped  # counts a malformed trace context that was not forwarded

@@ -39,7 +39,7 @@ def test_every_data_server_keeps_an_aof_fsynced_every_second_and_can_serve_as_re
 
 def test_sentinels_watch_the_master_the_metaserver_asks_for() -> None:
     services = _head(HA_ENV)["services"]
-    store = parse_store_url(services["metaserver"]["environment"]["PDGATE_STORE"])
+    store = parse_store_url(services["metaserver"]["environment"]["PDGATE_METASERVER_STORE"])
     assert (store.mode, store.service, store.options.get("password")) == ("sentinel", "pdgate", "pw1")
     assert store.nodes == (("sentinel-1", 26379), ("sentinel-2", 26379), ("sentinel-3", 26379))
     for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
@@ -52,5 +52,5 @@ def test_sentinels_watch_the_master_the_metaserver_asks_for() -> None:
 
 
 def test_without_ha_the_metaserver_still_uses_the_one_redis() -> None:
-    store = _head({"PDGATE_REDIS_PASSWORD": "pw1"})["services"]["metaserver"]["environment"]["PDGATE_STORE"]
+    store = _head({"PDGATE_REDIS_PASSWORD": "pw1"})["services"]["metaserver"]["environment"]["PDGATE_METASERVER_STORE"]
     assert store == "redis://:pw1@redis:6379/0"
