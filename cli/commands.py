@@ -22,8 +22,9 @@ from pdgate.histo import quantile, window
 __all__ = ["PHASES", "config", "drain", "handoffs", "instance_rows", "instances", "phase_latencies", "top"]
 
 INSTANCE_COLUMNS = ("id", "role", "model", "state", "url", "running", "waiting", "kv_use", "inflight", "breaker")
-# The router's phase histograms (router/metrics.py), as `top` shows them.
-PHASES = ("overhead", "handoff", "prefill", "decode_ttft", "e2e")
+# The router's phase histograms (router/metrics.py) and what its clients wait for (router/client_timing.py:
+# time to first token, time per output token), as `top` shows them.
+PHASES = ("ttft", "tpot", "overhead", "handoff", "prefill", "decode_ttft", "e2e")
 Histograms = dict[str, list[tuple[float, float]]]
 
 

@@ -6,10 +6,10 @@ what a user of the status page (`status.py`) asks is how long the answer took to
 streamed, retries and fallbacks included. Measured at the ASGI edge, the proxy's code is untouched.
 
 TTFT: request received -> first body bytes of a 200 answer (a whole JSON answer: its only write).
-TPOT: for a stream, (last token write - first token write) / (token writes - 1), the closing write
-(`[DONE]`, the usage tail) left out. The router writes one SSE event per engine event and vLLM streams one
-token per event by default, so a write is a token (several, with `stream_options` batching: then this is
-the time per write).
+TPOT: for a stream, (last token write - first token write) / (SSE events written after the first write),
+the closing write (`[DONE]`, the usage tail) left out. Events are counted, not writes, because the router
+relays what one read of the engine's stream holds, which is several events when they come fast; a stream
+whose tokens all came in its first write has no time between tokens to measure and is not observed.
 
 The two histograms are registered on the router's registry (`RouterMetrics.registry`) so `/metrics` shows
 them beside the phase histograms.
@@ -48,25 +48,26 @@ class ClientTiming:
         """`send` for one proxied request, timing its answer as it goes out."""
         start = perf_counter()
         ok = False
-        writes = 0
+        events = 0  # SSE events written after the first write
         first = last = 0.0
         ttft, tpot = self.ttft, self.tpot
 
         async def timed(msg: Message) -> None:
-            nonlocal ok, writes, first, last
+            nonlocal ok, events, first, last
             kind = msg["type"]
             if kind == "http.response.body":
                 more = msg.get("more_body", False)
-                if ok and msg.get("body"):
+                body = msg.get("body")
+                if ok and body:
                     now = perf_counter()
-                    if not writes and not first:
+                    if not first:
                         first = now
                         ttft.observe(now - start)
-                    if more:
-                        writes += 1
+                    elif more:
+                        events += body.count(b"data:")
                         last = now
-                if not more and ok and writes >= 2:
-                    tpot.observe((last - first) / (writes - 1))
+                if not more and ok and events:
+                    tpot.observe((last - first) / events)
             elif kind == "http.response.start":
                 ok = msg["status"] == 200
             await send(msg)

@@ -109,3 +109,17 @@ def test_drain_waits_for_the_router_to_drop_the_instance(stack: Deployment, caps
     finally:
         assert pdgate(capsys, "undrain", prefill.id, *_conn(stack))[0] == 0
         wait_until(lambda: stack.health()["status"] == "ok", what="router serving again")
+
+
+def test_top_shows_what_clients_wait_for(stack: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    decode = stack.by_role("decode")[0]
+    decode.script(token_delay=0.005)  # tokens apart in time: a stream with time between its tokens
+    try:
+        for _ in stack.openai().completions.create(model="sim-model", prompt="s", max_tokens=4, stream=True):
+            pass
+    finally:
+        decode.script(token_delay=0.0)
+    _, out, _ = pdgate(capsys, "top", "--once", *_conn(stack), "--json")
+    phases = {p["phase"]: p for p in json.loads(out)["phases"]}
+    assert phases["ttft"]["count"] >= 1 and phases["tpot"]["count"] >= 1
+    assert phases["ttft"]["p50_ms"] is not None
