@@ -6,10 +6,14 @@ what a user of the status page (`status.py`) asks is how long the answer took to
 streamed, retries and fallbacks included. Measured at the ASGI edge, the proxy's code is untouched.
 
 TTFT: request received -> first body bytes of a 200 answer (a whole JSON answer: its only write).
-TPOT: for a stream, (last token write - first token write) / (SSE events written after the first write),
-the closing write (`[DONE]`, the usage tail) left out. Events are counted, not writes, because the router
-relays what one read of the engine's stream holds, which is several events when they come fast; a stream
-whose tokens all came in its first write has no time between tokens to measure and is not observed.
+TPOT: for a stream, (closing write - first write) / (SSE events written after the first write, the
+closing `[DONE]` and usage tail left out; the closing write follows the last token at once). Events
+are counted, not writes, because the router relays what one read of the engine's stream holds, which
+is several events when they come fast; a stream whose tokens all came in its first write has no time
+between tokens to measure and is not observed.
+
+Cost, measured on this 2-core machine under load: about 2 us per prometheus observe (two per answer,
+as the phase histograms already take five) and one more coroutine call per message written.
 
 The two histograms are registered on the router's registry (`RouterMetrics.registry`) so `/metrics` shows
 them beside the phase histograms.
@@ -45,30 +49,26 @@ class ClientTiming:
         )
 
     def wrap(self, send: Send) -> Send:
-        """`send` for one proxied request, timing its answer as it goes out."""
+        """`send` for one proxied request, timing its answer as it goes out. The clock is read twice per
+        answer (its first write and its closing one), never per token: this runs for every token."""
         start = perf_counter()
         ok = False
         events = 0  # SSE events written after the first write
-        first = last = 0.0
+        first = 0.0
         ttft, tpot = self.ttft, self.tpot
 
         async def timed(msg: Message) -> None:
-            nonlocal ok, events, first, last
-            kind = msg["type"]
-            if kind == "http.response.body":
-                more = msg.get("more_body", False)
-                body = msg.get("body")
-                if ok and body:
-                    now = perf_counter()
-                    if not first:
-                        first = now
-                        ttft.observe(now - start)
-                    elif more:
-                        events += body.count(b"data:")
-                        last = now
-                if not more and ok and events:
-                    tpot.observe((last - first) / events)
-            elif kind == "http.response.start":
+            nonlocal ok, events, first
+            if msg["type"] == "http.response.body":
+                if first:
+                    if msg.get("more_body"):
+                        events += msg.get("body", b"").count(b"data:")
+                    elif events:
+                        tpot.observe((perf_counter() - first) / events)
+                elif ok and msg.get("body"):
+                    first = perf_counter()
+                    ttft.observe(first - start)
+            elif msg["type"] == "http.response.start":
                 ok = msg["status"] == 200
             await send(msg)
 
