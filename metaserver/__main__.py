@@ -3,7 +3,8 @@
 The app object is built here from the settings, so one process serves one app (scale out with more
 processes on one Redis). HTTP is uvicorn's httptools protocol wrapped by `pdgate.serving` (header and
 body timeouts, early 413, a connection cap); uvloop is used when installed. Settings that do not validate
-end the process with the reason, status 2, as the router does.
+end the process with the reason, status 2, as the router does. The server's imports (FastAPI, uvicorn,
+redis-py, prometheus_client) wait until the settings are read, so `--help` answers at once.
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-import uvicorn
-from pdgate.metaserver.app import create_app, render_problem, server_limits
 from pdgate.metaserver.settings import parse_cli
 from pydantic import ValidationError
 
 from pdgate.logs import configure_logging
-from pdgate.serving import guarded_protocol
 from pdgate.settings import invalid_settings
 
 __all__ = ["main"]
@@ -30,6 +28,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValidationError as exc:  # the reason, status 2: the words of every pdgate command (pdgate.settings)
         print(f"pdgate-metaserver: invalid settings: {invalid_settings(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
+    import uvicorn
+    from pdgate.metaserver.app import create_app, render_problem, server_limits
+
+    from pdgate.serving import guarded_protocol
+
     configure_logging(settings.log_level)
     store_kind = settings.store.split("://", 1)[0]
     # The app's lifespan logs who may use the /v1 routes (protected mode or admin token).

@@ -5,6 +5,10 @@ uvicorn picks uvloop when installed; HTTP is uvicorn's httptools protocol wrappe
 cap). Both matter for the router's CPU per request (see bench/router.py). Settings that do not
 validate (a bad instance URL, a secret file others can read) end the process with the reason, status 2.
 `--workers N` runs N such processes on one port (`pdgate.router.workers`).
+
+Why the server's imports wait until the settings are read: FastAPI, uvicorn, prometheus_client and the
+app take seconds to import on a cold disk (10 s on a fresh machine), which `--help` and a settings error
+do not need. `tests/deploy/test_cli_imports.py` keeps them out of the parser's path.
 """
 
 from __future__ import annotations
@@ -14,10 +18,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-import uvicorn
-from pdgate.router.app import create_app, serving_protocol
 from pdgate.router.settings import RouterSettings, parse_cli
-from pdgate.router.workers import run_workers, workers_problem
 from pydantic import ValidationError
 
 from pdgate.logs import configure_logging
@@ -63,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings.prefill_policy,
         settings.decode_policy,
     )
+    from pdgate.router.workers import run_workers, workers_problem
+
     problem = workers_problem(settings)
     if problem is not None:
         print(f"pdgate-router: invalid settings: {problem}", file=sys.stderr)
@@ -77,6 +80,9 @@ _BACKLOG = 4096
 
 def _serve(settings: RouterSettings, sock: socket.socket | None) -> None:
     """One router process: on its own socket when a worker (`pdgate.router.workers`), else on host:port."""
+    import uvicorn
+    from pdgate.router.app import create_app, serving_protocol
+
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
