@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from random import Random
 from time import perf_counter
 
 import orjson
 from pdgate.router import first_token
 from pdgate.router.bodies import SplicedBody, decode_params, kv_params_from_prefill, prefill_params, with_fields
+from pdgate.router.engine_call import open_answer
 from pdgate.router.errors import (
     META_FAILURES,
     UPSTREAM_FAILURES,
@@ -38,6 +39,7 @@ from pdgate.router.errors import (
     KVExpired,
     NoCompatiblePair,
     PrefillFailed,
+    RouterError,
     UpstreamRejected,
     Where,
     detail,
@@ -52,7 +54,8 @@ from pdgate.router.pool import LiveInstance, Pool
 from pdgate.router.request_flow import MAX_ANSWER, ProxiedRequest, mint_transfer_id
 from pdgate.router.retry import Verdict, backoff, retry_elsewhere, verdict
 from pdgate.router.settings import RouterSettings
-from pdgate.router.streaming import engine_error, is_sse, relay_stream, send_body
+from pdgate.router.stall import FirstByteClock
+from pdgate.router.streaming import relay_stream, send_body
 from pydantic import ValidationError
 
 from pdgate.asgi import Send
@@ -111,13 +114,16 @@ class Dispatcher:
         self._backoff = (s.retry_backoff_s, s.retry_backoff_max_s)
         self._p_timeout = s.prefill_timeout_s
         self._d_timeout = s.decode_timeout_s
+        self._first_byte = FirstByteClock(s.decode_timeout_s, s.first_byte_floor_s, s.first_byte_factor)
         self._idle_timeout = s.stream_idle_timeout_s
         self._lease_s = s.handoff_lease_s
         self._bg: set[asyncio.Task[None]] = set()
         self._p_retries = metrics.retries.labels("prefill")
         self._d_retries = metrics.retries.labels("decode")
+        # Goes on with a stream that broke after its first byte (`whole.Whole.resume`; set by the proxy).
+        self.resume: Callable[[ProxiedRequest, RouterError, list[str]], Awaitable[str]] | None = None
 
-    def _headers(self, req: ProxiedRequest, inst: LiveInstance) -> list[tuple[bytes, bytes]]:
+    def headers(self, req: ProxiedRequest, inst: LiveInstance) -> list[tuple[bytes, bytes]]:
         h = [(b"content-type", _JSON), (b"x-request-id", req.rid)]
         v = inst.view
         if v.dp_size > 1:
@@ -131,7 +137,7 @@ class Dispatcher:
             h.extend(req.extra)
         return h
 
-    async def _pause(self, attempt: int) -> None:
+    async def pause(self, attempt: int) -> None:
         base, cap = self._backoff
         if base > 0:
             await asyncio.sleep(backoff(attempt, base, cap, self._rng))
@@ -158,7 +164,7 @@ class Dispatcher:
             return NoCompatiblePair(self._pool.explain(model, now, public=True), detail=self._pool.explain(model, now))
 
         await retry_elsewhere(
-            "prefill", self._p_tries, pick, lambda p: self._prefill_once(req, p), none_left, self._pause
+            "prefill", self._p_tries, pick, lambda p: self._prefill_once(req, p), none_left, self.pause
         )
 
     async def _create_handoff(self, req: ProxiedRequest, p: LiveInstance) -> None:
@@ -198,7 +204,7 @@ class Dispatcher:
                 resp: UpstreamResponse | None = None
                 try:
                     resp = await self._upstream().request(
-                        "POST", p.view.url + req.endpoint, self._headers(req, p), payload, timeout=self._p_timeout
+                        "POST", p.view.url + req.endpoint, self.headers(req, p), payload, timeout=self._p_timeout
                     )
                     data = await resp.read(timeout=self._p_timeout, limit=MAX_ANSWER)
                 except Exception as exc:
@@ -282,10 +288,11 @@ class Dispatcher:
                 return await self._decode_once(req, d, send)
             except PDGateError as exc:
                 failures.append(exc)
+                req.tried.append(d.id)
                 raise
 
         try:
-            return await retry_elsewhere("decode", self._d_tries, pick, attempt, none_left, self._pause)
+            return await retry_elsewhere("decode", self._d_tries, pick, attempt, none_left, self.pause)
         except KVExpired as exc:
             if len(failures) < 2:
                 raise
@@ -367,75 +374,65 @@ class Dispatcher:
         assert req.spliced is not None
         payload = req.spliced.decode(orjson.Fragment(kv_json))
         req.last_decode = d.id
+        error: RouterError | None = None
         with self._pool.lease(d, facts.prompt_tokens + facts.max_tokens, self._clock) as lease:
-            resp: UpstreamResponse | None = None
             try:
-                t = perf_counter()
-                data: bytes | None = None  # the whole answer, or the start of a stream
-                try:
-                    resp = await self._upstream().request(
-                        "POST",
-                        d.view.url + req.endpoint,
-                        self._headers(req, d),
-                        payload,
-                        timeout=self._d_timeout,
-                    )
-                    v = verdict(resp.status)
-                    if v != Verdict.OK:
-                        data = await resp.read(timeout=self._d_timeout, limit=MAX_ANSWER)
-                    elif facts.stream:
-                        if not is_sse(resp.header(b"content-type")):
-                            ctype = (resp.header(b"content-type") or b"no content-type").decode("latin-1")
-                            raise failed(
-                                DecodeFailed, where, "answered a stream request with a body that is not SSE", ctype
-                            )
-                        data = await resp.next_chunk(self._d_timeout)
-                        if data is None:
-                            raise failed(DecodeFailed, where, "answered 200 with an empty stream")
-                        if b'"error"' in data and (found := engine_error(data)) is not None and found[0] == 0:
-                            raise failed(DecodeFailed, where, "failed the request before its first token", found[1])
-                        self._m.decode_ttft.observe(perf_counter() - t)
-                    else:
-                        self._m.decode_ttft.observe(perf_counter() - t)
-                        data = await resp.read(timeout=self._idle_timeout, limit=MAX_ANSWER)
-                        _check_json_answer(data, where)
-                except Exception as exc:
-                    lease.failed()
-                    raise translate(exc, UPSTREAM_FAILURES["decode"], where) from exc
+                ans = await open_answer(
+                    self._upstream(),
+                    d.view.url + req.endpoint,
+                    self.headers(req, d),
+                    payload,
+                    stream=facts.stream,
+                    timeout=self._d_timeout,
+                    idle_timeout=self._idle_timeout,
+                    where=where,
+                    ttft=self._m.decode_ttft,
+                    first_byte=self._first_byte,
+                )
+            except Exception:
+                lease.failed()
+                raise
+            resp, v, data = ans.resp, ans.verdict, ans.data
+            try:
                 if v == Verdict.OK:
                     self._m.overhead.observe(req.overhead_s)
                     headers = [(b"content-type", resp.header(b"content-type") or _JSON), (b"x-request-id", req.rid)]
-                    if facts.stream:
-                        req.started = True
-                        error = await relay_stream(send, resp, data, headers, self._idle_timeout, req.end, where)
-                        if error is not None:
-                            lease.failed()
-                            req.abort_reason = "decode_stream_broke"
-                            self._m.error(error.code.value)
-                            log.warning("%s after the stream started: %s", error.code.value, detail(error))
-                            return error.code.value
+                    req.started = True
+                    if not facts.stream:
+                        lease.succeeded()
+                        req.live = None  # the decode finished the handoff: nothing left to abort
+                        await send_body(send, resp.status, headers, data or b"", req.end)
+                        return "ok"
+                    resumable = req.track is not None and self.resume is not None
+                    error = await relay_stream(
+                        send, resp, data, headers, self._idle_timeout, req.end, where, resumable=resumable
+                    )
+                    if error is None:
                         lease.succeeded()
                         req.live = None
                         return "ok"
-                    lease.succeeded()
-                    req.live = None  # the decode finished the handoff: nothing left to abort
-                    req.started = True
-                    await send_body(send, resp.status, headers, data or b"", req.end)
-                    return "ok"
-                data = data or b""
-                if resp.status == 410:
-                    lease.succeeded()
-                    req.abort_reason = "kv_expired"
-                    raise KVExpired(f"the KV of transfer {req.tid} expired before {where.public} could claim it")
-                if v == Verdict.REJECTED:
-                    lease.succeeded()
-                    req.abort_reason = "decode_rejected"
-                    raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
-                lease.failed()
-                raise failed(DecodeFailed, where, f"answered {resp.status}", snippet(data))
+                    lease.failed()
+                    req.abort_reason = "decode_stream_broke"
+                    if not resumable:
+                        self._m.error(error.code.value)
+                        log.warning("%s after the stream started: %s", error.code.value, detail(error))
+                        return error.code.value
+                else:
+                    data = data or b""
+                    if resp.status == 410:
+                        lease.succeeded()
+                        req.abort_reason = "kv_expired"
+                        raise KVExpired(f"the KV of transfer {req.tid} expired before {where.public} could claim it")
+                    if v == Verdict.REJECTED:
+                        lease.succeeded()
+                        req.abort_reason = "decode_rejected"
+                        raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
+                    lease.failed()
+                    raise failed(DecodeFailed, where, f"answered {resp.status}", snippet(data))
             finally:
-                if resp is not None:
-                    resp.close()
+                resp.close()
+        assert self.resume is not None
+        return await self.resume(req, error, [*req.tried, d.id])
 
     # -- aborts ---------------------------------------------------------------------------------
 
@@ -461,19 +458,6 @@ class Dispatcher:
     async def drain_background(self, timeout: float = 5.0) -> None:
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=timeout)
-
-
-def _check_json_answer(data: bytes, where: Where) -> None:
-    """A 200 JSON answer must be a whole JSON object: an empty or cut body is the decode's failure, and
-    the client must never get it as a 200."""
-    if not data:
-        raise failed(DecodeFailed, where, "answered 200 with an empty body")
-    try:
-        parsed = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise failed(DecodeFailed, where, "answered 200 with a body that is not JSON", str(exc)) from exc
-    if not isinstance(parsed, dict):
-        raise failed(DecodeFailed, where, "answered 200 with JSON that is not an object")
 
 
 def _unusable(exc: Exception) -> tuple[str, str]:

@@ -88,6 +88,18 @@ class RouterMetrics:
             "Requests whose malformed traceparent/tracestate was not forwarded to the engines",
             registry=r,
         )
+        self.undisaggregated = Counter(
+            "pdgate_router_undisaggregated",
+            "Requests served end to end on one instance instead of prefill/decode, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.resumes = Counter(
+            "pdgate_router_resumes",
+            "Streams resumed on another instance, by the error they resumed from",
+            ["reason"],
+            registry=r,
+        )
         decisions = Counter(
             "pdgate_router_decisions",
             "PD or whole per request, by the decider's rule (router/decider.py)",

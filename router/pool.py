@@ -269,6 +269,16 @@ class Pool:
             fast = self._fast_d[key] = _settled(self._compatible.get(key, ()))
         return fast
 
+    def whole_candidates(self, model: str, now: float, exclude: Sequence[str] = ()) -> list[LiveInstance]:
+        """Instances that can serve a request of `model` end to end now (`whole`): the decodes (role decode
+        or both), and only when none is live the prefills. Every engine of a PD deployment computes a
+        prompt that comes with no remote KV; a decode's memory is sized for the generation."""
+        for side in (self.decodes, self.prefills):
+            out = [i for i in side.get(model, ()) if i.id not in exclude and i.unavailable(now) is None]
+            if out:
+                return out
+        return []
+
     def models(self, now: float) -> list[str]:
         """Models that have at least one eligible, compatible prefill/decode pair now."""
         return sorted(m for m in self.prefills if self.prefill_candidates(m, now))

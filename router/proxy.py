@@ -14,7 +14,10 @@ The flow, in order:
     decode with the same handoff (no second prefill), bounded by `decode_retries`;
  6. answer: a JSON answer whole once it is checked, a stream chunk by chunk (`streaming.relay_stream`),
     with what the prefill's answer adds (true `cached_tokens`, `prompt_logprobs`: `answers`).
-Steps 2-6 are `attempts.Dispatcher`; the request's state is one `request_flow.ProxiedRequest`. With
+Steps 2-6 are `attempts.Dispatcher`; the request's state is one `request_flow.ProxiedRequest`.
+Before step 2, `whole.Whole.choose` decides whole or PD (the ledger down, a colocated pool); PD that fails
+before a byte reached the client goes whole (`Whole.fallback`), and a stream that breaks after it is
+resumed on another instance (`Whole.resume`): a fault costs latency, not an error (issue #24). With
 `--otlp-traces-endpoint` the request is one span with a child span per phase (`tracing`).
 An engine's 4xx is the client's error: relayed verbatim, not retried. Everything else that goes wrong is
 a typed `PDError`. A client that disconnects cancels the request's task (`protocol.Watch`):
@@ -61,10 +64,12 @@ from pdgate.router.policies import Policy
 from pdgate.router.pool import Pool
 from pdgate.router.protocol import Watch
 from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
+from pdgate.router.resume import StreamTrack
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import end_stream, send_error
 from pdgate.router.tracing import TRACE_HEADERS, Tracing, trace_context
 from pdgate.router.validation import check_context, check_pd_support, validate_request
+from pdgate.router.whole import Whole
 
 from pdgate.asgi import Message, Receive, Scope, Send
 from pdgate.logs import transfer_id as log_transfer_id
@@ -116,6 +121,18 @@ class Proxy:
             clock=clock,
             claim_key=claim_key,
         )
+        self._whole = Whole(
+            s,
+            pool=pool,
+            upstream=upstream,
+            metrics=metrics,
+            headers=self._dispatch.headers,
+            pause=self._dispatch.pause,
+            clock=clock,
+            rng=rng,
+        )
+        self._dispatch.resume = self._whole.resume
+        self._resumable = s.max_resumes > 0
         self._client_keys = ClientKeys(s.api_key)
         self._forward_auth = s.forward_client_auth
         self._max_inflight = s.max_inflight
@@ -232,20 +249,23 @@ class Proxy:
             await self._reply_error(send, req, exc)
             return exc.code.value
         self.inflight += req.weight - 1  # counted as one at the entry; it holds prompts x n engine requests
+        req.asked_ids = body.get("return_token_ids") is True
+        if self._resumable and req.facts.stream:  # the router tracks the ids the client gets (`resume`)
+            body["return_token_ids"] = True
         req.overhead_s = perf_counter() - start  # the rest of the time is waiting for engines
         if self._tracing is None:
-            return await self._pd(req, model, send, parts)
+            return await self._prompts(req, model, send, parts)
         attributes = {
             "pdgate.transfer_id": req.tid,
             "gen_ai.request.model": model,
             "pdgate.prompts": len(parts) if parts else 1,
         }
         with self._tracing.request(req.endpoint, req.extra, attributes) as span:
-            outcome = await self._pd(req, model, send, parts)
+            outcome = await self._prompts(req, model, send, parts)
             span.set_attribute("pdgate.outcome", outcome)
             return outcome
 
-    async def _pd(self, req: ProxiedRequest, model: str, send: Send, parts: list[dict[str, Any]] | None) -> str:
+    async def _prompts(self, req: ProxiedRequest, model: str, send: Send, parts: list[dict[str, Any]] | None) -> str:
         if parts is None:
             if self._first_token:
                 req.first_token = eligible(req.body, completions=req.endpoint == COMPLETIONS, max_model_len=req.limit)
@@ -260,6 +280,7 @@ class Proxy:
             child.spliced = spliced[i]
             child.facts = request_facts(part, req.endpoint, self._prefix_chars)
             child.overhead_s = req.overhead_s
+            child.asked_ids = req.asked_ids
             children.append(child)
         n = req.body.get("n") or 1
         return await fan_out(
@@ -272,40 +293,74 @@ class Proxy:
         )
 
     async def _one(self, req: ProxiedRequest, model: str, send: Send) -> str:
+        """One prompt, whole or PD (`Whole.choose`: the one decision). PD that fails before a byte reached
+        the client goes whole (`Whole.fallback`); after the prefill's first token went out, the rest is
+        resumed elsewhere (`Whole.resume`)."""
+        reason = self._whole.choose(req, model)
+        if reason is None:
+            try:
+                return await self._pd(req, model, send)
+            except RouterError as exc:
+                if req.started and req.track is not None and isinstance(exc, PDError):
+                    return await self._whole.resume(req, exc, list(req.tried))
+                reason = self._whole.fallback(req, exc)
+                if reason is None:
+                    return await self._fail(req, send, exc)
+                self._dispatch.abort(req, "served_whole")
+        out = send
+        if self._resumable and req.facts.stream:
+            out = req.track = self._track(req, send)
+        try:
+            return await self._whole.serve(req, model, out, reason)
+        except RouterError as exc:
+            return await self._fail(req, send, exc)
+
+    def _track(self, req: ProxiedRequest, send: Send) -> StreamTrack:
+        """The client's send behind a resumable stream (`resume.StreamTrack`)."""
+        budget = req.body.get("max_tokens", req.body.get("max_completion_tokens"))
+        return StreamTrack(send, chat=req.endpoint == CHAT, asked_ids=req.asked_ids, budget=budget)
+
+    async def _fail(self, req: ProxiedRequest, send: Send, exc: RouterError) -> str:
+        if not req.started:
+            await self._reply_error(send, req, exc)
+        else:  # the prefill's first token went out: the stream ends with the error instead
+            self._m.error(exc.code.value)
+            log.warning("%s after the first token: %s", exc.code.value, detail(exc))
+            await end_stream(send, exc, req.end)
+        return exc.code.value
+
+    async def _pd(self, req: ProxiedRequest, model: str, send: Send) -> str:
         """Prefill, then decode, of one prompt; the decode's answer gets what the prefill's answer adds."""
         traced = self._tracing is not None  # without tracing, no phase context managers on the hot path
-        client = send
-        try:
-            if traced:
-                with self._phase(req, "prefill"):
-                    await self._dispatch.prefill(req, model)
-            else:
+        if traced:
+            with self._phase(req, "prefill"):
                 await self._dispatch.prefill(req, model)
-            chat = req.endpoint == CHAT
-            facts = prefill_facts(req.prefill_answer, chat, req.prefill_kv)
-            if decode_recomputes(req.body, chat):
-                facts = PrefillFacts(None, facts.prompt_logprobs)
-            if req.first_token:
-                ft = None
-                if req.ledger_prefill:  # a pdgate prefill: vLLM's stock connectors load the whole prompt
-                    ft = read(req.prefill_answer, max_tokens=req.body["max_tokens"], max_model_len=req.limit)
-                self._first_tokens[ft is not None].inc()
-                if ft is not None:
-                    send = await self._send_first_token(send, req, ft)
-                    facts = PrefillFacts(facts.transferred, facts.prompt_logprobs, first_token=True)
-            patching = PatchingSend(send, facts, chat, drop_prompt_ids=facts.first_token and _asks_ids(req.body))
-            if not traced:
-                return await self._dispatch.decode(req, patching)
-            with self._phase(req, "decode"):
-                return await self._dispatch.decode(req, patching)
-        except RouterError as exc:
-            if not req.started:
-                await self._reply_error(send, req, exc)
-            else:  # the prefill's first token went out: the stream ends with the error instead
-                self._m.error(exc.code.value)
-                log.warning("%s after the first token: %s", exc.code.value, detail(exc))
-                await end_stream(client, exc, req.end)
-            return exc.code.value
+        else:
+            await self._dispatch.prefill(req, model)
+        chat = req.endpoint == CHAT
+        facts = prefill_facts(req.prefill_answer, chat, req.prefill_kv)
+        if decode_recomputes(req.body, chat):
+            facts = PrefillFacts(None, facts.prompt_logprobs)
+        ft = None
+        if req.first_token:
+            if req.ledger_prefill:  # a pdgate prefill: vLLM's stock connectors load the whole prompt
+                ft = read(req.prefill_answer, max_tokens=req.body["max_tokens"], max_model_len=req.limit)
+            self._first_tokens[ft is not None].inc()
+            if ft is not None:
+                send = await self._send_first_token(send, req, ft)
+                facts = PrefillFacts(facts.transferred, facts.prompt_logprobs, first_token=True)
+        send = PatchingSend(send, facts, chat, drop_prompt_ids=facts.first_token and req.asked_ids)
+        if self._resumable and req.facts.stream:  # the engine's events are tracked before they are patched
+            track = req.track = self._track(req, send)
+            send = track
+            if ft is not None:  # the decode's prompt ends with the first token, its budget one token less
+                track.prompt_ids = [*ft.prompt_token_ids, ft.token_id]
+                track.head = {"id": ft.answer_id, "created": ft.created, "model": ft.model}
+                track.budget = None if track.budget is None else track.budget - 1
+        if not traced:
+            return await self._dispatch.decode(req, send)
+        with self._phase(req, "decode"):
+            return await self._dispatch.decode(req, send)
 
     async def _send_first_token(self, send: Send, req: ProxiedRequest, ft: FirstToken) -> Send:
         """Stream the prefill's first token now; the decode continues after it (`first_token`). Returns
@@ -314,9 +369,7 @@ class Proxy:
         headers = [(b"content-type", _SSE), (b"x-request-id", req.rid)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         req.started = True
-        await send(
-            {"type": "http.response.body", "body": first_event(ft, token_ids=_asks_ids(req.body)), "more_body": True}
-        )
+        await send({"type": "http.response.body", "body": first_event(ft, token_ids=req.asked_ids), "more_body": True})
         return _Started(send)
 
     @contextlib.contextmanager
@@ -351,10 +404,6 @@ class Proxy:
 
 
 _SSE = b"text/event-stream; charset=utf-8"  # what vLLM's stream says
-
-
-def _asks_ids(body: dict[str, Any]) -> bool:
-    return body.get("return_token_ids") is True
 
 
 class _Started:

@@ -8,6 +8,7 @@ from typing import Any
 
 from pdgate.router.bodies import RequestFacts, SplicedBody
 from pdgate.router.pool import LiveInstance
+from pdgate.router.resume import StreamTrack
 
 from pdgate.contract import KVTransferParams
 
@@ -41,6 +42,7 @@ class ProxiedRequest:
 
     __slots__ = (
         "abort_reason",
+        "asked_ids",
         "body",
         "client_auth",
         "decode_kv",
@@ -60,10 +62,13 @@ class ProxiedRequest:
         "prefill",
         "prefill_answer",
         "prefill_kv",
+        "resumes",
         "rid",
         "spliced",
         "started",
         "tid",
+        "track",
+        "tried",
         "weight",
     )
 
@@ -94,6 +99,10 @@ class ProxiedRequest:
         self.disconnected = False
         self.finished = False
         self.started = False
+        self.asked_ids = False  # the client asked for return_token_ids (the router may ask for them itself)
+        self.track: StreamTrack | None = None  # a resumable stream's record of what the client got (`resume`)
+        self.resumes = 0  # times its stream was resumed on another instance
+        self.tried: list[str] = []  # the instances whose answering attempt failed: a whole retry skips them
         self.weight = 1  # engine requests it counts against --max-inflight (prompts x n, `fanout.admit`)
 
     def end(self) -> None:

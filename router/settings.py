@@ -197,6 +197,16 @@ class RouterSettings(BaseSettings):
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout to engines")
     prefill_timeout_s: float = Field(600.0, gt=0, description="prefill: longest silence before giving up")
     decode_timeout_s: float = Field(600.0, gt=0, description="decode: longest wait for the first byte")
+    first_byte_factor: float = Field(
+        4.0,
+        ge=0,
+        description="a streamed decode that has not sent its first chunk within max(--first-byte-floor-s, this "
+        "x the recent p99 of the decodes' first chunks), bounded by --decode-timeout-s, is re-sent to another "
+        "decode (router/stall.py); 0: --decode-timeout-s alone",
+    )
+    first_byte_floor_s: float = Field(
+        2.0, gt=0, description="the shortest first-chunk timeout --first-byte-factor may give a streamed decode"
+    )
     stream_idle_timeout_s: float = Field(600.0, gt=0, description="decode: longest silence between stream chunks")
     handoff_lease_s: float | None = Field(
         None, gt=0, description="lease of the PENDING handoff the router creates (default: the metaserver's)"
@@ -213,6 +223,29 @@ class RouterSettings(BaseSettings):
     breaker_failures: int = Field(5, ge=1, description="consecutive failures that open an instance's breaker")
     breaker_open_s: float = Field(10.0, gt=0, description="how long an open breaker rejects before a probe")
     breaker_successes: int = Field(1, ge=1, description="successful probes that close a half-open breaker")
+    on_ledger_outage: Literal["serve-whole", "refuse"] = Field(
+        "serve-whole",
+        description="when the metaserver or its store cannot be used, or no prefill/decode pair is live for "
+        "the model: serve-whole sends the request end to end to one instance (a decode first, a prefill if "
+        "no decode is live; answer header X-PDGate-Path: whole), refuse answers the typed error (router/whole.py)",
+    )
+    whole_on_failure: bool = Field(
+        True,
+        description="a request whose prefill or decode attempts all failed before a byte reached the client "
+        "is served end to end by an instance left (router/whole.py); off: the client gets the typed error",
+    )
+    both_path: Literal["pd", "whole"] = Field(
+        "pd",
+        description="how instances of role both serve a request while no instance of role prefill is live for "
+        "the model: pd (prefill on one, decode on another) or whole (end to end on one: a colocated pool)",
+    )
+    max_resumes: int = Field(
+        2,
+        ge=0,
+        le=16,
+        description="times a stream whose engine died, stalled or failed after its first byte is resumed on "
+        "another instance (prompt + the tokens sent so far; router/resume.py); 0: the stream ends with the error",
+    )
 
     otlp_traces_endpoint: str | None = Field(
         None,

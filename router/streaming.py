@@ -74,11 +74,15 @@ async def relay_stream(
     idle_timeout: float,
     before_end: Callable[[], None],
     where: Where,
+    *,
+    resumable: bool = False,
 ) -> RouterError | None:
     """Relay a 200 SSE answer whose first body bytes (`first`) were already read.
 
     Returns None when the stream ended as it should, else the error that was sent as the last event.
     `where` names the decode in that error; what the engine said goes to its detail (the log), not to the client.
+    `resumable`: a broken stream is left open, without the error event, for the caller to resume
+    elsewhere (`whole.Whole.resume`) or end.
     """
     await send({"type": "http.response.start", "status": resp.status, "headers": headers})
     tail = b""
@@ -109,6 +113,8 @@ async def relay_stream(
             break
     if error is None and not tail.rstrip().endswith(b"[DONE]"):
         error = failed(DecodeFailed, where, "ended its stream without [DONE]")
+    if error is not None and resumable:
+        return error
     await end_stream(send, error, before_end)
     return error
 

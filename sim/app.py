@@ -22,6 +22,7 @@ from pdgate.sim.wire import (
     QuietDeath,
     Reject,
     char_prompt,
+    chat_prompt,
     continuation,
     error_body,
     event,
@@ -155,7 +156,7 @@ class SimApp:
         if not 0 <= rank < self.s.dp_size:
             raise Reject(400, f"data parallel rank {rank} out of range (dp_size {self.s.dp_size})")
         validate_completion(body, chat)
-        cp = char_prompt(body) if self.s.token_ids and not chat else None
+        cp = (chat_prompt(body) if chat else char_prompt(body)) if self.s.token_ids else None
         try:
             kv = KVTransferParams.parse(body.get("kv_transfer_params") or {})
         except InvalidTransferParams as exc:
@@ -173,7 +174,7 @@ class SimApp:
             "status": 0,
             "body": {k: v for k, v in body.items() if k not in ("prompt", "messages")},
         }
-        if cp is not None:  # what a router sent as the prompt is part of what tests check
+        if cp is not None and not chat:  # what a router sent as the prompt is part of what tests check
             entry["prompt_token_ids"] = cp.ids
         st.log.append(entry)
         st.inflight[rank] += 1
@@ -295,6 +296,8 @@ class SimApp:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         if chat:
             first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            if ids is not None:  # vLLM's chat stream: the prompt's ids on the response, in the first chunk
+                first["prompt_token_ids"] = ids[0]
             await send({"type": "http.response.body", "body": event(first), "more_body": True})
         last = len(tokens) - 1
         for i, tok in enumerate(tokens):
@@ -314,7 +317,8 @@ class SimApp:
             else:
                 choice["text"] = tok
             if ids is not None:
-                choice["prompt_token_ids"] = None if i else ids[0]
+                if not chat:
+                    choice["prompt_token_ids"] = None if i else ids[0]
                 choice["token_ids"] = [ids[1][i]]
             await send({"type": "http.response.body", "body": event({**head, "choices": [choice]}), "more_body": True})
         tail = b""

@@ -39,8 +39,9 @@ class SimSettings(BaseSettings):
     transport: TransportKind = Field(TransportKind.SIM, description="transport kind advertised")
     token_ids: bool = Field(
         False,
-        description="character tokenizer for completions: prompt ids are code points, outputs continue after "
-        "output ids at a prompt's end, and return_token_ids is answered (sim/wire.py; off: prompts count in "
+        description="character tokenizer for completions and chats (a chat's template: its contents joined by "
+        "newlines): prompt ids are code points, outputs continue after output ids at a prompt's end, and "
+        "return_token_ids is answered (sim/wire.py; off: prompts count in "
         "words and token ids are never shown, as the tests written before it expect)",
     )
     max_model_len: int = Field(32768, ge=2, description="prompt + max_tokens above this get 400, like vLLM")

@@ -38,6 +38,7 @@ __all__ = [
     "QuietDeath",
     "Reject",
     "char_prompt",
+    "chat_prompt",
     "continuation",
     "error_body",
     "event",
@@ -208,6 +209,13 @@ def char_prompt(body: dict[str, Any]) -> CharPrompt:
     return CharPrompt(text, ids, generated)
 
 
+def chat_prompt(body: dict[str, Any]) -> CharPrompt:
+    """A chat's prompt under the character tokenizer: its template is the messages' contents joined by
+    newlines (`prompt_of`), whose code points are the ids vLLM would return as `prompt_token_ids`."""
+    text, _ = prompt_of(body, True)
+    return CharPrompt(text, [ord(c) for c in text], 0)
+
+
 def full_answer(
     body: dict[str, Any],
     tokens: list[str],
@@ -229,7 +237,9 @@ def full_answer(
         choice = {"index": 0, "text": text}
         obj = "text_completion"
     choice.update(logprobs=None, finish_reason="length", stop_reason=None)
-    if ids is not None:  # where vLLM's CompletionResponseChoice has them
+    if ids is not None and chat:  # where vLLM's ChatCompletionResponse has them
+        choice.update(token_ids=ids[1])
+    elif ids is not None:  # where vLLM's CompletionResponseChoice has them
         choice.update(token_ids=ids[1], prompt_logprobs=None, prompt_token_ids=ids[0])
     out = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
@@ -240,6 +250,8 @@ def full_answer(
         "usage": usage,
         "kv_transfer_params": kv,
     }
+    if ids is not None and chat:
+        out["prompt_token_ids"] = ids[0]
     return orjson.dumps(out)
 
 

@@ -185,6 +185,8 @@ def router(prefill: list[Engine], decode: list[Engine], **settings: Any) -> Depl
         "prefill_policy": "round_robin",
         "decode_policy": "round_robin",
         "breaker_failures": 1000,
+        "whole_on_failure": False,  # the PD path's own typed errors (router/whole.py serves them whole)
+        "max_resumes": 0,
     }
     return Deployment(
         prefill=[e.url for e in prefill], decode=[e.url for e in decode], model=MODEL, **{**defaults, **settings}

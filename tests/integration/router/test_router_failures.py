@@ -35,6 +35,8 @@ def dep() -> Iterator[Deployment]:
         prefill_timeout_s=2.5,
         decode_timeout_s=5.0,
         breaker_failures=1000,
+        whole_on_failure=False,  # the PD path's own typed errors (router/whole.py serves them whole)
+        max_resumes=0,
     ) as d:
         d.add_many([("prefill", ()), ("prefill", ()), ("decode", ()), ("decode", ())])
         d.wait_available(*(s.id for s in d.sims))
@@ -228,7 +230,7 @@ def static_router(dep: Deployment, **settings: object) -> Deployment:
     """Another router, with the module's sims as static instances (its own embedded ledger)."""
     prefill = [s.url for s in dep.by_role("prefill")]
     decode = [s.url for s in dep.by_role("decode")]
-    return Deployment(prefill=prefill, decode=decode, **settings)
+    return Deployment(prefill=prefill, decode=decode, **{"whole_on_failure": False, "max_resumes": 0, **settings})
 
 
 def test_static_instances_learn_their_model_and_use_the_routers_ledger(dep: Deployment) -> None:

@@ -214,7 +214,7 @@ def test_a_router_in_front_of_a_lying_metaserver_answers_a_typed_503() -> None:
     pd_metaserver_unavailable in OpenAI's error shape, not an internal error."""
     app = _lying(create_app(MetaSettings(store="memory://")), {"/v1/handoffs": b'{"transfer_id": 5}'})
     server = UvicornThread(app).start()
-    dep = Deployment(metaserver=server.url).start()
+    dep = Deployment(metaserver=server.url, on_ledger_outage="refuse").start()  # not served whole
     try:
         dep.add_many([("prefill", ()), ("decode", ())])
         dep.wait_available(*(s.id for s in dep.sims))

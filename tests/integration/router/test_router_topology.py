@@ -26,7 +26,7 @@ def test_dp_ranks_are_routed_and_loaded_separately() -> None:
 
 
 def test_incompatible_pairs_are_refused_with_the_reason() -> None:
-    with Deployment() as d:
+    with Deployment(on_ledger_outage="refuse") as d:  # not served whole (router/whole.py): the refusal
         p, dec = d.add_many([("prefill", ("--block-size", "16")), ("decode", ("--block-size", "32"))])
         d.wait_available(p.id, dec.id, available=True)
         with pytest.raises(openai.APIStatusError) as info:
@@ -45,7 +45,7 @@ def test_incompatible_pairs_are_refused_with_the_reason() -> None:
 
 
 def test_tp_mismatch_needs_replicated_kv() -> None:
-    with Deployment() as d:
+    with Deployment(on_ledger_outage="refuse") as d:
         p, dec = d.add_many([("prefill", ("--tp-size", "4")), ("decode", ("--tp-size", "2"))])
         d.wait_available(p.id, dec.id)
         with pytest.raises(openai.APIStatusError) as info:

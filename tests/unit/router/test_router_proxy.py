@@ -101,7 +101,7 @@ async def serve(meta: MetaAPI, engines: Engines, **overrides: Any) -> tuple[Rout
         prefill_policy="round_robin",
         decode_policy="round_robin",
         retry_backoff_s=0,
-        **overrides,
+        **{"whole_on_failure": False, "max_resumes": 0, **overrides},  # PD's own errors (router/whole.py)
     )
     engines.meta = meta
     upstream = HttpxUpstream(httpx.AsyncClient(transport=httpx.MockTransport(engines.handler)))

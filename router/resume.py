@@ -1,0 +1,245 @@
+"""Resuming a stream on another instance: what the client received, and the rest of its request (pure parts).
+
+A stream the router may resume is asked of its engine with `return_token_ids` (the router sets it), so
+every event names the token ids it carries. `StreamTrack` is the client's send behind such a stream: it
+passes only whole SSE events (a partial event when the engine dies is never delivered), records the
+prompt's ids and, per choice, the ids the client received and whether the choice finished, and takes
+the ids out again when the client did not ask for them (as vLLM's stream has no such keys then).
+
+When the engine dies, stalls or fails mid-stream, the rest of the request goes to another instance as a
+completion (`continuation_body`): prompt = the prompt's ids + the ids generated so far, max_tokens = what
+is left, every sampling field as the client sent it. A chat goes on as a completion on the chat template's
+ids (vLLM returns them as the first event's `prompt_token_ids`) and its events are turned back into
+chat chunks (`Continuation`). For greedy sampling the resumed stream is the one instance's stream token for
+token. Differences, documented in router/README.md: a seeded sampler starts again from its seed at the
+resume point (the tokens after it are another draw than one instance's); presence and frequency
+penalties count only the tokens generated after the resume (the earlier ones are prompt now); a stop
+string that would span the resume point is not seen; a completion's `logprobs.text_offset` restarts at
+the resume point's text.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import Any
+
+import orjson
+from pdgate.router.answers import split_events
+
+from pdgate.asgi import Message, Send
+
+__all__ = ["Continuation", "StreamTrack", "continuation_body"]
+
+_DONE = b"data: [DONE]"
+
+# Chat fields that mean the same on the completion a chat goes on as.
+_SAMPLING = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "logit_bias",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "bad_words",
+    "allowed_token_ids",
+    "user",
+    "priority",
+    "stream_options",
+)
+
+
+class StreamTrack:
+    """The client's send behind a resumable stream (module doc). `budget` is the `max_tokens` the engine
+    was asked for (None: unbounded); `asked_ids`: the client asked for `return_token_ids` itself."""
+
+    def __init__(self, send: Send, *, chat: bool, asked_ids: bool, budget: int | None) -> None:
+        self._send = send
+        self.chat = chat
+        self.asked_ids = asked_ids
+        self.budget = budget
+        self.prompt_ids: list[int] | None = None
+        self.generated: dict[int, list[int]] = {}
+        self.finished: set[int] = set()
+        self.head: dict[str, Any] = {}  # id, created, model of the client's stream
+        self.rest = b""  # an incomplete event, not delivered
+        self._sse = True  # the answer is a stream (an error answer passes untouched)
+
+    def can_resume(self) -> bool:
+        """Whether the rest can be computed elsewhere: one choice, whose prompt ids the router knows."""
+        return self.prompt_ids is not None and len(self.generated) <= 1 and not self.done()
+
+    def done(self) -> bool:
+        return bool(self.generated) and set(self.generated) <= self.finished
+
+    def received(self) -> int:
+        return sum(len(ids) for ids in self.generated.values())
+
+    async def __call__(self, msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            self._sse = msg["status"] == 200 and any(
+                k == b"content-type" and v.startswith(b"text/event-stream") for k, v in msg["headers"]
+            )
+        if msg["type"] != "http.response.body" or not self._sse:
+            await self._send(msg)
+            return
+        events, self.rest = split_events(self.rest + msg.get("body", b""))
+        more = msg.get("more_body", False)
+        if events:
+            events = b"".join(self._event(ev) for ev in events.split(b"\n\n") if ev)
+        if events or not more:
+            await self._send({**msg, "body": events})
+
+    def _event(self, ev: bytes) -> bytes:
+        if not ev.startswith(b"data: {"):
+            return ev + b"\n\n"
+        try:
+            obj = orjson.loads(ev[6:])
+        except orjson.JSONDecodeError:
+            return ev + b"\n\n"
+        if not isinstance(obj, dict):
+            return ev + b"\n\n"
+        changed = self._record(obj)
+        return b"data: " + orjson.dumps(obj) + b"\n\n" if changed else ev + b"\n\n"
+
+    def _record(self, obj: dict[str, Any]) -> bool:
+        """Record what the event carries; True when it was changed (ids taken out)."""
+        changed = False
+        if not self.head and "id" in obj:
+            self.head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
+        ids = obj.get("prompt_token_ids")
+        if "prompt_token_ids" in obj and not self.asked_ids:
+            del obj["prompt_token_ids"]
+            changed = True
+        if isinstance(ids, list) and self.prompt_ids is None:
+            self.prompt_ids = ids
+        for c in obj.get("choices") or ():
+            if not isinstance(c, dict):
+                continue
+            index = c.get("index", 0)
+            got = self.generated.setdefault(index if type(index) is int else 0, [])
+            ids = c.get("prompt_token_ids")
+            if isinstance(ids, list) and self.prompt_ids is None:
+                self.prompt_ids = ids
+            tokens = c.get("token_ids")
+            if isinstance(tokens, list):
+                got.extend(tokens)
+            if c.get("finish_reason") is not None:
+                self.finished.add(index)
+            if not self.asked_ids:
+                for key in ("prompt_token_ids", "token_ids"):
+                    if key in c:
+                        del c[key]
+                        changed = True
+        return changed
+
+
+def continuation_body(body: dict[str, Any], track: StreamTrack) -> dict[str, Any]:
+    """The completion that computes the rest of `body`'s one choice (module doc)."""
+    assert track.prompt_ids is not None
+    index = next(iter(track.generated), 0)
+    done = track.generated.get(index, [])
+    if track.chat:
+        out = {k: body[k] for k in _SAMPLING if k in body}
+        if body.get("logprobs"):
+            out["logprobs"] = body.get("top_logprobs") or 0
+    else:
+        out = {k: v for k, v in body.items() if k not in ("prompt", "suffix", "kv_transfer_params", "echo", "n")}
+    out.update(prompt=[*track.prompt_ids, *done], stream=True, return_token_ids=True)
+    out.pop("max_completion_tokens", None)
+    if track.budget is not None:
+        out["max_tokens"] = max(track.budget - len(done), 1)
+    min_tokens = body.get("min_tokens")
+    if type(min_tokens) is int and min_tokens:
+        out["min_tokens"] = max(min_tokens - len(done), 0)
+    return out
+
+
+class Continuation:
+    """The send a continuation's stream goes through on its way into the client's `StreamTrack`: its
+    status line is not sent again, its events take the client's stream's id, creation time, model and
+    choice index, its prompt ids are dropped (the client has them), a chat's completion events become
+    chat chunks, and its usage counts the client's prompt and every token the client got."""
+
+    def __init__(self, track: StreamTrack) -> None:
+        self._track = track
+        self._index = next(iter(track.generated), 0)
+        self._before = track.received()
+        self._prompt = len(track.prompt_ids or ())
+        self._rest = b""
+        self.first_at: float | None = None  # when its first events came (the gap's end, for the log)
+
+    async def __call__(self, msg: Message) -> None:
+        if msg["type"] != "http.response.body":
+            return
+        events, self._rest = split_events(self._rest + msg.get("body", b""))
+        if events:
+            if self.first_at is None:
+                self.first_at = perf_counter()
+            events = b"".join(self._event(ev) for ev in events.split(b"\n\n") if ev)
+        await self._track({**msg, "body": events + (b"" if msg.get("more_body", False) else self._rest)})
+
+    def _event(self, ev: bytes) -> bytes:
+        if not ev.startswith(b"data: {"):
+            return ev + b"\n\n"
+        try:
+            obj = orjson.loads(ev[6:])
+        except orjson.JSONDecodeError:
+            return ev + b"\n\n"
+        if not isinstance(obj, dict):
+            return ev + b"\n\n"
+        obj.update(self._track.head)
+        obj.pop("prompt_token_ids", None)
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            usage["prompt_tokens"] = self._prompt
+            usage["completion_tokens"] += self._before
+            usage["total_tokens"] = self._prompt + usage["completion_tokens"]
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            obj["choices"] = [self._choice(c) for c in choices if isinstance(c, dict)]
+        if self._track.chat:
+            obj["object"] = "chat.completion.chunk"
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def _choice(self, c: dict[str, Any]) -> dict[str, Any]:
+        c.pop("prompt_token_ids", None)
+        c["index"] = self._index
+        if not self._track.chat:
+            return c
+        out: dict[str, Any] = {"index": self._index, "delta": {"content": c.get("text") or ""}}
+        out["logprobs"] = _chat_logprobs(c.get("logprobs"))
+        out["finish_reason"] = c.get("finish_reason")
+        if "stop_reason" in c:
+            out["stop_reason"] = c["stop_reason"]
+        if "token_ids" in c:
+            out["token_ids"] = c["token_ids"]
+        return out
+
+
+def _chat_logprobs(lp: Any) -> Any:
+    """A completion chunk's logprobs ({tokens, token_logprobs, top_logprobs}) in a chat chunk's shape."""
+    if not isinstance(lp, dict):
+        return None
+    tokens, values, tops = lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+    content = []
+    for i, tok in enumerate(tokens):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        content.append(
+            {
+                "token": tok,
+                "logprob": values[i] if i < len(values) else None,
+                "bytes": list(str(tok).encode()),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(str(t).encode())} for t, v in top.items()],
+            }
+        )
+    return {"content": content}

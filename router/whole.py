@@ -1,0 +1,273 @@
+"""Whole requests: one instance serves a request end to end, without disaggregation (issue #22 item 2, #24).
+
+A request goes whole:
+- when the flow chooses it up front (`Whole.choose`, the one place where "whole or PD" is decided and
+  where a decider plugs in): the ledger is known to be down (`Pool.ledger_down`) and
+  `--on-ledger-outage serve-whole`, or `--both-path whole` and the model's only prefills are of role both
+  (a colocated pool);
+- when PD failed before a byte reached the client (`Whole.fallback`): the metaserver or its store could
+  not record the handoff, no prefill/decode pair is live, or every prefill or decode attempt failed.
+  A handoff still live is aborted first; the instance the last decode attempt used is skipped.
+The instance is a decode first, a prefill only when no decode is live (`Pool.whole_candidates`); it gets
+the client's body as it is, so its answer is the one instance's answer token for token. The answer says
+`X-PDGate-Path: whole`; `pdgate_router_undisaggregated_total{reason}` counts it.
+
+A stream that breaks after its first byte (the engine died, stalled past `--stream-idle-timeout-s`, or
+sent its error event) is resumed here too (`Whole.resume`, `resume` for the pure parts): the rest of the
+request goes whole to another instance, up to `--max-resumes` times, and the client reads one stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from random import Random
+from time import perf_counter
+
+import orjson
+from pdgate.router.bodies import COMPLETIONS
+from pdgate.router.engine_call import open_answer
+from pdgate.router.errors import (
+    DecodeFailed,
+    NoCompatiblePair,
+    PDError,
+    RouterError,
+    UpstreamRejected,
+    Where,
+    detail,
+    failed,
+    snippet,
+)
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.pool import LiveInstance, Pool
+from pdgate.router.request_flow import ProxiedRequest
+from pdgate.router.resume import Continuation, continuation_body
+from pdgate.router.retry import Verdict, retry_elsewhere
+from pdgate.router.settings import RouterSettings
+from pdgate.router.streaming import end_stream, relay_stream, send_body
+
+from pdgate.asgi import Send
+from pdgate.errors import Code, PDGateError
+from pdgate.models import Role
+from pdgate.upstream import Upstream
+
+__all__ = ["PATH_HEADER", "Whole"]
+
+log = logging.getLogger("pdgate.router.proxy")
+
+PATH_HEADER = (b"x-pdgate-path", b"whole")
+_JSON = b"application/json"
+# PD failures, before the client saw a byte, that another instance can serve whole.
+_PD_FAILURES = {
+    Code.METASERVER_UNAVAILABLE: "ledger_unavailable",
+    Code.NO_COMPATIBLE_PAIR: "no_pair",
+    Code.PREFILL_FAILED: "pd_failed",
+    Code.DECODE_FAILED: "pd_failed",
+    Code.KV_EXPIRED: "pd_failed",
+    Code.UPSTREAM_TIMEOUT: "pd_failed",
+    Code.NO_INSTANCE: "pd_failed",
+}
+_LEDGER_REASONS = ("ledger_unavailable", "no_pair")
+
+Headers = Callable[[ProxiedRequest, LiveInstance], list[tuple[bytes, bytes]]]
+
+
+class Whole:
+    """Serves requests end to end on one instance, and resumes broken streams; one per router."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        pool: Pool,
+        upstream: Callable[[], Upstream],
+        metrics: RouterMetrics,
+        headers: Headers,
+        pause: Callable[[int], Awaitable[None]],
+        clock: Callable[[], float],
+        rng: Random,
+    ) -> None:
+        s = settings
+        self._pool = pool
+        self._upstream = upstream
+        self._m = metrics
+        self._headers = headers
+        self._pause = pause
+        self._clock = clock
+        self._rng = rng
+        self._on_outage = s.on_ledger_outage == "serve-whole"
+        self._both_whole = s.both_path == "whole"
+        self._on_failure = s.whole_on_failure
+        self._tries = 1 + s.decode_retries
+        self._timeout = s.decode_timeout_s
+        self._idle = s.stream_idle_timeout_s
+        self._max_resumes = s.max_resumes
+
+    # -- whole or PD ------------------------------------------------------------------------
+
+    def choose(self, req: ProxiedRequest, model: str) -> str | None:
+        """Why `req` goes whole from the start, or None for PD: the entry point of the decision."""
+        if self._on_outage and self._pool.ledger_down:
+            return "ledger_unavailable"
+        if self._both_whole:
+            cands = self._pool.prefill_candidates(model, self._clock())
+            if cands and all(p.view.role is Role.BOTH for p in cands):
+                return "colocated"
+        return None
+
+    def fallback(self, req: ProxiedRequest, exc: RouterError) -> str | None:
+        """Why `req`, whose PD attempts failed with `exc` before a byte reached the client, goes whole; None:
+        the client gets `exc` (its own 4xx, or `--on-ledger-outage refuse` for the ledger's failures)."""
+        if req.started or not isinstance(exc, PDError):
+            return None
+        reason = _PD_FAILURES.get(exc.code)
+        on = self._on_outage if reason in _LEDGER_REASONS else self._on_failure
+        return reason if on else None
+
+    async def serve(self, req: ProxiedRequest, model: str, send: Send, reason: str) -> str:
+        """Serve `req` end to end on an instance; returns its outcome label."""
+        self._m.undisaggregated.labels(reason).inc()
+        log.info("serving whole (%s)", reason)
+        skip = req.tried
+        body = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
+        payload = orjson.dumps(body)
+
+        async def pick(tried: Sequence[str]) -> LiveInstance | None:
+            cands = self._pool.whole_candidates(model, self._clock(), [*skip, *tried])
+            return cands[self._rng.randrange(len(cands))] if cands else None
+
+        def none_left() -> PDGateError:
+            now = self._clock()
+            return NoCompatiblePair(
+                f"no instance can serve the request: {self._pool.explain(model, now, public=True)}",
+                detail=f"no instance can serve the request: {self._pool.explain(model, now)}",
+            )
+
+        return await retry_elsewhere(
+            "whole",
+            self._tries,
+            pick,
+            lambda i: self._once(req, i, send, payload, req.endpoint),
+            none_left,
+            self._pause,
+        )
+
+    async def _once(self, req: ProxiedRequest, inst: LiveInstance, send: Send, payload: bytes, endpoint: str) -> str:
+        where = Where(*inst.where("instance"))
+        stream = req.facts.stream
+        with self._pool.lease(inst, req.facts.prompt_tokens + req.facts.max_tokens, self._clock) as lease:
+            try:
+                ans = await open_answer(
+                    self._upstream(),
+                    inst.view.url + endpoint,
+                    self._headers(req, inst),
+                    payload,
+                    stream=stream,
+                    timeout=self._timeout,
+                    idle_timeout=self._idle,
+                    where=where,
+                    ttft=self._m.decode_ttft,
+                )
+            except Exception:
+                lease.failed()
+                raise
+            resp = ans.resp
+            try:
+                if ans.verdict == Verdict.REJECTED:
+                    lease.succeeded()
+                    raise UpstreamRejected(resp.status, ans.data or b"", resp.header(b"content-type"))
+                if ans.verdict != Verdict.OK:
+                    lease.failed()
+                    raise failed(DecodeFailed, where, f"answered {resp.status}", snippet(ans.data or b""))
+                ctype = resp.header(b"content-type") or _JSON
+                headers = [(b"content-type", ctype), (b"x-request-id", req.rid), PATH_HEADER]
+                req.started = True
+                if not stream:
+                    lease.succeeded()
+                    await send_body(send, resp.status, headers, ans.data or b"", req.end)
+                    return "ok"
+                track = req.track
+                error = await relay_stream(
+                    send, resp, ans.data, headers, self._idle, req.end, where, resumable=track is not None
+                )
+                if error is None:
+                    lease.succeeded()
+                    return "ok"
+                lease.failed()
+            finally:
+                resp.close()
+        return await self.resume(req, error, [inst.id])
+
+    # -- resuming a broken stream -------------------------------------------------------------
+
+    async def resume(self, req: ProxiedRequest, error: RouterError, exclude: list[str]) -> str:
+        """Go on with `req`'s stream, broken by `error`, on another instance (module doc); returns the
+        request's outcome. Ends the stream with `error` when it cannot be resumed."""
+        track = req.track
+        assert track is not None
+        model = req.facts.model or (req.prefill.view.model if req.prefill is not None else None)
+        while True:
+            if track.done():  # every choice finished: only the end of the stream was lost
+                req.end()
+                await track({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+                return "ok"
+            cands = self._pool.whole_candidates(model, self._clock(), exclude) if model is not None else []
+            if req.resumes >= self._max_resumes or not track.can_resume() or not cands:
+                self._m.error(error.code.value)
+                log.warning("%s after the stream started: %s", error.code.value, detail(error))
+                await end_stream(track, error, req.end)
+                return error.code.value
+            req.resumes += 1
+            self._m.resumes.labels(error.code.value).inc()
+            inst = cands[self._rng.randrange(len(cands))]
+            exclude.append(inst.id)
+            log.warning(
+                "%s after %d tokens: resuming on %s (%s)", error.code.value, track.received(), inst.id, detail(error)
+            )
+            t = perf_counter()
+            cont = Continuation(track)
+            body = orjson.dumps(continuation_body(req.body, track))
+            try:
+                next_error = await self._continue(req, inst, cont, body)
+            except RouterError as exc:
+                next_error = exc
+            if cont.first_at is not None:
+                log.info("resumed on %s: %.3f s from the break to its first token", inst.id, cont.first_at - t)
+            if next_error is None:
+                return "ok"
+            error = next_error
+
+    async def _continue(
+        self, req: ProxiedRequest, inst: LiveInstance, cont: Continuation, body: bytes
+    ) -> RouterError | None:
+        where = Where(*inst.where("instance"))
+        with self._pool.lease(inst, req.facts.prompt_tokens + req.facts.max_tokens, self._clock) as lease:
+            try:
+                ans = await open_answer(
+                    self._upstream(),
+                    inst.view.url + COMPLETIONS,
+                    self._headers(req, inst),
+                    body,
+                    stream=True,
+                    timeout=self._timeout,
+                    idle_timeout=self._idle,
+                    where=where,
+                    ttft=self._m.decode_ttft,
+                )
+            except Exception:
+                lease.failed()
+                raise
+            resp = ans.resp
+            try:
+                if ans.verdict != Verdict.OK:
+                    if ans.verdict == Verdict.FAILED:
+                        lease.failed()
+                    return failed(DecodeFailed, where, f"answered {resp.status}", snippet(ans.data or b""))
+                error = await relay_stream(cont, resp, ans.data, [], self._idle, req.end, where, resumable=True)
+                if error is None:
+                    lease.succeeded()
+                else:
+                    lease.failed()
+                return error
+            finally:
+                resp.close()
