@@ -1,0 +1,69 @@
+"""The goodput benchmark's quick mode (issue #22 item 1): the conditional decider on real vLLM takes each
+path at least once, and either path answers what the single instance answers, token for token.
+
+A 1P1D stack whose router runs `--disaggregation conditional --pd-min-tokens 256`: a 64-token prompt is
+short (whole, on one instance), a 600-token prompt is long (PD, its KV pulled by the decode). Both go
+non-streamed and streamed, greedy, with token-id prompts. The router's `pdgate_router_decisions_total`
+must count both paths under the rules that apply (short_prompt, long_prompt); the decode's connector
+must have pulled KV for the long prompts only, so a decider that labels a request "pd" and still runs it
+whole (or the reverse) fails here too. `bench/goodput.py --quick` runs the same check before its sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pdgate.deploy.local.stack import LocalStack
+
+from tests.e2e.conftest import Baseline, Stacks
+from tests.e2e.pdclient import complete, delta, openai_client, prompt_ids, scrape, settled
+
+pytestmark = pytest.mark.e2e
+
+MIN_PD_TOKENS = 256
+SHORT, LONG = 64, 600
+DECISIONS = "pdgate_router_decisions_total"
+
+
+def decisions(router_url: str) -> dict[tuple[str, str], float]:
+    """(path, reason) -> requests the decider sent that way, from the router's /metrics."""
+    return {(lab["path"], lab["reason"]): v for n, lab, v in scrape(router_url) if n == DECISIONS}
+
+
+@pytest.fixture
+def conditional_stack(stacks: Stacks) -> Iterator[LocalStack]:
+    stack = stacks.start(
+        "goodput-quick",
+        router_args=("--disaggregation", "conditional", "--pd-min-tokens", str(MIN_PD_TOKENS)),
+    )
+    try:
+        yield stack
+    finally:
+        stack.stop()  # frees the cores for what follows
+
+
+def test_decider_takes_each_path_with_the_single_instances_output(
+    conditional_stack: LocalStack, baseline: Baseline
+) -> None:
+    stack = conditional_stack
+    [decode] = stack.by_role("decode")
+    client = openai_client(stack.openai_base_url)
+    short, long = prompt_ids(SHORT, seed=1200), prompt_ids(LONG, seed=1201)
+    before, pulled_before = decisions(stack.url), settled(decode)
+    for prompt, whole in ((short, True), (long, False)):
+        want = baseline.complete(prompt)
+        for stream in (False, True):
+            got = complete(client, prompt, stream=stream)
+            assert got.same_output(want), f"{len(prompt)}-token prompt, stream={stream}: {got} != {want}"
+            path = got.headers.get("x-pdgate-path")
+            assert (path == "whole") is whole, f"{len(prompt)}-token prompt, stream={stream}: X-PDGate-Path {path}"
+    after = decisions(stack.url)
+    taken = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert taken.get(("whole", "short_prompt")) == 2, taken
+    assert taken.get(("pd", "long_prompt")) == 2, taken
+    assert sum(taken.values()) == 4, taken
+    pulled = delta(settled(decode), pulled_before)
+    # KV moved for the two long requests and for nothing else: the path counted is the path taken.
+    assert pulled.get("recv_ok") == 2 and pulled.get("recv_failed", 0.0) == 0, pulled
+    assert pulled.get("blocks_pulled", 0.0) >= 2 * (LONG // 32), pulled
