@@ -136,8 +136,9 @@ def test_sigkill_decode_under_load(stack_1p2d: LocalStack) -> None:
     untyped = [r for r in results if r["kind"] == "untyped"]
     assert not untyped, results
     assert running_at_kill > 0
-    # The kill landed on streams in flight: at least one client saw it, as a typed error.
-    assert any(r["kind"] == "typed" for r in results), results
+    # The kill landed on streams in flight; the router resumes them on the survivor (router/resume.py,
+    # issue #24): every client gets its full answer (tests/e2e/test_11_resume.py checks the tokens).
+    assert all(r["kind"] == "ok" for r in results), results
     _log(f"outcomes: {[r['kind'] + (':' + r['code'] if r['code'] else '') for r in results]}")
 
     # Every block the prefill held is freed within the handoff lease (plus a sweep and a feed round).

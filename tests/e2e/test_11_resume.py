@@ -1,0 +1,100 @@
+"""A decode vLLM killed mid-stream costs latency, not an error (issue #24): its streams resume elsewhere.
+
+Real 1P2D (this module's own stack: it ends with a dead engine), the single connector-less instance as the
+oracle (`baseline`). `CLIENTS` greedy streams of `LONG` tokens run at once; a decode is SIGKILLed (the API
+server and its EngineCore) while it generates for some of them. The router resumes each broken stream on an
+instance left (router/resume.py: prompt ids + the ids the client received, the tokens left). What must
+hold: every client gets the single instance's full greedy answer, token for token, with 0 errors, and the
+router counts the resumes. 8 clients: the 2-core CI host runs three engines unpinned (test_08's note); a
+GPU host may raise `PDGATE_E2E_RESUME_CLIENTS` to 32.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from pdgate.deploy.local.procs import free_port
+from pdgate.deploy.local.stack import LocalStack, StackConfig
+from pdgate.deploy.local.vllm_env import VllmEnv
+
+from tests.e2e.conftest import Baseline
+from tests.e2e.pdclient import Answer, complete, metric, observe, openai_client, prompt_ids, wait_for
+
+pytestmark = pytest.mark.e2e
+
+LONG = 1200  # tokens per stream: long enough to be in flight when the decode dies
+CLIENTS = int(os.environ.get("PDGATE_E2E_RESUME_CLIENTS", "8"))
+
+
+def _log(msg: str) -> None:
+    print(f"[e2e resume] {msg}", flush=True)
+
+
+@pytest.fixture(scope="module")
+def stack_1p2d(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[LocalStack]:
+    cfg = StackConfig(
+        n_prefill=1,
+        n_decode=2,
+        port=free_port(),
+        model_dir=model_dir,
+        run_dir=e2e_run_dir / "resume-1p2d",
+        venv=vllm_env.venv,
+        install=False,
+        router_args=["--decode-policy", "round_robin", "--health-interval-s", "1", "--max-resumes", "2"],
+    )
+    stack = LocalStack(cfg, log=_log)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+def _stream(client: openai.OpenAI, seed: int) -> Answer | str:
+    """One greedy stream of LONG tokens with its ids, or the error it ended with."""
+    try:
+        return complete(client, prompt_ids(120, seed=seed), stream=True, max_tokens=LONG)
+    except openai.APIError as exc:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def test_sigkill_decode_mid_stream_every_client_gets_the_single_instances_answer(
+    stack_1p2d: LocalStack, baseline: Baseline
+) -> None:
+    stack = stack_1p2d
+    decodes = stack.by_role("decode")
+    wants = {i: baseline.complete(prompt_ids(120, seed=1100 + i), max_tokens=LONG) for i in range(CLIENTS)}
+    client = openai_client(stack.openai_base_url, timeout=600)
+    with ThreadPoolExecutor(max_workers=CLIENTS) as pool:
+        futures = {i: pool.submit(_stream, client, 1100 + i) for i in range(CLIENTS)}
+        deadline = time.monotonic() + 120
+        victim, running_at_kill = None, 0.0
+        while time.monotonic() < deadline:  # kill right after the read that saw the victim busy (test_08)
+            running = [(observe(d)["running"], d) for d in decodes]
+            busy = [(n, d) for n, d in running if n > 0]
+            if len(busy) == len(decodes) or (busy and time.monotonic() > deadline - 100):
+                running_at_kill, victim = max(busy, key=lambda nd: nd[0])
+                victim.proc.signal_group(signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        assert victim is not None, "no decode ever had a request running"
+        _log(f"killed {victim.instance_id} with {running_at_kill:.0f} requests running")
+        results = {i: f.result(timeout=600) for i, f in futures.items()}
+
+    errors = {i: r for i, r in results.items() if isinstance(r, str)}
+    assert not errors, errors
+    for i, got in results.items():
+        assert isinstance(got, Answer)
+        assert len(got.token_ids) == LONG and got.prompt_tokens == 120, (i, len(got.token_ids), got.prompt_tokens)
+        assert got.token_ids == wants[i].token_ids, f"client {i}: the resumed stream differs from the single instance"
+    resumed = metric(stack.url, "pdgate_router_resumes_total")
+    _log(f"{resumed:.0f} streams resumed, 0 errors of {CLIENTS}")
+    assert resumed >= 1  # the kill landed on streams in flight, and they were resumed, not failed
+    survivor = next(d for d in decodes if d is not victim)
+    wait_for(lambda: observe(survivor)["running"] == 0, timeout=60, what="the survivor idle")
