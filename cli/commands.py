@@ -123,10 +123,13 @@ def top(admin: Admin, args: argparse.Namespace) -> str:
     text, data, hist = _top_once(admin, None)
     if args.once:
         return emit(admin.s.output, data, [], ()) if admin.s.output == "json" else text
+    window = "since the router started"
     while True:
-        print("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + (admin.s.router or "") + "\n\n" + text, flush=True)
+        head = f"{time.strftime('%H:%M:%S')}  {admin.s.router or admin.s.meta_url}  (latencies {window})"
+        print("\x1b[H\x1b[2J" + head + "\n\n" + text, flush=True)
         time.sleep(args.interval)
         text, data, hist = _top_once(admin, hist)
+        window = f"over the last {args.interval:g} s"
 
 
 def config(s: CliSettings, path: Path | None) -> str:
