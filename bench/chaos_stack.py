@@ -269,6 +269,9 @@ class Stack:
             "--claim-wait-s", str(t.claim_wait_s),
             "--claim-lease-s", str(t.claim_lease_s),
             "--token-delay", str(t.token_delay_s),
+            # Token ids both ways, as vLLM answers return_token_ids: what lets the router resume a broken
+            # stream on another instance (router/resume.py) instead of ending it with an error.
+            "--token-ids",
         ]  # fmt: skip
         return self.procs.start(f"sim-{iid}", argv, url=f"http://{host}:{port}", port=port, env=SIM_ENV)
 
