@@ -230,12 +230,22 @@ def page_html() -> bytes:
     return resources.files("pdgate.router").joinpath("status.html").read_bytes()
 
 
+# The page runs only its own inline script and talks only to this router; no other site may frame it
+# (an instance id or model name is an engine's own words: the script escapes them, and this is the net).
+_PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
 def install(api: FastAPI, page: StatusPage, admin: AdminCheck) -> None:
     """`GET /` and `GET /status` (the page, to anyone: it holds no data) and `GET /status/data`."""
     html = page_html()
 
     async def show() -> Response:
-        return Response(html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+        return Response(html, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
 
     api.add_api_route("/", show, methods=["GET"], tags=["ops"], response_class=Response, include_in_schema=False)
     api.add_api_route("/status", show, methods=["GET"], tags=["ops"], response_class=Response)

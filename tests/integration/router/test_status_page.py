@@ -149,7 +149,9 @@ def test_the_data_follows_the_health_rule_and_counts_live_handoffs(dep: Deployme
     assert all("url" not in r and "load" not in r for r in anon["instances"])
     assert {r["url"] for r in admin["instances"]} == {s.url for s in dep.sims}
     assert HTTP.get(dep.url + "/status/data", headers={"Authorization": "Bearer wrong"}).json()["admin"] is False
-    assert HTTP.get(dep.url + "/").headers["content-type"].startswith("text/html")
+    page = HTTP.get(dep.url + "/")
+    assert page.headers["content-type"].startswith("text/html")
+    assert "connect-src 'self'" in page.headers["content-security-policy"]
     # A decode that waits before it claims: the handoff stays live (READY, or CLAIMED when the router
     # claims for it), and the page counts it.
     decode = dep.by_role("decode")[0]
@@ -167,3 +169,14 @@ def test_the_data_follows_the_health_rule_and_counts_live_handoffs(dep: Deployme
         done.join(timeout=30)
     finally:
         decode.script(decode_delay=0.0)
+
+
+def test_an_engines_own_words_are_shown_as_text() -> None:
+    """A model name is what an engine registered: the page shows it as text, never as markup."""
+    name = '<b id="injected">x</b>'
+    with Deployment(admin_token=TOKEN) as d:
+        [sim] = d.add_many([("decode", ("--model", name))])
+        d.wait_available(sim.id)
+        page = Page(chromium("--dump-dom", f"{d.url}/status#token={TOKEN}"))
+    assert "injected" not in page.by_id
+    assert name in page.text
