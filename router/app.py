@@ -224,12 +224,12 @@ def create_app(
         tracing=tracing,
         claim_key=claim_seal.claim_key(ledger_token),
     )
+    admin = AdminCheck(ledger_token)
     passthrough = Passthrough(
-        s, parts.pool, lambda: holder["upstream"], clock, trace_dropped=parts.metrics.trace_dropped.inc
+        s, parts.pool, lambda: holder["upstream"], clock, admin, trace_dropped=parts.metrics.trace_dropped.inc
     )
     parts.metrics.inflight.set_function(lambda: proxy.inflight)
     discovery = Discovery(s, parts.pool, lambda: holder["meta"], lambda: holder["upstream"], parts.metrics, clock)
-    admin = AdminCheck(ledger_token)
     embedded_settings = msettings if embedded else None
     lifespan = _lifespan(s, parts, proxy, discovery, admin, tracing, meta, upstream, embedded_settings)
     api = FastAPI(

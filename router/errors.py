@@ -12,7 +12,7 @@ router's retry loop (`pdgate.router.retry`) and the wire format read the same ta
     ├── ModelNotFound                404 model_not_found
     ├── RouteNotServed               404 not_found (no route, or no instance serves this vLLM route)
     ├── PayloadTooLarge              413 request_too_large
-    ├── UpstreamRejected             an engine's own 4xx answer, relayed verbatim (not a PD failure)
+    ├── UpstreamRejected             an engine's own 4xx answer: its status and words, upstream_rejected
     └── PDError                      the pd_* family: the disaggregated path itself failed
         ├── PrefillFailed            502 pd_prefill_failed (retryable)
         ├── DecodeFailed             502 pd_decode_failed (retryable)
@@ -36,7 +36,9 @@ the router's one translation of a foreign failure.
 What a client reads about an engine's failure names the role and an opaque name (`Where.public`,
 `pool.Pool.public_name`), never the instance id (which defaults to the engine's address) nor the
 engine's own words: those are the error's `detail` (`failed`, `detail`), which the log and the admin
-read. An engine's 4xx is the exception: it is the client's own error, relayed as the engine wrote it.
+read. An engine's 4xx is the exception: it is the client's own error, so the client reads the engine's
+message (and `param`) with the engine's status, in pdgate's shape with `X-PDGate-Error: upstream_rejected`
+(issue #26: a relayed vLLM body had neither the header nor pdgate's `code`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ __all__ = [
     "UpstreamTimeout",
     "Where",
     "detail",
+    "engine_message",
     "error_body",
     "error_headers",
     "failed",
@@ -156,27 +159,38 @@ def snippet(data: bytes, n: int = 300) -> str:
 
 
 class UpstreamRejected(RouterError):
-    """An engine refused the request (4xx): the client's own error, relayed with the engine's status and body."""
+    """An engine refused the request (4xx): the client's own error, answered with the engine's status and
+    message (and `param`) as an OpenAI error of code upstream_rejected, as every router error is."""
 
     code = Code.UPSTREAM_REJECTED
 
     def __init__(self, status: int, body: bytes, content_type: bytes | None) -> None:
-        # The engine's reason in the message too: the body is relayed as it came before a response starts,
-        # but after the prefill's first token (`first_token`) only this message reaches the client.
-        super().__init__(f"engine answered {status}: {snippet(body)}")
+        message, param = engine_message(body)
+        super().__init__(message or f"engine answered {status}")
+        self.param = param
         self.upstream_status = status
-        self.upstream_body = body
+        self.upstream_body = body  # as the engine wrote it, for a log or a test
         self.content_type = content_type or JSON
 
     @property
     def status(self) -> int:
         return self.upstream_status
 
-    def body(self) -> bytes:
-        return self.upstream_body
 
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"content-type", self.content_type)]
+def engine_message(body: bytes) -> tuple[str, str | None]:
+    """The message and `param` of an engine's error body: vLLM's `{"error": {"message", "param", ...}}`,
+    its older flat `{"object": "error", "message", ...}`, a plain string error, else the body's start."""
+    try:
+        data: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return snippet(body).strip(), None
+    inner = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(inner, str):
+        return inner, None
+    if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+        param = inner.get("param")
+        return inner["message"], param if isinstance(param, str) else None
+    return snippet(body), None
 
 
 class PDError(RouterError):

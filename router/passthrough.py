@@ -12,16 +12,23 @@ instance serves it), else of the one model this router serves, else any; availab
 least loaded first. An instance that answers 404 does not serve that route (vLLM registers
 `/v1/embeddings` and `/pooling` only for pooling models): the next one is asked, and when none serves it
 the client gets 404 `not_found`. An instance that cannot be reached is skipped; when none answers, 503
-`pd_no_instance`. Any other answer of the engine is relayed as it came, status included.
+`pd_no_instance`. An engine's other 4xx (a missing prompt) is the client's error in pdgate's shape, the
+engine's status and message with `X-PDGate-Error: upstream_rejected` (`errors.UpstreamRejected`); any
+other answer is relayed as it came, status included.
+
+`GET /version` is the router's own: pdgate's version, for anyone (vLLM's /version is not protected
+either). With the admin token it adds each engine's own `/version` answer by instance id, since one
+pool may mix vLLM versions and only the admin may read instance ids.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
 import orjson
-from pdgate.router.access import ClientKeys
+from pdgate.router.access import AdminCheck, ClientKeys
 from pdgate.router.errors import (
     ModelNotFound,
     NoInstance,
@@ -29,6 +36,7 @@ from pdgate.router.errors import (
     RouteNotServed,
     RouterError,
     Unauthorized,
+    UpstreamRejected,
 )
 from pdgate.router.loops import HOP_HEADER, HOP_VALUE, LoopDetected
 from pdgate.router.pool import LiveInstance, Pool
@@ -36,6 +44,7 @@ from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import send_body, send_error
 from pdgate.router.tracing import TRACE_HEADERS, trace_context
 
+import pdgate
 from pdgate.asgi import Receive, Scope, Send
 from pdgate.upstream import Upstream
 
@@ -61,6 +70,7 @@ GET_ROUTES = frozenset({"/version"})
 _TRIES = 3  # distinct instance URLs asked before giving up
 _MAX_ANSWER = 64 << 20
 _FORWARD = frozenset({b"x-request-id"})
+_VERSION_TIMEOUT_S = 5.0  # an engine's /version, asked for the admin view
 
 
 class Passthrough:
@@ -72,10 +82,12 @@ class Passthrough:
         pool: Pool,
         upstream: Callable[[], Upstream],
         clock: Callable[[], float],
+        admin: AdminCheck,
         *,
         trace_dropped: Callable[[], object],
     ) -> None:
         self._pool = pool
+        self._admin = admin
         self._trace_dropped = trace_dropped  # counts a malformed trace context that was not forwarded
         self._upstream = upstream
         self._clock = clock
@@ -87,7 +99,10 @@ class Passthrough:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await self._serve(scope, receive, send)
+            if scope["path"] == "/version":
+                await self._version(scope, send)
+            else:
+                await self._serve(scope, receive, send)
         except RouterError as exc:
             await send_error(send, exc, [], lambda: None)
 
@@ -144,6 +159,8 @@ class Passthrough:
                 continue
             if resp.status == 404:  # this instance does not serve the route; another one may
                 continue
+            if 400 <= resp.status < 500:  # the client's own error, said by the engine: pdgate's shape
+                raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
             out = [(b"content-type", resp.header(b"content-type") or b"application/json")]
             await send_body(send, resp.status, out, data, lambda: None)
             return
@@ -152,6 +169,39 @@ class Passthrough:
         which = f" of model {model}" if model else ""
         asked = f" (asked {', '.join(tried)})" if tried else ""
         raise RouteNotServed(f"no instance{which} serves {method} {path}{asked}")
+
+    async def _version(self, scope: Scope, send: Send) -> None:
+        """pdgate's version; with the admin token, each engine's /version answer by instance id too."""
+        answer: dict[str, object] = {"version": pdgate.__version__}
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        client = scope.get("client")
+        if self._admin.holds(auth.decode("latin-1") if auth else None, client[0] if client else None):
+            answer["engines"] = await self._engine_versions()
+        await send_body(send, 200, [(b"content-type", b"application/json")], orjson.dumps(answer), lambda: None)
+
+    async def _engine_versions(self) -> dict[str, object]:
+        """Each instance's vLLM version (its /version's `version`), or why it is unknown; one call per URL."""
+        by_url: dict[str, list[str]] = {}
+        for inst in self._pool.instances.values():
+            by_url.setdefault(inst.view.url, []).append(inst.id)
+        urls = sorted(by_url)
+        found = await asyncio.gather(*(self._engine_version(url) for url in urls))
+        return {iid: version for url, version in zip(urls, found, strict=True) for iid in sorted(by_url[url])}
+
+    async def _engine_version(self, url: str) -> object:
+        headers = [(HOP_HEADER, HOP_VALUE)]
+        if self._upstream_auth is not None:
+            headers.append((b"authorization", self._upstream_auth))
+        try:
+            resp = await self._upstream().request("GET", url + "/version", headers, b"", timeout=_VERSION_TIMEOUT_S)
+            try:
+                data = await resp.read(timeout=_VERSION_TIMEOUT_S, limit=64 << 10)
+            finally:
+                resp.close()
+            version = orjson.loads(data).get("version") if resp.status == 200 else None
+        except Exception as exc:  # one engine that does not answer leaves the others' versions
+            return {"error": type(exc).__name__}
+        return version if isinstance(version, str) else {"error": f"HTTP {resp.status}"}
 
     def _instances(self, model: str | None) -> list[LiveInstance]:
         pool = self._pool

@@ -247,7 +247,6 @@ def _prefills(stack: LocalStack) -> float:
         ("POST", "/tokenize", {"prompt": "hello river mountain", "add_special_tokens": False}),
         ("POST", "/tokenize", {"messages": MSGS, "add_generation_prompt": True}),
         ("POST", "/detokenize", {"tokens": [5, 6, 7, 8]}),
-        ("GET", "/version", None),
     ],
 )
 def test_vllms_other_routes_answer_as_the_instance_does(

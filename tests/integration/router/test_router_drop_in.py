@@ -201,7 +201,7 @@ def test_models_carry_the_engines_cards(dep: Deployment) -> None:
     assert card["max_model_len"] == MODEL_LEN and card["owned_by"] == "pdgate-sim"
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/tokenize"), ("POST", "/v1/embeddings"), ("GET", "/version")])
+@pytest.mark.parametrize(("method", "path"), [("POST", "/tokenize"), ("POST", "/v1/embeddings")])
 def test_a_vllm_route_no_instance_serves_is_a_typed_404(dep: Deployment, method: str, path: str) -> None:
     auth = {"authorization": "Bearer sk-test"}
     body = {"model": "sim-model", "prompt": "hi"} if method == "POST" else None

@@ -55,9 +55,30 @@ def test_sse_error_is_one_error_event_then_done() -> None:
     assert orjson.loads(events[0][6:])["error"]["code"] == "pd_decode_failed"
 
 
-def test_upstream_rejection_relays_the_engine_body() -> None:
-    err = UpstreamRejected(400, b'{"error": "too long"}', b"application/json")
-    assert err.body() == b'{"error": "too long"}' and err.headers() == [(b"content-type", b"application/json")]
+@pytest.mark.parametrize(
+    ("engine_body", "message", "param"),
+    [
+        (
+            b'{"error": {"message": "too long", "type": "BadRequestError", "param": "max_tokens", "code": 400}}',
+            "too long",
+            "max_tokens",
+        ),
+        (
+            b'{"object": "error", "message": "too long", "type": "BadRequestError", "param": null, "code": 400}',
+            "too long",
+            None,
+        ),
+        (b'{"error": "too long"}', "too long", None),
+        (b"too long", "too long", None),
+    ],
+)
+def test_upstream_rejection_is_pdgates_shape_with_the_engines_words(
+    engine_body: bytes, message: str, param: str | None
+) -> None:
+    err = UpstreamRejected(400, engine_body, b"application/json")
+    want = {"message": message, "type": "invalid_request_error", "code": "upstream_rejected", "param": param}
+    assert orjson.loads(err.body()) == {"error": want}
+    assert (b"x-pdgate-error", b"upstream_rejected") in err.headers()
 
 
 def test_upstream_rejection_answers_with_the_engines_status() -> None:
