@@ -21,7 +21,8 @@ Why it looks like this (what Mooncake 0.3.13 does, checked on CPU hosts over pro
   so the deadline of a stalled peer is the engine's: ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (set from
   ``progress_timeout_s`` before the engine starts, unless the environment sets it) drops a connection that
   made no progress for that long, and the read returns -1. We never report a failure while a read may
-  still be writing, so ``PullRequest.timeout_s`` only fails pulls that waited in the queue past it.
+  still be writing, so the pull's deadline (``PullRequest.timeout_s``, else ``pull_timeout_s``) only fails
+  pulls that waited in the queue past it.
 * Mooncake answers every failure with -1. Which one it was is told by what follows: a read that ran for
   the progress timeout stalled (:class:`PullTimeout`); otherwise one-byte probe reads of the peer's first
   buffer (into a registered scratch byte, never a KV block) tell a live peer that refused the ranges
@@ -187,13 +188,17 @@ class MooncakeTransport(Transport):
         self._extents: list[tuple[int, int]] = []
         # One registered byte that probe reads land in (never a KV block): see _classify.
         self._scratch = ctypes.create_string_buffer(64)
+        self._scratch_registered = False
         self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
         self._pending: set[str] = set()
         self._pending_lock = threading.Lock()
         # One thread: a sync read blocks, and one owner keeps the engine's calls in order.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdgate-mooncake-{self.port}")
         logger.info(
-            "mooncake engine %s started (protocol %s, stall deadline %.0fs)", self.session, self.protocol, progress
+            "mooncake engine %s started (protocol %s, stall deadline %.0fs)",
+            self.session,
+            self.protocol,
+            self._progress_s,
         )
 
     # ------------------------------------------------------------------ registration
@@ -201,11 +206,16 @@ class MooncakeTransport(Transport):
     def register(self, regions: Sequence[KVRegion]) -> None:
         self._check_registration(regions)
         extents = merge_extents(regions)
-        scratch = ctypes.addressof(self._scratch)
-        rc = self._engine.batch_register_memory([s for s, _ in extents] + [scratch], [n for _, n in extents] + [64])
+        rc = self._engine.batch_register_memory([s for s, _ in extents], [n for _, n in extents])
         if rc != 0:
             raise RegistrationError(f"mooncake batch_register_memory of {len(extents)} extents returned {rc}")
         self._extents = extents
+        # Best effort: a protocol that cannot register host memory (ascend, for device KV) just probes less.
+        self._scratch_registered = self._engine.register_memory(ctypes.addressof(self._scratch), 64) == 0
+        if not self._scratch_registered:
+            logger.warning(
+                "mooncake %s: the probe byte could not be registered; failures read as unreachable", self.session
+            )
         self._regions = tuple(regions)
         logger.info("mooncake %s registered %d regions as %d extents", self.session, len(regions), len(extents))
 
@@ -245,7 +255,8 @@ class MooncakeTransport(Transport):
         # Wait for a read in progress: it cannot be cancelled, and its destination must stay registered
         # until it ends (at the latest after the engine's progress timeout).
         self._worker.shutdown(wait=True, cancel_futures=True)
-        for start, _ in self._extents + ([(ctypes.addressof(self._scratch), 64)] if self._extents else []):
+        scratch = [(ctypes.addressof(self._scratch), 64)] if self._scratch_registered else []
+        for start, _ in self._extents + scratch:
             rc = self._engine.unregister_memory(start)
             if rc != 0:
                 logger.warning("mooncake %s: unregister_memory(%#x) returned %d", self.session, start, rc)
@@ -257,7 +268,8 @@ class MooncakeTransport(Transport):
 
     def _run_pull(self, req: PullRequest, remote: _Remote, submitted: float) -> PullResult:
         started = self._clock()
-        if req.timeout_s is not None and started - submitted > req.timeout_s:
+        timeout = req.timeout_s if req.timeout_s is not None else self._timeout_s
+        if started - submitted > timeout:
             late = PullTimeout(f"pull {req.transfer_id} waited {started - submitted:.3f}s in the queue; not started")
             return PullResult.failure(req.transfer_id, late, elapsed_s=started - submitted)
         runs = coalesce(req.remote_block_ids, req.local_block_ids)
@@ -302,6 +314,9 @@ class MooncakeTransport(Transport):
         of the refused batch have had time to drain (a read right after a refusal may be refused too)."""
         deadline = self._clock() + _settle_s()
         scratch = ctypes.addressof(self._scratch)
+        if not self._scratch_registered:
+            time.sleep(_settle_s())  # still let a refused batch's leftovers drain before the next pull
+            return False
         while True:
             if self._engine.transfer_sync_read(remote.session, scratch, remote.probe_addr, 1) == 0:
                 return True

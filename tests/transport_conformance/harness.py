@@ -150,8 +150,7 @@ class ProcessPeer(Peer):
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
+            self.proc.kill()  # SIGKILL ends a stopped process too; a SIGCONT first would let it serve a read
         self.proc.wait(timeout=10)
 
     def stall(self) -> None:

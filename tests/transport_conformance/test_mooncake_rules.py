@@ -48,6 +48,10 @@ class FakeEngine:
         self.registered.append((ptrs, lens))
         return 0
 
+    def register_memory(self, ptr: int, n: int) -> int:
+        self.registered.append(([ptr], [n]))
+        return 0
+
     def unregister_memory(self, ptr: int) -> int:
         return 0
 
@@ -101,7 +105,8 @@ def test_one_buffer_is_one_registration_and_ranges_merge_and_cap_at_the_batch_si
     dst_bufs = [np.zeros(n * bl, dtype=np.uint8) for _ in range(2)]
     d = make(dst_bufs, bl, max_batch=1000)
     engine = p._engine
-    assert len(engine.registered) == 1 and engine.registered[0][1][0] == 2 * n * bl  # plus the probe byte
+    assert engine.registered[0] == ([whole.ctypes.data], [2 * n * bl])  # then the probe byte, apart
+    assert engine.registered[1][1] == [64] and len(engine.registered) == 2
     # 100 adjacent blocks: one range per region.
     d.start_pull(PullRequest("run", 1, p.local_address(), list(range(100)), list(range(200, 300))))
     assert wait(d).ok and d._engine.batches == [2]
