@@ -1,0 +1,263 @@
+"""Goodput of PD disaggregation against colocated replicas on the same cores (issue #22 item 1).
+
+Four setups, one after another, each with the same two cores (one engine's OMP threads per core), the
+same model and the same engine flags, pdgate-router in front of all (bench/goodput_setups.py):
+colocated (2 plain vLLM replicas, role both, served whole), pdgate PD (1P1D), pdgate conditional
+(`--disaggregation conditional`, the same engines) and vLLM's NixlConnector 1P1D. Workloads
+(bench/goodput_plan.py): W1 long prompts (~2,048 tokens), W2 short chat (128 in), W3 mixed (50-2,000 in),
+W4 multi-turn conversations sharing a growing prefix, all 64 tokens out, and the seed's burst case
+(256 requests at once). Prompts are uniformly random token ids (vLLM's custom dataset, never its
+`random` one, whose prompts share prefixes on a small vocabulary).
+
+Per workload the colocated setup is first measured unloaded (one request at a time): TTFT SLO = 4x its
+TTFT p50, TPOT SLO = 3x its TPOT p50, and its capacity unloaded sets the rate ladder every setup runs
+(`vllm bench serve`, Poisson arrivals, `--goodput`, `--save-result --save-detailed`; bench/goodput_run.py).
+Each point is re-scored from the per-request results (a stream cut after its first token is not good),
+with the load average and the cores' busy share during it and the router's phase histograms. The ladder
+grows while the SLOs still hold, and the best point is run again.
+
+Writes bench/results/goodput.json (goodput-quick.json with --quick) and, unless --no-docs,
+docs/PERFORMANCE.md (generated from the results by bench/goodput_report.py; never edit it by hand).
+
+    .venv-vllm/bin/python bench/goodput.py [--setups colocated pd conditional nixl] [--workloads W1 W2 W3 W4 burst]
+    .venv-vllm/bin/python bench/goodput.py --dry-run            # the plan and its time estimate, no engine
+    .venv-vllm/bin/python bench/goodput.py --quick              # CI: the decider takes both paths, outputs equal
+    .venv-vllm/bin/python bench/goodput.py --render-only        # docs/PERFORMANCE.md from the saved results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+for p in (str(HERE), str(REPO)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from goodput_plan import (  # noqa: E402
+    MODES,
+    SETUPS,
+    WORKLOADS,
+    Plan,
+    Slo,
+    capacity,
+    dataset_texts,
+    plan_lines,
+    prompts_for,
+    slo_from_unloaded,
+    write_dataset,
+)
+from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR  # noqa: E402
+
+RESULTS = HERE / "results"
+DOCS = REPO / "docs" / "PERFORMANCE.md"
+GOOD_SHARE = 0.9  # a point whose good/sent is at least this still meets the SLOs: the ladder may grow
+
+
+def _say(msg: str) -> None:
+    print(f"[bench/goodput] {msg}", flush=True)
+
+
+class Datasets:
+    """Fresh prompts for every point (seeded by workload and point, the same for every setup): a prompt
+    seen before would be served partly from the prefix cache."""
+
+    def __init__(self, model_dir: Path, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self.folder = folder
+
+    def file(self, workload: str, n: int, seed: int) -> Path:
+        path = self.folder / f"{workload}-{seed}-{n}.jsonl"
+        if not path.exists():
+
+            def encode(text: str) -> list[int]:
+                return list(self.tok(text, add_special_tokens=False).input_ids)
+
+            def decode(ids: list[int]) -> str:
+                return str(self.tok.decode(ids))
+
+            write_dataset(path, dataset_texts(workload, n, seed, len(self.tok), encode, decode))
+        return path
+
+
+class Sweep:
+    """Runs the plan's workloads on one setup at a time; SLOs and ladders come from the first setup."""
+
+    def __init__(self, plan: Plan, args: argparse.Namespace, run_dir: Path, result: dict[str, Any]) -> None:
+        self.plan, self.args, self.run_dir, self.result = plan, args, run_dir, result
+        self.data = Datasets(args.model_dir, run_dir / "datasets")
+
+    def setup(self, run: Any) -> None:
+        from goodput_run import run_point
+
+        t0 = time.monotonic()
+        entry: dict[str, Any] = {"label": SETUPS[run.name], "workloads": {}}
+        self.result["setups"][run.name] = entry
+        self._warm(run)
+        for w in self.plan.workloads:
+            slo, cap = self._slo(run, w)
+            wl = WORKLOADS[w]
+            out = self.run_dir / run.name / w
+            out.mkdir(parents=True, exist_ok=True)
+            points: list[dict[str, Any]] = []
+            if wl.burst:
+                ds = self.data.file(w, wl.burst, 1000)
+                points.append(
+                    run_point(
+                        run, self.args.model_dir, ds, out / "burst.json", slo, n=wl.burst, rate=float("inf"),
+                        concurrency=wl.burst,
+                    )
+                )  # fmt: skip
+            else:
+                points = self._ladder(run, w, slo, cap, out)
+            entry["workloads"][w] = {"points": points}
+            self._save()
+            _say(f"{run.name} {w}: best goodput {max(p['goodput'] for p in points):.2f} req/s")
+        entry["pinning"] = run.pinning()
+        entry["wall_s"] = time.monotonic() - t0
+        if self.args.quick and run.name == "conditional":
+            from goodput_quick import decider_check
+
+            self.result["quick_check"] = decider_check(run, self.args.pd_min_tokens)
+        self._save()
+
+    def _ladder(self, run: Any, w: str, slo: Slo, cap: float, out: Path) -> list[dict[str, Any]]:
+        from goodput_run import run_point
+
+        mode = self.plan.mode
+        rates = [f * cap for f in mode.rate_factors]
+        points: list[dict[str, Any]] = []
+
+        def point(rate: float) -> None:
+            k = len(points)
+            n = prompts_for(rate, mode)
+            ds = self.data.file(w, n, k)
+            p = run_point(run, self.args.model_dir, ds, out / f"point-{k}.json", slo, n=n, rate=rate)
+            p["repeat"] = any(q["rate"] == rate for q in points)
+            points.append(p)
+            _say(f"{run.name} {w} {rate:.2f} req/s: good {p['good']}/{p['sent']}, goodput {p['goodput']:.2f}")
+
+        for rate in rates:
+            point(rate)
+        for _ in range(mode.extend):
+            last = points[-1]
+            if last["good"] < GOOD_SHARE * last["sent"]:
+                break
+            point(last["rate"] * 2)
+        for _ in range(mode.repeats):
+            point(max(points, key=lambda q: q["goodput"])["rate"])
+        return points
+
+    def _slo(self, run: Any, w: str) -> tuple[Slo, float]:
+        """The workload's SLOs and ladder unit, measured unloaded on the first setup that runs it."""
+        from goodput_run import unloaded
+
+        known = self.result["slo"].get(w)
+        if known is None:
+            ds = self.data.file(w, self.plan.mode.probe_prompts, -1)
+            out = self.run_dir / run.name / w / "unloaded.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            u = unloaded(run, self.args.model_dir, ds, out, self.plan.mode.probe_prompts)
+            slo = slo_from_unloaded(u["ttft_ms"], u["tpot_ms"])
+            known = {"measured_on": run.name, "unloaded": u, "ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
+            known["capacity_rps"] = capacity(2, u["ttft_ms"], u["tpot_ms"])
+            self.result["slo"][w] = known
+            _say(f"{w}: unloaded TTFT {u['ttft_ms']:.0f} ms, TPOT {u['tpot_ms']:.1f} ms -> SLO {slo.goodput_arg()}")
+        return Slo(known["ttft_ms"], known["tpot_ms"]), known["capacity_rps"]
+
+    def _warm(self, run: Any) -> None:
+        """A fresh engine's first requests pay one-off costs (graph capture, allocator): a few, unscored."""
+        from goodput_run import bench_serve, serve_argv
+
+        ds = self.data.file("W2", 4, -2)
+        out = self.run_dir / run.name / "warmup.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        bench_serve(serve_argv(run.url, self.args.model_dir, ds, 4, out, None, rate=4.0), out.with_suffix(".log"))
+
+    def _save(self) -> None:
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(self.result, indent=1, default=str) + "\n")
+
+
+def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    from goodput_setups import Context, each_setup
+    from pdgate.deploy.local.vllm_instance import ServeFlags
+
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdgate-bench-goodput-")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    flags = ServeFlags(model_dir=args.model_dir)
+    result: dict[str, Any] = {
+        "plan": plan.as_dict(),
+        "config": {
+            "model": flags.served_name,
+            "engine_flags": flags.args()[1:],
+            "pd_min_tokens": args.pd_min_tokens,
+            "run_dir": str(run_dir),
+        },
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "slo": {},
+        "setups": {},
+    }
+    t0 = time.monotonic()
+    sweep = Sweep(plan, args, run_dir, result)
+    ctx = Context(args.model_dir, run_dir, args.venv, flags, args.pd_min_tokens, _say)
+    each_setup(plan.setups, ctx, sweep.setup)
+    result["wall_s"] = time.monotonic() - t0
+    result["host"]["loadavg_after"] = os.getloadavg()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CI mode: conditional only, W3, one rate, the decider check")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and its time estimate; start nothing")
+    ap.add_argument("--setups", nargs="+", choices=list(SETUPS), default=None)
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None)
+    ap.add_argument("--pd-min-tokens", type=int, default=1024, help="the conditional router's --pd-min-tokens")
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--venv", type=Path, default=None)
+    ap.add_argument("--run-dir", type=Path, default=None, help="logs, datasets and vLLM's raw results")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/goodput[-quick].json")
+    ap.add_argument("--no-docs", action="store_true", help="do not write docs/PERFORMANCE.md")
+    ap.add_argument("--render-only", action="store_true", help="rewrite docs/PERFORMANCE.md from the results JSON")
+    args = ap.parse_args(argv)
+    mode = MODES["quick" if args.quick else "default"]
+    plan = Plan(mode, tuple(args.setups or mode.setups), tuple(args.workloads or mode.workloads))
+    args.out = args.out or RESULTS / ("goodput-quick.json" if args.quick else "goodput.json")
+    if args.dry_run:
+        print("\n".join(plan_lines(plan)))
+        return 0
+    from goodput_report import render_markdown, render_table
+
+    if args.render_only:
+        DOCS.write_text(render_markdown(json.loads(args.out.read_text())))
+        print(f"wrote {DOCS} from {args.out}")
+        return 0
+    result = run(plan, args)
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(render_table(result))
+    print(f"results: {args.out}")
+    if not args.no_docs and not args.quick:
+        DOCS.write_text(render_markdown(result))
+        print(f"wrote {DOCS}")
+    check = result.get("quick_check")
+    if check is not None and not check["pass"]:
+        print(f"FAILED: {check['problems']}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

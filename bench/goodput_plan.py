@@ -1,0 +1,287 @@
+"""The goodput benchmark's plan and its pure parts: workloads, setups, the rate ladder, the time estimate,
+the datasets and the re-scoring of vLLM's per-request results (no engine is needed for any of it).
+
+Why each rule (see /work/shared/reference/goodput-method.md for the first sweep's traps):
+- Prompts are uniformly random token ids, decoded to text and written as vLLM's custom dataset (JSONL):
+  vLLM's `random` dataset builds prompts from consecutive ids at a random offset, and on the tiny model's
+  2,048-token vocabulary prompts share whole prefixes that the prefix cache then serves. Random ids
+  re-encode into more tokens than were drawn (about 1.17x), so each prompt is trimmed until its
+  re-encoding fits the target length.
+- Every request is re-scored from the per-request lists (`--save-detailed`): vLLM's client counts a
+  stream cut after its first token as a success with TPOT 0, so a request is good only with all its
+  requested tokens, a TTFT within the TTFT SLO and a TPOT within the TPOT SLO.
+- Rates are multiples of the colocated setup's unloaded capacity (replicas / one request's unloaded
+  service time), so one ladder runs from light load to past the knee for short and long prompts alike;
+  the ladder grows while the last rate still met the SLOs, and the best point is run again (single-run
+  peaks near the knee did not reproduce).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SETUPS",
+    "WORKLOADS",
+    "Mode",
+    "Plan",
+    "Slo",
+    "Workload",
+    "dataset_texts",
+    "estimate_s",
+    "plan_lines",
+    "rescore",
+    "slo_from_unloaded",
+    "write_dataset",
+]
+
+OUTPUT_TOKENS = 64
+REENCODE = 1.17  # random ids re-encode into about this many tokens (measured on the tiny model's tokenizer)
+FIRST_ORDINARY_TOKEN = 3  # 0-2 are <|bos|> <|eos|> <|pad|>
+TTFT_FACTOR = 4.0  # TTFT SLO = this x the colocated unloaded TTFT p50 of the workload
+TPOT_FACTOR = 3.0  # TPOT SLO = this x the colocated unloaded TPOT p50
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One kind of traffic: prompt lengths (or conversations) and how it arrives."""
+
+    name: str
+    title: str
+    lengths: tuple[int, int] = (128, 128)  # prompt tokens drawn uniformly in [lo, hi]
+    turns: int = 0  # > 0: conversations whose turns share a growing prefix
+    burst: int = 0  # > 0: this many requests at once (rate inf, this max concurrency); no ladder
+
+
+WORKLOADS: dict[str, Workload] = {
+    "W1": Workload("W1", "long prompts (~2,048 tokens), 64 out", (2048, 2048)),
+    "W2": Workload("W2", "short chat (128 in, 64 out)", (128, 128)),
+    "W3": Workload("W3", "mixed (50-2,000 in, 64 out)", (50, 2000)),
+    "W4": Workload("W4", "multi-turn: 4 turns sharing a growing prefix (512 + 320 per turn), 64 out", turns=4),
+    "burst": Workload("burst", "the seed's case: 256 requests at once (256 in, 64 out)", (256, 256), burst=256),
+}
+
+SETUPS: dict[str, str] = {
+    "colocated": "colocated: 2 plain vLLM replicas behind pdgate-router (role both, served whole)",
+    "pd": "pdgate PD 1P1D (PDGateConnector over NIXL, router with embedded metaserver)",
+    "conditional": "pdgate conditional (--disaggregation conditional), the same 1P1D engines",
+    "nixl": "vLLM NixlConnector 1P1D behind pdgate-router (stock engines)",
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How much to run: the default fits 20 minutes on a 2-core machine; quick is the CI check."""
+
+    name: str
+    setups: tuple[str, ...]
+    workloads: tuple[str, ...]
+    rate_factors: tuple[float, ...]  # x the colocated unloaded capacity
+    window_s: float  # arrival window of one point: prompts = max(min_prompts, rate x window)
+    min_prompts: int
+    extend: int  # extra rates (x2 each) while the last one still met the SLOs
+    repeats: int  # extra runs of the best point
+    probe_prompts: int  # unloaded requests per workload (one at a time) that set the SLOs
+
+
+DEFAULT = Mode(
+    "default",
+    tuple(SETUPS),
+    tuple(WORKLOADS),
+    rate_factors=(0.25, 0.5, 1.0),
+    window_s=8.0,
+    min_prompts=6,
+    extend=1,
+    repeats=1,
+    probe_prompts=4,
+)
+QUICK = Mode(
+    "quick",
+    ("conditional",),
+    ("W3",),
+    rate_factors=(0.5,),
+    window_s=6.0,
+    min_prompts=6,
+    extend=0,
+    repeats=0,
+    probe_prompts=2,
+)
+MODES = {"default": DEFAULT, "quick": QUICK}
+
+# Time model of the estimate (2 cores, tiny model; from bench/e2e.py and the first sweep's runs).
+START_S = {"colocated": 80.0, "pd": 90.0, "conditional": 10.0, "nixl": 90.0}  # conditional reuses pd's engines
+SERVICE_S = {"W1": 1.1, "W2": 0.6, "W3": 0.8, "W4": 0.9, "burst": 0.6}  # one request, unloaded
+POINT_OVERHEAD_S = 4.0  # ready check, dataset load, the drain of a queue past the knee, scrapes
+BURST_S = 25.0
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float
+    tpot_ms: float
+
+    def goodput_arg(self) -> list[str]:
+        """vLLM's `--goodput` values."""
+        return [f"ttft:{self.ttft_ms:.0f}", f"tpot:{self.tpot_ms:.1f}"]
+
+
+def slo_from_unloaded(ttft_ms: float, tpot_ms: float) -> Slo:
+    return Slo(TTFT_FACTOR * ttft_ms, TPOT_FACTOR * tpot_ms)
+
+
+def capacity(replicas: int, ttft_ms: float, tpot_ms: float, out: int = OUTPUT_TOKENS) -> float:
+    """Requests per second `replicas` engines finish one at a time, unloaded: the ladder's unit."""
+    service_s = (ttft_ms + (out - 1) * tpot_ms) / 1e3
+    return replicas / max(service_s, 1e-3)
+
+
+def prompts_for(rate: float, mode: Mode) -> int:
+    return max(mode.min_prompts, math.ceil(rate * mode.window_s))
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: Mode
+    setups: tuple[str, ...]
+    workloads: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": asdict(self.mode), "setups": list(self.setups), "workloads": list(self.workloads)}
+
+
+def estimate_s(plan: Plan) -> float:
+    """Seconds the plan should take here (engine starts, probes, every point, the repeats)."""
+    m = plan.mode
+    total = sum(START_S[s] for s in plan.setups)
+    for w in plan.workloads:
+        wl, svc = WORKLOADS[w], SERVICE_S[w]
+        total += m.probe_prompts * svc + POINT_OVERHEAD_S  # colocated's unloaded probe (the SLOs)
+        if wl.burst:
+            total += len(plan.setups) * BURST_S
+            continue
+        points = len(m.rate_factors) + m.extend + m.repeats
+        total += len(plan.setups) * points * (m.window_s + 2 * svc + POINT_OVERHEAD_S)
+    return total
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """The dry run's printout: setups x workloads x rates and the estimate."""
+    m = plan.mode
+    ladder = ", ".join(f"{f:g}" for f in m.rate_factors)
+    out = [f"mode {m.name}: {len(plan.setups)} setups x {len(plan.workloads)} workloads"]
+    out += [f"  setup {s}: {SETUPS[s]}" for s in plan.setups]
+    for w in plan.workloads:
+        wl = WORKLOADS[w]
+        if wl.burst:
+            out.append(f"  {w}: {wl.title}: one burst of {wl.burst} per setup (rate inf, max concurrency {wl.burst})")
+        else:
+            out.append(
+                f"  {w}: {wl.title}: Poisson rates x{{{ladder}}} of colocated's unloaded capacity, "
+                f"+{m.extend} doubling while the SLOs hold, +{m.repeats} repeat of the best; "
+                f"prompts per point max({m.min_prompts}, rate x {m.window_s:g} s)"
+            )
+    out.append(
+        f"  SLOs per workload: TTFT {TTFT_FACTOR:g}x and TPOT {TPOT_FACTOR:g}x colocated's unloaded p50 "
+        f"({m.probe_prompts} requests one at a time)"
+    )
+    est = estimate_s(plan)
+    out.append(f"estimate: {est / 60:.1f} min ({est:.0f} s) on a 2-core machine with the tiny model")
+    return out
+
+
+# -- datasets ----------------------------------------------------------------------------------
+
+Encode = Callable[[str], list[int]]
+Decode = Callable[[list[int]], str]
+
+
+def random_text(rng: random.Random, target: int, vocab: int, encode: Encode, decode: Decode) -> str:
+    """Text of uniformly random token ids whose re-encoding is at most `target` tokens (and close to it)."""
+    ids = [rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(max(1, round(target / REENCODE)))]
+    for _ in range(4):
+        text = decode(ids)
+        n = len(encode(text))
+        if n <= target:
+            return text
+        ids = ids[: max(1, int(len(ids) * target / n) - 1)]
+    return decode(ids)
+
+
+def dataset_texts(workload: str, n: int, seed: int, vocab: int, encode: Encode, decode: Decode) -> list[str]:
+    """`n` prompts of `workload`, reproducible from `seed`. Multi-turn: turn t of a conversation is its
+    512-token opening plus t x (256 user + 64 answer) tokens, listed turn by turn (every first turn, then
+    every second...), so with the dataset unshuffled each turn arrives after the one whose prefix it extends."""
+    wl = WORKLOADS[workload]
+    rng = random.Random(f"goodput-{workload}-{seed}")
+    if not wl.turns:
+        lo, hi = wl.lengths
+        return [random_text(rng, rng.randint(lo, hi), vocab, encode, decode) for _ in range(n)]
+    convs = max(1, math.ceil(n / wl.turns))
+    history = [random_text(rng, 512, vocab, encode, decode) for _ in range(convs)]
+    out: list[str] = []
+    for _turn in range(wl.turns):
+        for c in range(convs):
+            history[c] += random_text(rng, 256, vocab, encode, decode)
+            out.append(history[c])
+        for c in range(convs):
+            history[c] += random_text(rng, 64, vocab, encode, decode)  # the "answer" the next turn carries
+    return out[:n]
+
+
+def write_dataset(path: Path, texts: Sequence[str], output_tokens: int = OUTPUT_TOKENS) -> Path:
+    """vLLM's custom dataset: one {"prompt", "output_tokens"} per line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": t, "output_tokens": output_tokens}) + "\n" for t in texts))
+    return path
+
+
+# -- scoring -----------------------------------------------------------------------------------
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def rescore(result: dict[str, Any], slo: Slo, want_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
+    """Goodput and latency percentiles from vLLM's per-request lists: complete = no error and every
+    requested token; good = complete within both SLOs. TTFT/TPOT percentiles are over complete requests."""
+    errors = result.get("errors") or []
+    outs = result.get("output_lens") or []
+    ttfts = result.get("ttfts") or []
+    lats = result.get("latencies") or []
+    n = len(outs)
+    ttft_ms: list[float] = []
+    tpot_ms: list[float] = []
+    good = 0
+    for i in range(n):
+        if (errors[i] if i < len(errors) else "") or outs[i] < want_tokens:
+            continue
+        ttft = ttfts[i] * 1e3
+        tpot = (lats[i] - ttfts[i]) * 1e3 / max(outs[i] - 1, 1)
+        ttft_ms.append(ttft)
+        tpot_ms.append(tpot)
+        good += ttft <= slo.ttft_ms and tpot <= slo.tpot_ms
+    duration = float(result.get("duration") or 0.0) or float("nan")
+    return {
+        "sent": n,
+        "complete": len(ttft_ms),
+        "cut_or_failed": n - len(ttft_ms),
+        "good": good,
+        "goodput": good / duration,
+        "throughput": len(ttft_ms) / duration,
+        "vllm_goodput": result.get("request_goodput"),
+        "duration_s": duration,
+        "ttft_ms": {"p50": _pct(ttft_ms, 50), "p99": _pct(ttft_ms, 99)},
+        "tpot_ms": {"p50": _pct(tpot_ms, 50), "p99": _pct(tpot_ms, 99)},
+    }

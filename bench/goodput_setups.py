@@ -1,0 +1,175 @@
+"""The goodput benchmark's setups, started one after another so no setup shares the cores with another's
+threads; every one gets the same cores (one engine's OMP threads per core, `VLLM_CPU_OMP_THREADS_BIND`
+as pdgate-local pins them, API server and engine core left free: a taskset of the whole engine tree
+slowed one replica's TTFT by 10 % and its TPOT by half), the same model and the same engine flags
+(`ServeFlags`), and pdgate-router in front.
+
+- colocated: two connector-less vLLM replicas, each given to the router as `--prefill URL --decode URL`
+  (role both) with `--both-path whole`: every request runs end to end on one replica.
+- pd: `LocalStack` 1P1D (PDGateConnector over NIXL, the router's embedded metaserver).
+- conditional: the same engines, a second router with `--disaggregation conditional` reading the first
+  one's registry and ledger (`--metaserver`): one engine start less, and the engines the same to the byte.
+- nixl: vLLM's stock NixlConnector pair behind pdgate-router (`tests/e2e/nixl_pair.py`, as shipped).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdgate.deploy.local.procs import ManagedProcess, free_port, stop_all
+from pdgate.deploy.local.stack import LocalStack, SingleInstance, StackConfig, host_cpus, wait_router_ready
+from pdgate.deploy.local.vllm_env import repo_root
+from pdgate.deploy.local.vllm_instance import ServeFlags
+
+from tests.e2e.nixl_pair import AS_SHIPPED, ROUTER_ARGS, NixlPair, process_pinning
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Context:
+    model_dir: Path
+    run_dir: Path
+    venv: Path | None
+    flags: ServeFlags
+    pd_min_tokens: int
+    log: Log
+
+
+@dataclass
+class Running:
+    """One setup, serving: its router's URL and the engine processes whose pinning the report reads."""
+
+    name: str
+    url: str
+    engines: dict[str, int] = field(default_factory=dict)  # engine name -> pid
+    router_pid: int | None = None
+    decode_log: Path | None = None  # pdgate's decode: its connector logs each KV load's timing
+    decode_url: str | None = None  # NIXL's decode: vllm:nixl_xfer_time_seconds on its /metrics
+    direct_url: str | None = None  # an engine of the setup asked directly: the one-instance answer
+
+    def pinning(self) -> dict[str, list[dict[str, Any]]]:
+        """What each process ended with (CPU set -> threads, nice), read back from /proc."""
+        return {name: process_pinning(pid) for name, pid in self.engines.items()}
+
+
+def _router(name: str, argv: list[str], run_dir: Path, env: dict[str, str] | None = None) -> ManagedProcess:
+    full = [sys.executable, "-m", "pdgate.router", "--host", "127.0.0.1", *argv, *ROUTER_ARGS]
+    penv = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return ManagedProcess(name, full, log_path=run_dir / f"{name}.log", env=penv, cwd=repo_root()).start()
+
+
+@contextmanager
+def colocated(ctx: Context) -> Iterator[Running]:
+    cpus = host_cpus()
+    reps = [
+        SingleInstance(
+            model_dir=ctx.model_dir,
+            run_dir=ctx.run_dir / "colocated" / f"replica-{i}",
+            venv=ctx.venv,
+            install=False,
+            cpu=str(cpus[i % len(cpus)]),
+            flags=ctx.flags,
+            log=ctx.log,
+        )
+        for i in range(2)
+    ]
+    router: ManagedProcess | None = None
+    try:
+        for r in reps:
+            r.launch()
+        for r in reps:
+            r.wait()
+        port = free_port()
+        argv = ["--port", str(port), "--both-path", "whole", "--block-size", str(ctx.flags.block_size)]
+        for r in reps:
+            argv += ["--prefill", r.url, "--decode", r.url]
+        router = _router("colocated-router", argv, ctx.run_dir / "colocated")
+        url = f"http://127.0.0.1:{port}"
+        wait_router_ready(router, url, ctx.log, [r.proc for r in reps if r.proc is not None])
+        engines = {f"replica-{i}": r.proc.pid for i, r in enumerate(reps) if r.proc is not None and r.proc.pid}
+        yield Running("colocated", url, engines, router.pid)
+    finally:
+        if router is not None:
+            stop_all([router])
+        for r in reps:
+            r.stop()
+
+
+@contextmanager
+def pd_stack(ctx: Context) -> Iterator[LocalStack]:
+    cfg = StackConfig(
+        model_dir=ctx.model_dir,
+        run_dir=ctx.run_dir / "pd",
+        venv=ctx.venv,
+        install=False,
+        port=free_port(),
+        block_size=ctx.flags.block_size,
+        max_model_len=ctx.flags.max_model_len,
+        router_args=ROUTER_ARGS,
+    )
+    with LocalStack(cfg, log=ctx.log) as stack:
+        yield stack
+
+
+def pd_running(stack: LocalStack) -> Running:
+    engines = {h.instance_id: h.proc.pid for h in stack.instances if h.proc.pid is not None}
+    [decode] = stack.by_role("decode")
+    pid = stack.router.pid if stack.router else None
+    return Running("pd", stack.url, engines, pid, decode_log=decode.log_path)
+
+
+@contextmanager
+def conditional(ctx: Context, stack: LocalStack) -> Iterator[Running]:
+    """A second router on the PD stack's engines, deciding per request (`router/decider.py`)."""
+    port = free_port()
+    argv = ["--port", str(port), "--metaserver", stack.metaserver_url]
+    argv += ["--disaggregation", "conditional", "--pd-min-tokens", str(ctx.pd_min_tokens)]
+    env = {"PDGATE_ROUTER_METASERVER_TOKEN": stack.admin_token}
+    router = _router("conditional-router", argv, ctx.run_dir / "pd", env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_router_ready(router, url, ctx.log, [h.proc for h in stack.instances])
+        pd = pd_running(stack)
+        [prefill] = stack.by_role("prefill")  # whole requests run on the decode: the other engine answers alone
+        yield Running("conditional", url, pd.engines, router.pid, decode_log=pd.decode_log, direct_url=prefill.url)
+    finally:
+        stop_all([router])
+
+
+@contextmanager
+def nixl(ctx: Context) -> Iterator[Running]:
+    with NixlPair(
+        model_dir=ctx.model_dir,
+        run_dir=ctx.run_dir / "nixl",
+        venv=ctx.venv,
+        flags=ctx.flags,
+        tuning=AS_SHIPPED,
+        log=ctx.log,
+    ) as pair:
+        engines = {f"nixl-{e.role}": e.proc.pid for e in pair.engines if e.proc.pid is not None}
+        pid = pair.router.pid if pair.router else None
+        yield Running("nixl", pair.url, engines, pid, decode_url=pair.engine("decode").url)
+
+
+def each_setup(names: tuple[str, ...], ctx: Context, body: Callable[[Running], None]) -> None:
+    """Start each named setup in turn, run `body` on it, stop it; pd and conditional share one stack."""
+    if "colocated" in names:
+        with colocated(ctx) as run:
+            body(run)
+    if "pd" in names or "conditional" in names:
+        with pd_stack(ctx) as stack:
+            if "pd" in names:
+                body(pd_running(stack))
+            if "conditional" in names:
+                with conditional(ctx, stack) as run:
+                    body(run)
+    if "nixl" in names:
+        with nixl(ctx) as run:
+            body(run)
