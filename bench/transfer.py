@@ -89,7 +89,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def serve_socket(buf: np.ndarray, stop: threading.Event) -> None:
     """Request: u32 n, then n x (u64 offset, u64 length). Answer: the ranges back to back, no copy."""
-    view = memoryview(buf)
+    view = buf.data  # a memoryview of the buffer: sendall slices it without a copy
     lsock = socket.create_server(("127.0.0.1", 0))
     print(PREFIX + json.dumps({"port": lsock.getsockname()[1]}), flush=True)
     lsock.settimeout(0.2)
@@ -132,7 +132,7 @@ class SocketPuller:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.bl = block_len
-        self.dst = memoryview(dst)
+        self.dst = dst.data
 
     def pull(self, src: list[int], dst: list[int]) -> None:
         req = struct.pack("<I", len(src)) + b"".join(struct.pack("<QQ", s * self.bl, self.bl) for s in src)
@@ -219,7 +219,8 @@ def _pulls(args: argparse.Namespace, name: str, address: Any, options: dict[str,
     if name == "socket":
         puller = SocketPuller(address["port"], bl, target)
     else:
-        transport = transport_class(TRANSPORTS[name][0])(pull_timeout_s=args.timeout_s, **options)
+        cls: Any = transport_class(TRANSPORTS[name][0])  # each engine takes its own keyword arguments
+        transport = cls(pull_timeout_s=args.timeout_s, **options)
         transport.register([KVRegion.dense("kv", target.ctypes.data, bl, n)])
     counter = iter(range(10**9))
 

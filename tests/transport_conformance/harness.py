@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from pdgate.connector.transport.base import Transport
@@ -50,7 +50,8 @@ class Decode:
         transport.register(decode_regions(bufs))
 
     def block(self, region: int, block: int) -> np.ndarray:
-        return self.bufs[region].reshape(NUM_BLOCKS, BLOCK_LEN)[block]
+        out: np.ndarray = self.bufs[region].reshape(NUM_BLOCKS, BLOCK_LEN)[block]
+        return out
 
 
 class Peer:
@@ -169,6 +170,8 @@ class ProcessPeer(Peer):
 class ProcessHarness(Harness):
     """Peers in subprocesses; the decode in this process, both under ``env`` (set by the fixture)."""
 
+    env_vars: ClassVar[dict[str, str]] = {}  # what the fixture sets for both sides
+
     def __init__(self, env: dict[str, str]) -> None:
         super().__init__()
         self.env = env
@@ -192,7 +195,7 @@ class NixlHarness(ProcessHarness):
     peer holds a READ open (same-host CMA would read a stopped process's memory without it)."""
 
     kind = "nixl"
-    env_vars = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    env_vars: ClassVar[dict[str, str]] = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     stall_floor_s = 0.9
 
     def peer_options(self, seed: int) -> dict[str, Any]:
@@ -208,7 +211,7 @@ class MooncakeHarness(ProcessHarness):
     """Mooncake over protocol tcp on loopback. A stall ends at the engine's progress deadline (2 s here)."""
 
     kind = "mooncake"
-    env_vars = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "2", "GLOG_minloglevel": "1"}
+    env_vars: ClassVar[dict[str, str]] = {"MC_TCP_PROGRESS_TIMEOUT_SEC": "2", "GLOG_minloglevel": "1"}
     stall_floor_s = 1.8
 
     def peer_options(self, seed: int) -> dict[str, Any]:
@@ -259,7 +262,6 @@ class FakePeer(Peer):
 
 class LLMDataDistHarness(Harness):
     kind = "llmdatadist"
-    env_vars: dict[str, str] = {}
     dead_errors = (LinkError, PeerUnreachable)
     deregistered_errors = (LinkError, PeerUnreachable)
     stall_floor_s = 0.9
