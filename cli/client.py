@@ -109,6 +109,12 @@ class Admin:
         found: dict[str, Any] = self._json("metaserver", "GET", f"/v1/handoffs/{transfer_id}")
         return found
 
+    def handoffs(self, state: str | None, limit: int) -> list[dict[str, Any]]:
+        """Live handoff records (`GET /v1/handoffs`, admin token), the nearest lease end first."""
+        query = f"?limit={limit}" + (f"&state={state}" if state else "")
+        found: list[dict[str, Any]] = self._json("metaserver", "GET", "/v1/handoffs" + query)["handoffs"]
+        return found
+
     def handoff_counts(self) -> dict[str, int]:
         """Live handoffs by state (the metaserver's store-wide gauge, read at scrape time)."""
         samples = self.metrics("metaserver")

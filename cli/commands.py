@@ -62,18 +62,33 @@ def instances(admin: Admin, args: argparse.Namespace) -> str:
     return emit(admin.s.output, rows, rows, INSTANCE_COLUMNS)
 
 
+HANDOFF_COLUMNS = ("transfer_id", "state", "prefill_instance_id", "decode_instance_id", "age_s", "lease_left_s")
+
+
 def handoffs(admin: Admin, args: argparse.Namespace) -> str:
-    """One handoff by id, or the live handoffs by state (the metaserver lists no records: a ledger of
-    millions is read by id; its gauge counts them by state)."""
+    """One handoff by id; the live handoffs by state (`--counts`: the metaserver's gauge, every record
+    counted); or the live records themselves (`--state`, `--limit`; the nearest lease end first)."""
     if args.transfer_id:
         h = admin.handoff(args.transfer_id)
         rows = [{k: v for k, v in h.items() if not isinstance(v, dict | list)}]
         return emit(admin.s.output, h, rows, list(rows[0]))
-    counts = admin.handoff_counts()
-    if args.state:
-        counts = {k: v for k, v in counts.items() if k == args.state.upper()}
-    rows = [{"state": k, "count": v} for k, v in sorted(counts.items())]
-    return emit(admin.s.output, counts, rows, ("state", "count"))
+    if args.counts:
+        counts = admin.handoff_counts()
+        if args.state:
+            counts = {k: v for k, v in counts.items() if k == args.state}
+        rows = [{"state": k, "count": v} for k, v in sorted(counts.items())]
+        return emit(admin.s.output, counts, rows, ("state", "count"))
+    found = admin.handoffs(args.state, args.limit)
+    now = time.time()
+    rows = [
+        {
+            **h,
+            "age_s": round(now - h["created_at"], 1),
+            "lease_left_s": round(h["deadline"] - now, 1) if h.get("deadline") else None,
+        }
+        for h in found
+    ]
+    return emit(admin.s.output, found, rows, HANDOFF_COLUMNS)
 
 
 def drain(admin: Admin, args: argparse.Namespace) -> str:

@@ -1,7 +1,7 @@
 """`pdgate`: the operator's command, in the style of kubectl and redis-cli.
 
     pdgate instances [--role prefill] [--state draining]   the pool: registry record + the router's view
-    pdgate handoffs [ID] [--state READY]                   live handoffs by state, or one handoff
+    pdgate handoffs [ID] [--state READY] [--counts]        live handoffs, their counts, or one handoff
     pdgate drain ID / pdgate undrain ID                    stop / resume giving an instance new work
     pdgate top [--once] [--interval S]                     live load, KV use, breakers, phase latencies
     pdgate doctor                                          checks a deployment, one line per finding
@@ -60,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("instances", "the pool: each instance's registry record and the router's view of it")
     p.add_argument("--role", choices=("prefill", "decode", "both"))
     p.add_argument("--state", choices=("ready", "draining"))
-    p = command("handoffs", "live handoffs by state (the metaserver's count), or one handoff by id")
+    p = command("handoffs", "live handoffs (nearest lease end first), their counts by state, or one by id")
     p.add_argument("transfer_id", nargs="?")
     p.add_argument("--state", type=str.upper, choices=("PENDING", "READY", "CLAIMED"))
+    p.add_argument("--limit", type=int, default=100, help="at most this many records (default 100, max 1000)")
+    p.add_argument("--counts", action="store_true", help="only the number in each state (every record counted)")
     for verb, what in (("drain", "stop giving an instance new work"), ("undrain", "undo a drain")):
         command(verb, what).add_argument("instance_id")
     p = command("top", "live per-instance load, KV use, breaker state and phase latencies")

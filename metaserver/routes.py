@@ -37,6 +37,7 @@ from pdgate.models import (
     Handoff,
     HandoffCreate,
     HandoffEvents,
+    HandoffState,
     HeartbeatBody,
     HeartbeatResponse,
     Instance,
@@ -48,7 +49,7 @@ from pdgate.models import (
 )
 from pdgate.urls import InvalidEngineURL, check_engine_url
 
-__all__ = ["ROUTES", "Call", "EngineToken", "InstanceList", "Reply", "Route", "parse_body"]
+__all__ = ["ROUTES", "Call", "EngineToken", "HandoffList", "InstanceList", "Reply", "Route", "parse_body"]
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -62,6 +63,12 @@ class InstanceList(BaseModel):
     """Body of `GET /v1/instances` (documentation only; built directly as JSON)."""
 
     instances: list[Instance]
+
+
+class HandoffList(BaseModel):
+    """Body of `GET /v1/handoffs` (documentation only; built directly as JSON)."""
+
+    handoffs: list[Handoff]
 
 
 class EngineToken(BaseModel):
@@ -212,6 +219,11 @@ async def list_instances(c: Call) -> Reply:
     return orjson.dumps({"instances": [i.model_dump(mode="json") for i in found]}), 200
 
 
+async def list_handoffs(c: Call) -> Reply:
+    found = await c.svc.list_handoffs(state=c.query.get("state"), limit=c.query.get("limit", 100))
+    return orjson.dumps({"handoffs": [h.model_dump(mode="json") for h in found]}), 200
+
+
 async def get_instance(c: Call) -> Reply:
     return await c.svc.get_instance(c.params["instance_id"]), 200
 
@@ -302,6 +314,10 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/instances/{instance_id}/handoff-events", handoff_events,
           "Terminal transitions of this prefill's handoffs, in order, after `cursor`", "handoffs", HandoffEvents,
           errors=(429,), query=(_query("cursor", str | None, _CURSOR), _WAIT)),
+    Route("GET", "/v1/handoffs", list_handoffs,
+          "Live handoffs (admin token only), the nearest lease end first; ?state=READY, ?limit=N", "handoffs",
+          HandoffList, admin=True,
+          query=(_query("state", HandoffState | None, None), _query("limit", int, Query(100, ge=1, le=1000)))),
     Route("POST", "/v1/handoffs", create_handoff, "Create a PENDING handoff (transfer_id minted when absent)",
           "handoffs", Handoff, status=201, body=HandoffCreate, errors=(409,), fast=True),
     Route("PUT", "/v1/handoffs/{transfer_id}/ready", mark_ready, "PENDING -> READY: record where the KV lives",

@@ -120,6 +120,12 @@ class MetaService:
             raise InstanceNotFound(f"instance {instance_id} is not registered")
         log.info("instance %s deregistered", instance_id)
 
+    async def list_handoffs(self, *, state: HandoffState | None = None, limit: int = 100) -> list[Handoff]:
+        """Live handoffs for an operator (`pdgate handoffs`); a finished one is read by its id."""
+        if state is not None and state.terminal:
+            raise InvalidInput(f"state={state.value}: only live handoffs (PENDING, READY, CLAIMED) are listed")
+        return await self.store.list_live_handoffs(state=state, limit=limit)
+
     async def list_instances(
         self, *, role: Role | None = None, model: str | None = None, state: InstanceState | None = None
     ) -> list[Instance]:

@@ -83,6 +83,11 @@ class Store(ABC):
         """Set a live instance's state (DRAINING; READY undoes an operator's drain); None when unknown."""
 
     @abstractmethod
+    async def list_live_handoffs(self, *, state: HandoffState | None, limit: int) -> list[Handoff]:
+        """Up to `limit` live handoffs (in `state`, or any live one), the nearest lease end first: what an
+        operator looks at (`pdgate handoffs --state READY`), never a hot path."""
+
+    @abstractmethod
     async def deregister(self, instance_id: str) -> bool:
         """True when a record was removed."""
 

@@ -240,6 +240,10 @@ class MemoryStore(Store):
                 del self._feeds[iid]
         return moved
 
+    async def list_live_handoffs(self, *, state: HandoffState | None, limit: int) -> list[Handoff]:
+        live = [r for r in self._handoffs.values() if r.state in LIVE_STATES and (state is None or r.state is state)]
+        return sorted(live, key=lambda r: (r.deadline or 0.0, r.transfer_id))[:limit]
+
     async def count_handoffs_by_state(self) -> dict[HandoffState, int]:
         counts = dict.fromkeys(LIVE_STATES, 0)
         for rec in self._handoffs.values():

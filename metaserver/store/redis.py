@@ -98,6 +98,10 @@ def _pairs(flat: list[Any]) -> dict[str, str]:
     return dict(zip(it, it, strict=False))
 
 
+_PAGE = 500  # list_live_handoffs: transfer ids read per page of a shard's deadlines
+_SCAN_CAP = 20_000  # and at most this many per shard
+
+
 def _handoff(d: dict[str, str]) -> Handoff:
     loc = d.get("location")
     deadline = d.get("deadline")
@@ -351,6 +355,29 @@ class RedisStore(Store):
         args: _Args = [repr(now), "", limit]
         res = await self._each_shard("expire", args)
         return [Moved(S(r[0]), _handoff(_pairs(r[1:]))) for shard_res in res for r in shard_res]
+
+    async def list_live_handoffs(self, *, state: HandoffState | None, limit: int) -> list[Handoff]:
+        """Each shard's deadlines zset (its live handoffs by lease end), read in pages of `_PAGE` until
+        `limit` match or `_SCAN_CAP` were read: an operator's view, bounded, never a full scan."""
+
+        async def op() -> list[Handoff]:
+            found: list[Handoff] = []
+            for shard in self.keys.shards:
+                start = 0
+                while start < _SCAN_CAP and sum(1 for h in found if state in (None, h.state)) < limit:
+                    tids = cast(list[str], await self._redis.zrange(shard.deadlines, start, start + _PAGE - 1))
+                    if not tids:
+                        break
+                    async with self._redis.pipeline(transaction=False) as pipe:
+                        for tid in tids:
+                            pipe.hgetall(shard.handoff(tid))
+                        rows = await pipe.execute()
+                    found += [_handoff(r) for r in rows if r]
+                    start += _PAGE
+            live = [h for h in found if h.state in LIVE_STATES and state in (None, h.state)]
+            return sorted(live, key=lambda h: (h.deadline or 0.0, h.transfer_id))[:limit]
+
+        return await self._guard(op())
 
     async def count_handoffs_by_state(self) -> dict[HandoffState, int]:
         async def op() -> list[dict[str, str]]:

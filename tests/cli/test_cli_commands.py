@@ -67,10 +67,10 @@ def test_handoffs_one_by_id_and_the_live_counts(stack: Deployment, capsys: pytes
     assert code == 0
     h = json.loads(out)
     assert h["transfer_id"] == tid and h["state"] == "DONE"
-    code, out, _ = pdgate(capsys, "handoffs", *_conn(stack), "--json")
+    code, out, _ = pdgate(capsys, "handoffs", "--counts", *_conn(stack), "--json")
     assert code == 0
     assert set(json.loads(out)) == {"PENDING", "READY", "CLAIMED"}  # the live states, each counted
-    code, out, _ = pdgate(capsys, "handoffs", *_conn(stack), "--state", "ready")
+    code, out, _ = pdgate(capsys, "handoffs", "--counts", *_conn(stack), "--state", "ready")
     assert out.split()[:2] == ["STATE", "COUNT"] and "READY" in out and "PENDING" not in out
 
 
