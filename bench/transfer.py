@@ -83,7 +83,7 @@ def serve(args: argparse.Namespace) -> None:
     while not stop.is_set():
         transport.poll()  # the prefill side must make progress (and drains notifications)
         transport.drain_served()
-        time.sleep(0.0005)
+        time.sleep(args.serve_poll_s)
     transport.close()
 
 
@@ -166,7 +166,7 @@ def pull(transport: Transport, req: PullRequest, timeout_s: float) -> float:
 
 def start_peer(args: argparse.Namespace, name: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], Any]:
     cmd = [sys.executable, __file__, "--serve", name, "--blocks", str(args.blocks)]
-    cmd += ["--block-len", str(args.block_len), "--seed", str(args.seed)]
+    cmd += ["--block-len", str(args.block_len), "--seed", str(args.seed), "--serve-poll-s", str(args.serve_poll_s)]
     peer = subprocess.Popen(
         cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -355,6 +355,12 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated: memcpy,socket,nixl,nixl-tcp,mooncake")
     ap.add_argument("--out", default="bench/results/transfer.json")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--serve-poll-s",
+        type=float,
+        default=0.0005,
+        help="the prefill's poll interval (default 0.5 ms: the connector's while it holds KV)",
+    )
     args = ap.parse_args()
     if args.block_len is None:
         args.block_len = args.block_kib * 1024
