@@ -192,6 +192,8 @@ class Sweep:
 
 def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     from goodput_setups import Context, each_setup
+    from pdgate.deploy.local.stack import ensure_model
+    from pdgate.deploy.local.vllm_env import ensure_vllm_env
     from pdgate.deploy.local.vllm_instance import ServeFlags
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdgate-bench-goodput-")).resolve()
@@ -211,6 +213,7 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
         "setups": {},
     }
     t0 = time.monotonic()
+    ensure_model(args.model_dir, ensure_vllm_env(args.venv, install=False, log=_say), _say)  # the datasets' tokenizer
     sweep = Sweep(plan, args, run_dir, result)
     ctx = Context(args.model_dir, run_dir, args.venv, flags, args.pd_min_tokens, _say)
     each_setup(plan.setups, ctx, sweep.setup)

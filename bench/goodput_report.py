@@ -1,0 +1,220 @@
+"""Renders the goodput results: the console table and docs/PERFORMANCE.md (generated, never hand-edited)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from goodput_plan import SETUPS, TPOT_FACTOR, TTFT_FACTOR, WORKLOADS
+
+from tests.e2e.nixl_pair import describe_pinning
+
+__all__ = ["best", "render_markdown", "render_table"]
+
+
+def best(points: Sequence[dict[str, Any]], key: str = "goodput") -> dict[str, Any]:
+    """The rate whose runs' mean goodput (`key`) is highest: that mean, the range of its runs, the rate."""
+    by_rate: dict[float, list[float]] = {}
+    for p in points:
+        by_rate.setdefault(p["rate"], []).append(p[key])
+    rate, runs = max(by_rate.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+    return {"rate": rate, "goodput": sum(runs) / len(runs), "lo": min(runs), "hi": max(runs), "runs": len(runs)}
+
+
+def _f(v: Any, fmt: str = "{:.0f}") -> str:
+    return "-" if v is None or v != v else fmt.format(v)
+
+
+def _cells(result: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    for s, entry in result["setups"].items():
+        for w, wl in entry["workloads"].items():
+            if wl["points"]:  # a burst's headline is its capacity: complete requests per second
+                out[(s, w)] = best(wl["points"], "throughput" if WORKLOADS[w].burst else "goodput")
+    return out
+
+
+def _ratio(cells: dict[tuple[str, str], dict[str, Any]], s: str, w: str) -> str:
+    base = cells.get(("colocated", w))
+    if s == "colocated" or base is None or not base["goodput"] or (s, w) not in cells:
+        return ""
+    return f" ({cells[(s, w)]['goodput'] / base['goodput']:.2f}x)"
+
+
+def render_table(result: dict[str, Any]) -> str:
+    cells = _cells(result)
+    setups = list(result["setups"])
+    workloads = [w for w in WORKLOADS if any((s, w) in cells for s in setups)]
+    lines = ["max goodput req/s (ratio to colocated)", "workload  " + "  ".join(f"{s:>22}" for s in setups)]
+    for w in workloads:
+        row = [
+            (f"{_f(cells[(s, w)]['goodput'], '{:.2f}')}{_ratio(cells, s, w)}" if (s, w) in cells else "-")
+            for s in setups
+        ]
+        lines.append(f"{w:<8}  " + "  ".join(f"{c:>22}" for c in row))
+    check = result.get("quick_check")
+    if check is not None:
+        lines.append(f"decider check: {'pass' if check['pass'] else 'FAIL'} {check['decisions']} {check['problems']}")
+    return "\n".join(lines)
+
+
+def _slo_section(result: dict[str, Any]) -> list[str]:
+    out = [
+        "## SLOs",
+        "",
+        f"Per workload, measured before its sweep: requests one at a time on `{_first(result)}`; "
+        f"TTFT SLO = {TTFT_FACTOR:g}x its TTFT p50, TPOT SLO = {TPOT_FACTOR:g}x its TPOT p50. The rate ladder is in "
+        "units of the unloaded capacity (2 engines / one request's unloaded service time).",
+        "",
+        "| workload | unloaded TTFT p50 ms | unloaded TPOT p50 ms | TTFT SLO ms | TPOT SLO ms "
+        "| unloaded capacity req/s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for w, s in result["slo"].items():
+        u = s["unloaded"]
+        out.append(
+            f"| {w} | {_f(u['ttft_ms'])} | {_f(u['tpot_ms'], '{:.1f}')} | {_f(s['ttft_ms'])} "
+            f"| {_f(s['tpot_ms'], '{:.1f}')} | {_f(s['capacity_rps'], '{:.2f}')} |"
+        )
+    return out
+
+
+def _first(result: dict[str, Any]) -> str:
+    return next(iter(result["slo"].values()), {}).get("measured_on", "colocated")
+
+
+def _max_section(result: dict[str, Any]) -> list[str]:
+    cells = _cells(result)
+    setups = list(result["setups"])
+    out = [
+        "## Max goodput",
+        "",
+        "Requests per second that completed with every requested token within both SLOs, at the best rate (the "
+        "mean of its runs; in brackets the range when it ran more than once), and the ratio to colocated. "
+        "The burst row is one run of 256 requests at once, and its number is the burst capacity: requests "
+        "completed with every token / the run's duration (its goodput is under Every rate).",
+        "",
+        "| workload | " + " | ".join(setups) + " |",
+        "|---|" + "---:|" * len(setups),
+    ]
+    for w in WORKLOADS:
+        if not any((s, w) in cells for s in setups):
+            continue
+        row = []
+        for s in setups:
+            c = cells.get((s, w))
+            if c is None:
+                row.append("-")
+                continue
+            spread = f" [{c['lo']:.2f}-{c['hi']:.2f}]" if c["runs"] > 1 else ""
+            row.append(f"{c['goodput']:.2f}{spread}{_ratio(cells, s, w)} at {_f(c['rate'], '{:.2f}')}")
+        out.append(f"| {w}: {WORKLOADS[w].title} | " + " | ".join(row) + " |")
+    return out
+
+
+def _point_rows(setup: str, points: Sequence[dict[str, Any]]) -> list[str]:
+    rows = []
+    for p in points:
+        m, t, tp = p.get("machine", {}), p["ttft_ms"], p["tpot_ms"]
+        rows.append(
+            f"| {setup} | {_f(p['rate'], '{:.2f}')}{' (again)' if p.get('repeat') else ''} | {p['good']}/{p['sent']} "
+            f"| {p['goodput']:.2f} | {p['cut_or_failed']} | {_f(t['p50'])} / {_f(t['p99'])} "
+            f"| {_f(tp['p50'], '{:.1f}')} / {_f(tp['p99'], '{:.1f}')} | {_f(m.get('load1_mean'), '{:.1f}')} "
+            f"| {_f((m.get('cpu_busy') or 0) * 100)} % |"
+        )
+    return rows
+
+
+def _rates_section(result: dict[str, Any]) -> list[str]:
+    out = ["## Every rate", ""]
+    out.append(
+        "TTFT and TPOT over the requests that completed; `cut/failed`: requests with an error or fewer tokens "
+        "than asked (never good); load: the 1-minute load average sampled every second during the run; busy: "
+        "the cores' busy share during it."
+    )
+    for w in WORKLOADS:
+        rows = []
+        for s, entry in result["setups"].items():
+            rows += _point_rows(s, entry["workloads"].get(w, {}).get("points", []))
+        if not rows:
+            continue
+        out += ["", f"### {w}: {WORKLOADS[w].title}", ""]
+        out.append("| setup | rate req/s | good/sent | goodput | cut/failed | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+                   "| load | busy |")  # fmt: skip
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out += rows
+    return out
+
+
+def _where_section(result: dict[str, Any]) -> list[str]:
+    out = [
+        "## Where PD's time goes",
+        "",
+        "At each setup's best rate, means over its requests from the router's histograms "
+        "(`pdgate_router_overhead_seconds`: the router's own time; `_handoff_seconds`: the ledger; "
+        "`_prefill_seconds`; `_decode_ttft_seconds`: the decode's first byte), the KV transfer (pdgate's decode "
+        "log of each load, the pull; NixlConnector: `vllm:nixl_xfer_time_seconds`) and the decode's first step "
+        "(its first byte minus the whole KV load). Decisions: the router's `pdgate_router_decisions_total` "
+        "(path:reason).",
+        "",
+        "| setup | workload | router ms | ledger ms | prefill ms | transfer ms | decode first step ms | decisions |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for s, entry in result["setups"].items():
+        if s == "colocated":
+            continue
+        for w, wl in entry["workloads"].items():
+            if not wl["points"]:
+                continue
+            rate = best(wl["points"])["rate"]
+            p = next(q for q in wl["points"] if q["rate"] == rate)
+            wh = p.get("where", {})
+            dec = ", ".join(f"{k} {v:.0f}" for k, v in sorted(wh.get("decisions", {}).items())) or "-"
+            out.append(
+                f"| {s} | {w} | {_f(wh.get('overhead_ms'), '{:.2f}')} | {_f(wh.get('handoff_ms'), '{:.2f}')} "
+                f"| {_f(wh.get('prefill_ms'))} | {_f(wh.get('transfer_ms'), '{:.1f}')} "
+                f"| {_f(wh.get('decode_first_step_ms'))} | {dec} |"
+            )
+    return out
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    host = result["host"]
+    out = [
+        "# Performance: goodput of PD disaggregation against colocated replicas",
+        "",
+        "<!-- Generated by bench/goodput.py from bench/results/goodput.json; do not edit by hand. -->",
+        "",
+        f"Run {result.get('started', '?')}, {_f(result.get('wall_s', 0) / 60, '{:.1f}')} min, "
+        f"{host['cpus']} CPUs, Python {host['python']}, load average before {host['loadavg_before'][0]:.1f}. "
+        f"Model `{result['config']['model']}`; every engine `vllm serve {' '.join(result['config']['engine_flags'])}`; "
+        f"conditional router `--pd-min-tokens {result['config']['pd_min_tokens']}`.",
+        "",
+        "Setups, one after another on the same cores (one engine's OMP threads per core, "
+        "`VLLM_CPU_OMP_THREADS_BIND`; API server and engine core unpinned), pdgate-router in front of each:",
+        "",
+        *[f"- **{s}**: {SETUPS[s]}" for s in result["setups"]],
+        "",
+        "Load: `vllm bench serve`, Poisson arrivals, prompts of uniformly random token ids (custom dataset), "
+        "64 tokens out, `--ignore-eos`, temperature 0; re-scored from the per-request results: a request is good "
+        "only with every requested token, TTFT and TPOT within the SLOs. Few requests per point on this "
+        "machine class: points near the knee swing between runs, which is why the best one runs again.",
+        "",
+        *_slo_section(result),
+        "",
+        *_max_section(result),
+        "",
+        *_where_section(result),
+        "",
+        *_rates_section(result),
+        "",
+        "## Pinning each setup ended with",
+        "",
+        "Read back from /proc after the setup's last run: each process's threads by CPU set, and their nice.",
+        "",
+    ]
+    for s, entry in result["setups"].items():
+        for name, rows in entry.get("pinning", {}).items():
+            out.append(f"- {s}, {name}: {describe_pinning(rows)}")
+    out.append("")
+    return "\n".join(out)
