@@ -318,7 +318,9 @@ class Proxy:
     def _track(self, req: ProxiedRequest, send: Send) -> StreamTrack:
         """The client's send behind a resumable stream (`resume.StreamTrack`)."""
         budget = req.body.get("max_tokens", req.body.get("max_completion_tokens"))
-        return StreamTrack(send, chat=req.endpoint == CHAT, asked_ids=req.asked_ids, budget=budget)
+        n = req.body.get("n")
+        n = n if type(n) is int and n > 1 else 1
+        return StreamTrack(send, chat=req.endpoint == CHAT, asked_ids=req.asked_ids, budget=budget, n=n)
 
     async def _fail(self, req: ProxiedRequest, send: Send, exc: RouterError) -> str:
         if not req.started:

@@ -8,7 +8,8 @@ the ids out again when the client did not ask for them (as vLLM's stream has no 
 
 When the engine dies, stalls or fails mid-stream, the rest of the request goes to another instance as a
 completion (`continuation_body`): prompt = the prompt's ids + the ids generated so far, max_tokens = what
-is left, every sampling field as the client sent it. A chat goes on as a completion on the chat template's
+is left, every sampling field as the client sent it; with `n > 1` each unfinished choice goes on as its
+own completion (n = 1), one after the other, keeping its index. A chat goes on as a completion on the chat template's
 ids (vLLM returns them as the first event's `prompt_token_ids`) and its events are turned back into
 chat chunks (`Continuation`). For greedy sampling the resumed stream is the one instance's stream token for
 token. Differences, documented in router/README.md: a seeded sampler starts again from its seed at the
@@ -62,8 +63,9 @@ class StreamTrack:
     """The client's send behind a resumable stream (module doc). `budget` is the `max_tokens` the engine
     was asked for (None: unbounded); `asked_ids`: the client asked for `return_token_ids` itself."""
 
-    def __init__(self, send: Send, *, chat: bool, asked_ids: bool, budget: int | None) -> None:
+    def __init__(self, send: Send, *, chat: bool, asked_ids: bool, budget: int | None, n: int = 1) -> None:
         self._send = send
+        self.n = n  # the choices the client asked for
         self.chat = chat
         self.asked_ids = asked_ids
         self.budget = budget
@@ -75,11 +77,12 @@ class StreamTrack:
         self._sse = True  # the answer is a stream (an error answer passes untouched)
 
     def can_resume(self) -> bool:
-        """Whether the rest can be computed elsewhere: one choice, whose prompt ids the router knows."""
-        return self.prompt_ids is not None and len(self.generated) <= 1 and not self.done()
+        """Whether the rest can be computed elsewhere: the router knows the prompt's ids."""
+        return self.prompt_ids is not None
 
-    def done(self) -> bool:
-        return bool(self.generated) and set(self.generated) <= self.finished
+    def pending(self) -> list[int]:
+        """The choices not finished yet, by index."""
+        return [i for i in range(self.n) if i not in self.finished]
 
     def received(self) -> int:
         return sum(len(ids) for ids in self.generated.values())
@@ -143,10 +146,9 @@ class StreamTrack:
         return changed
 
 
-def continuation_body(body: dict[str, Any], track: StreamTrack) -> dict[str, Any]:
-    """The completion that computes the rest of `body`'s one choice (module doc)."""
+def continuation_body(body: dict[str, Any], track: StreamTrack, index: int) -> dict[str, Any]:
+    """The completion (n = 1) that computes the rest of choice `index` of `body` (module doc)."""
     assert track.prompt_ids is not None
-    index = next(iter(track.generated), 0)
     done = track.generated.get(index, [])
     if track.chat:
         out = {k: body[k] for k in _SAMPLING if k in body}
@@ -168,11 +170,13 @@ class Continuation:
     """The send a continuation's stream goes through on its way into the client's `StreamTrack`: its
     status line is not sent again, its events take the client's stream's id, creation time, model and
     choice index, its prompt ids are dropped (the client has them), a chat's completion events become
-    chat chunks, and its usage counts the client's prompt and every token the client got."""
+    chat chunks, and its usage counts the client's prompt and every token the client got. Of several
+    choices resumed one after the other, only the `last` one's usage, `[DONE]` and end go out."""
 
-    def __init__(self, track: StreamTrack) -> None:
+    def __init__(self, track: StreamTrack, index: int, *, last: bool = True) -> None:
         self._track = track
-        self._index = next(iter(track.generated), 0)
+        self._index = index
+        self.last = last
         self._before = track.received()
         self._prompt = len(track.prompt_ids or ())
         self._rest = b""
@@ -186,11 +190,15 @@ class Continuation:
             if self.first_at is None:
                 self.first_at = perf_counter()
             events = b"".join(self._event(ev) for ev in events.split(b"\n\n") if ev)
-        await self._track({**msg, "body": events + (b"" if msg.get("more_body", False) else self._rest)})
+        more = msg.get("more_body", False)
+        if not self.last:  # the stream goes on with the next choice's continuation
+            await self._track({**msg, "body": events, "more_body": True})
+            return
+        await self._track({**msg, "body": events + (b"" if more else self._rest)})
 
     def _event(self, ev: bytes) -> bytes:
         if not ev.startswith(b"data: {"):
-            return ev + b"\n\n"
+            return ev + b"\n\n" if self.last else b""
         try:
             obj = orjson.loads(ev[6:])
         except orjson.JSONDecodeError:
@@ -200,6 +208,8 @@ class Continuation:
         obj.update(self._track.head)
         obj.pop("prompt_token_ids", None)
         usage = obj.get("usage")
+        if usage is not None and not self.last:
+            return b""
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             usage["prompt_tokens"] = self._prompt
             usage["completion_tokens"] += self._before

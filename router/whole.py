@@ -207,7 +207,8 @@ class Whole:
         assert track is not None
         model = req.facts.model or (req.prefill.view.model if req.prefill is not None else None)
         while True:
-            if track.done():  # every choice finished: only the end of the stream was lost
+            pending = track.pending()
+            if not pending:  # every choice finished: only the end of the stream was lost
                 req.end()
                 await track({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
                 return "ok"
@@ -219,23 +220,30 @@ class Whole:
                 return error.code.value
             req.resumes += 1
             self._m.resumes.labels(error.code.value).inc()
-            inst = cands[self._rng.randrange(len(cands))]
-            exclude.append(inst.id)
             log.warning(
-                "%s after %d tokens: resuming on %s (%s)", error.code.value, track.received(), inst.id, detail(error)
+                "%s after %d tokens: resuming %d choice(s) (%s)",
+                error.code.value,
+                track.received(),
+                len(pending),
+                detail(error),
             )
             t = perf_counter()
-            cont = Continuation(track)
-            body = orjson.dumps(continuation_body(req.body, track))
-            try:
-                next_error = await self._continue(req, inst, cont, body)
-            except RouterError as exc:
-                next_error = exc
-            if cont.first_at is not None:
-                log.info("resumed on %s: %.3f s from the break to its first token", inst.id, cont.first_at - t)
-            if next_error is None:
+            for k, index in enumerate(pending):
+                inst = cands[self._rng.randrange(len(cands))]
+                cont = Continuation(track, index, last=k == len(pending) - 1)
+                body = orjson.dumps(continuation_body(req.body, track, index))
+                try:
+                    next_error = await self._continue(req, inst, cont, body)
+                except RouterError as exc:
+                    next_error = exc
+                if cont.first_at is not None:
+                    log.info("resumed on %s: %.3f s from the break to its first token", inst.id, cont.first_at - t)
+                if next_error is not None:
+                    exclude.append(inst.id)
+                    error = next_error
+                    break
+            else:
                 return "ok"
-            error = next_error
 
     async def _continue(
         self, req: ProxiedRequest, inst: LiveInstance, cont: Continuation, body: bytes
@@ -263,7 +271,8 @@ class Whole:
                     if ans.verdict == Verdict.FAILED:
                         lease.failed()
                     return failed(DecodeFailed, where, f"answered {resp.status}", snippet(ans.data or b""))
-                error = await relay_stream(cont, resp, ans.data, [], self._idle, req.end, where, resumable=True)
+                end = req.end if cont.last else _later
+                error = await relay_stream(cont, resp, ans.data, [], self._idle, end, where, resumable=True)
                 if error is None:
                     lease.succeeded()
                 else:
@@ -271,3 +280,7 @@ class Whole:
                 return error
             finally:
                 resp.close()
+
+
+def _later() -> None:
+    """The end of a choice's continuation that other choices' continuations follow: not the stream's end."""

@@ -7,12 +7,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import orjson
 from pdgate.sim.holds import Holds
 from pdgate.sim.ledger import Ledger
+from pdgate.sim.sampling import apply_stop, choices, logprobs_of
 from pdgate.sim.settings import Script, SimSettings, Stats, parse_cli
 from pdgate.sim.wire import (
     JSON_HEADERS,
@@ -42,6 +43,17 @@ from pdgate.models import Role
 from pdgate.urls import static_instance_id
 
 __all__ = ["SimApp", "create_app", "main"]
+
+
+@dataclass(frozen=True)
+class Out:
+    """One answer's output: its tokens and their ids, the (prompt ids, output ids) a client asked for, and
+    its (finish_reason, stop_reason)."""
+
+    tokens: list[str]
+    token_ids: list[int]
+    ids: tuple[list[int], list[int]] | None
+    finish: tuple[str, Any]
 
 
 class SimApp:
@@ -245,6 +257,10 @@ class SimApp:
                 "completion). Please reduce the length of the messages or completion.",
             )
         tokens, token_ids = continuation(text, max_tokens, cp.generated if cp else 0)
+        finish: tuple[str, Any] = ("length", None)
+        if mode != "prefill" and body.get("stop"):
+            tokens, token_ids, *end = apply_stop(body, tokens, token_ids)
+            finish = (end[0], end[1])
         # (prompt ids, output ids) for a client that asked, as vLLM answers `return_token_ids`
         ids = (cp.ids, token_ids) if cp is not None and body.get("return_token_ids") else None
         meta_url = kv.metaserver or self.s.metaserver
@@ -264,8 +280,10 @@ class SimApp:
             await self.ledger.claim(kv, rank, meta_url)
         stream = bool(body.get("stream")) and mode != "prefill"
         if stream:
-            return await self._stream(body, tokens, ids, prompt_tokens, chat, rid, send, disconnected)
-        payload = full_answer(body, tokens, prompt_tokens, chat, rid, out_params, ids)
+            out = Out(tokens, token_ids, ids, finish)
+            return await self._stream(body, out, prompt_tokens, chat, rid, send, disconnected)
+        extra = {"finish": finish, "n": choices(body), "logprobs": logprobs_of(body, chat, tokens, token_ids)}
+        payload = full_answer(body, tokens, prompt_tokens, chat, rid, out_params, ids, **extra)
         if sc.die_after_tokens is not None and mode != "prefill":
             await send({"type": "http.response.start", "status": 200, "headers": with_length(JSON_HEADERS, payload)})
             await send({"type": "http.response.body", "body": payload[: len(payload) // 2], "more_body": True})
@@ -277,8 +295,7 @@ class SimApp:
     async def _stream(
         self,
         body: dict[str, Any],
-        tokens: list[str],
-        ids: tuple[list[int], list[int]] | None,
+        out: Out,
         prompt_tokens: int,
         chat: bool,
         rid: str,
@@ -286,8 +303,9 @@ class SimApp:
         disconnected: asyncio.Future[Any],
     ) -> int:
         """The answer as SSE; with `ids`, the first chunk carries the prompt's ids and each chunk its
-        token's id (vLLM's stream with `return_token_ids`)."""
+        token's id (vLLM's stream with `return_token_ids`); `n` choices interleaved, token by token."""
         sc = self.script
+        tokens, ids, n = out.tokens, out.ids, choices(body)
         created = int(time.time())
         model = body.get("model") or self.s.model
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -310,21 +328,38 @@ class SimApp:
             if disconnected.done():
                 self.stats.inc("cancelled")
                 return 499
-            finish = "length" if i == last else None
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish[0] if i == last else None}
+            if choice["finish_reason"] == "stop":
+                choice["stop_reason"] = out.finish[1]
             if chat:
                 choice["delta"] = {"content": tok}
             else:
                 choice["text"] = tok
+            lp = logprobs_of(body, chat, [tok], out.token_ids[i : i + 1], len("".join(tokens[:i])))
+            if lp is not None:
+                choice["logprobs"] = lp
             if ids is not None:
                 if not chat:
                     choice["prompt_token_ids"] = None if i else ids[0]
                 choice["token_ids"] = [ids[1][i]]
-            await send({"type": "http.response.body", "body": event({**head, "choices": [choice]}), "more_body": True})
+            for j in range(n):
+                events = event({**head, "choices": [{**choice, "index": j}]})
+                await send({"type": "http.response.body", "body": events, "more_body": True})
+        if out.finish[0] == "stop" and not tokens:  # stopped before any token: the finish alone
+            end = {"index": 0, "finish_reason": "stop", "stop_reason": out.finish[1]}
+            end.update({"delta": {"content": ""}} if chat else {"text": ""})
+            for j in range(n):
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": event({**head, "choices": [{**end, "index": j}]}),
+                        "more_body": True,
+                    }
+                )
         tail = b""
         if usage:
-            u = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens)}
-            u["total_tokens"] = prompt_tokens + len(tokens)
+            u = {"prompt_tokens": prompt_tokens, "completion_tokens": n * len(tokens)}
+            u["total_tokens"] = prompt_tokens + u["completion_tokens"]
             tail = event({**head, "choices": [], "usage": u})
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
         self.stats.inc("streams_completed")

@@ -224,11 +224,16 @@ def full_answer(
     rid: str,
     kv: dict[str, Any] | None,
     ids: tuple[list[int], list[int]] | None = None,
+    *,
+    finish: tuple[str, Any] = ("length", None),
+    n: int = 1,
+    logprobs: Any = None,
 ) -> bytes:
-    """The whole answer; `ids` (prompt ids, output ids) when the client asked for `return_token_ids`."""
+    """The whole answer; `ids` (prompt ids, output ids) when the client asked for `return_token_ids`;
+    `finish` (finish_reason, stop_reason), `n` identical choices, their `logprobs` (sim/sampling.py)."""
     text = "".join(tokens)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens)}
-    usage["total_tokens"] = prompt_tokens + len(tokens)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n * len(tokens)}
+    usage["total_tokens"] = prompt_tokens + n * len(tokens)
     model = body.get("model") or ""
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
@@ -236,7 +241,7 @@ def full_answer(
     else:
         choice = {"index": 0, "text": text}
         obj = "text_completion"
-    choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+    choice.update(logprobs=logprobs, finish_reason=finish[0], stop_reason=finish[1])
     if ids is not None and chat:  # where vLLM's ChatCompletionResponse has them
         choice.update(token_ids=ids[1])
     elif ids is not None:  # where vLLM's CompletionResponseChoice has them
@@ -246,7 +251,7 @@ def full_answer(
         "object": obj,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": [{**choice, "index": j} for j in range(n)],
         "usage": usage,
         "kv_transfer_params": kv,
     }

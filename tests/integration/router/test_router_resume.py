@@ -174,3 +174,64 @@ def test_a_decode_that_does_not_start_streaming_is_left_behind_early() -> None:
             assert "".join(c.choices[0].text for c in chunks if c.choices) == want
             assert time.monotonic() - t < 10.0  # the bound this test is about: far under the 30 s timeout
         assert slow.count("decode") >= 1 and fast.count("decode") >= 2
+
+
+def test_n_choices_are_each_resumed(dep: Deployment) -> None:
+    """n = 3 (sampled: the sims' choices are one sequence): each unfinished choice goes on as its own
+    completion, its events keep its index, and usage counts every token of every choice."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "n": 3, "temperature": 1.0}
+    want = one_engine(dep.by_role("prefill")[0], body)["choices"][0]["text"]
+    die(dep, 3)
+    before = resumes(dep)
+    chunks = list(dep.openai().completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    texts = {i: "".join(c.text for k in chunks for c in k.choices if c.index == i) for i in range(3)}
+    assert texts == {0: want, 1: want, 2: want}
+    finishes = [c.finish_reason for k in chunks for c in k.choices if c.finish_reason]
+    assert finishes == ["length"] * 3
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3 * 8
+    assert resumes(dep) > before
+
+
+def test_a_stop_string_after_the_resume_point_ends_the_answer_as_one_engine(dep: Deployment) -> None:
+    """`stop` goes with the rest: a stop string that the tokens after the resume point hold ends the
+    resumed stream where one engine's ends, with its finish and stop reasons."""
+    tokens = one_engine(dep.by_role("prefill")[0], {"model": MODEL, "prompt": PROMPT, "max_tokens": 16})
+    words = [w.strip() for w in tokens["choices"][0]["text"].split(" ") if w.strip()]
+    word = next(w for i, w in enumerate(words) if i >= 6 and not any(w in v for v in words[:i]))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "stop": [word]}
+    want = one_engine(dep.by_role("prefill")[0], body)["choices"][0]
+    assert want["finish_reason"] == "stop"
+    die(dep, 3)
+    chunks = list(dep.openai().completions.create(**body, stream=True))
+    assert "".join(c.text for k in chunks for c in k.choices) == want["text"]
+    last = [c for k in chunks for c in k.choices if c.finish_reason][-1]
+    assert last.finish_reason == "stop" and getattr(last, "stop_reason", None) == word
+    assert sum(d.count("died") for d in dep.by_role("decode")) >= 1
+
+
+def test_logprobs_go_on_after_the_resume(dep: Deployment) -> None:
+    """A completion's logprobs (tokens and values) and a chat's (as chat logprobs, converted from the
+    completion the chat goes on as) equal one engine's."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "logprobs": 1}
+    want = one_engine(dep.by_role("prefill")[0], body)["choices"][0]["logprobs"]
+    die(dep, 3)
+    before = resumes(dep)
+    chunks = list(dep.openai().completions.create(**body, stream=True))
+    got = [c.logprobs for k in chunks for c in k.choices if c.logprobs is not None]
+    assert [t for lp in got for t in lp.tokens or []] == want["tokens"]
+    assert [v for lp in got for v in lp.token_logprobs or []] == want["token_logprobs"]
+    assert resumes(dep) > before
+
+    dep.reset_sims()
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 8, "logprobs": True, "top_logprobs": 1}
+    chat_want = one_engine(dep.by_role("prefill")[0], chat, chat=True)["choices"][0]["logprobs"]["content"]
+    die(dep, 3)
+    before = resumes(dep)
+    stream = dep.openai().chat.completions.create(**chat, stream=True)  # type: ignore[call-overload]
+    content = [e for k in stream for c in k.choices if c.logprobs and c.logprobs.content for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in content] == [(e["token"], e["logprob"]) for e in chat_want]
+    assert [[t.token for t in e.top_logprobs] for e in content] == [
+        [t["token"] for t in e["top_logprobs"]] for e in chat_want
+    ]
+    assert resumes(dep) > before
