@@ -52,7 +52,9 @@ from goodput_plan import (  # noqa: E402
     capacity,
     dataset_texts,
     plan_lines,
+    point_s,
     prompts_for,
+    remaining_s,
     slo_from_unloaded,
     write_dataset,
 )
@@ -97,6 +99,8 @@ class Sweep:
     def __init__(self, plan: Plan, args: argparse.Namespace, run_dir: Path, result: dict[str, Any]) -> None:
         self.plan, self.args, self.run_dir, self.result = plan, args, run_dir, result
         self.data = Datasets(args.model_dir, run_dir / "datasets")
+        self.deadline = time.monotonic() + args.budget_min * 60 if args.budget_min else float("inf")
+        self.skipped: list[str] = []
 
     def setup(self, run: Any) -> None:
         from goodput_run import run_point
@@ -150,13 +154,23 @@ class Sweep:
 
         for rate in rates:
             point(rate)
+
+        def fits(what: str) -> bool:
+            """An optional point runs while it and the mandatory rest fit the budget (`--budget-min`)."""
+            left = self.deadline - time.monotonic() - remaining_s(self.plan, run.name, w)
+            if left >= point_s(mode, w):
+                return True
+            self.skipped.append(f"{run.name} {w}: {what} (budget)")
+            return False
+
         for _ in range(mode.extend):
             last = points[-1]
-            if last["good"] < GOOD_SHARE * last["sent"]:
+            if last["good"] < GOOD_SHARE * last["sent"] or not fits("growth"):
                 break
             point(last["rate"] * 2)
         for _ in range(mode.repeats):
-            point(max(points, key=lambda q: q["goodput"])["rate"])
+            if fits("repeat"):
+                point(max(points, key=lambda q: q["goodput"])["rate"])
         return points
 
     def _slo(self, run: Any, w: str) -> tuple[Slo, float]:
@@ -218,6 +232,7 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     ctx = Context(args.model_dir, run_dir, args.venv, flags, args.pd_min_tokens, _say)
     each_setup(plan.setups, ctx, sweep.setup)
     result["wall_s"] = time.monotonic() - t0
+    result["skipped_for_budget"] = sweep.skipped
     result["host"]["loadavg_after"] = os.getloadavg()
     return result
 
@@ -228,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the plan and its time estimate; start nothing")
     ap.add_argument("--setups", nargs="+", choices=list(SETUPS), default=None)
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None)
+    ap.add_argument(
+        "--budget-min",
+        type=float,
+        default=None,
+        help="skip growth and repeat points that would take the run past this (default 19; quick: none)",
+    )
     ap.add_argument("--pd-min-tokens", type=int, default=1024, help="the conditional router's --pd-min-tokens")
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--venv", type=Path, default=None)
@@ -237,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render-only", action="store_true", help="rewrite docs/PERFORMANCE.md from the results JSON")
     args = ap.parse_args(argv)
     mode = MODES["quick" if args.quick else "default"]
-    plan = Plan(mode, tuple(args.setups or mode.setups), tuple(args.workloads or mode.workloads))
+    setups = [s for s in SETUPS if s in (args.setups or mode.setups)]  # the order they start in
+    plan = Plan(mode, tuple(setups), tuple(w for w in WORKLOADS if w in (args.workloads or mode.workloads)))
+    if args.budget_min is None:
+        args.budget_min = 0.0 if args.quick else 19.0
     args.out = args.out or RESULTS / ("goodput-quick.json" if args.quick else "goodput.json")
     if args.dry_run:
         print("\n".join(plan_lines(plan)))

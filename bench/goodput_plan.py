@@ -36,6 +36,8 @@ __all__ = [
     "dataset_texts",
     "estimate_s",
     "plan_lines",
+    "point_s",
+    "remaining_s",
     "rescore",
     "slo_from_unloaded",
     "write_dataset",
@@ -94,8 +96,8 @@ DEFAULT = Mode(
     "default",
     tuple(SETUPS),
     tuple(WORKLOADS),
-    rate_factors=(0.25, 0.5, 1.0),
-    window_s=8.0,
+    rate_factors=(0.3, 0.8),
+    window_s=6.0,
     min_prompts=6,
     extend=1,
     repeats=1,
@@ -116,8 +118,11 @@ MODES = {"default": DEFAULT, "quick": QUICK}
 
 # Time model of the estimate (2 cores, tiny model; from bench/e2e.py and the first sweep's runs).
 START_S = {"colocated": 80.0, "pd": 90.0, "conditional": 10.0, "nixl": 90.0}  # conditional reuses pd's engines
+FIXED_S = 35.0  # importing vLLM's client, the tokenizer, the model build check
+WARMUP_S = 10.0  # per setup: a few unscored requests
 SERVICE_S = {"W1": 1.1, "W2": 0.6, "W3": 0.8, "W4": 0.9, "burst": 0.6}  # one request, unloaded
-POINT_OVERHEAD_S = 4.0  # ready check, dataset load, the drain of a queue past the knee, scrapes
+POINT_OVERHEAD_S = 3.0  # vLLM's test request, dataset load, scrapes
+EXTEND_ODDS = 0.5  # a growth point runs only while the last rate met the SLOs
 BURST_S = 25.0
 
 
@@ -155,18 +160,41 @@ class Plan:
         return {"mode": asdict(self.mode), "setups": list(self.setups), "workloads": list(self.workloads)}
 
 
+def points_per_cell(m: Mode) -> float:
+    return len(m.rate_factors) + EXTEND_ODDS * m.extend + m.repeats
+
+
+def point_s(m: Mode, workload: str) -> float:
+    """One point: its arrival window, then the queue's drain (a few service times past the knee)."""
+    return m.window_s + 3 * SERVICE_S[workload] + POINT_OVERHEAD_S
+
+
+def remaining_s(plan: Plan, setup: str, workload: str) -> float:
+    """Mandatory work left after the current cell (`setup`, `workload`): the later cells' ladders and
+    bursts and the later setups' starts. Optional points (growth, repeats) run only while it fits."""
+    m = plan.mode
+    order = [s for s in SETUPS if s in plan.setups]
+    later = order[order.index(setup) + 1 :]
+    total = sum(START_S[s] + WARMUP_S for s in later)
+    cells = [(s, w) for s in order for w in plan.workloads]
+    for _s, w in cells[cells.index((setup, workload)) + 1 :]:
+        total += BURST_S if WORKLOADS[w].burst else len(m.rate_factors) * point_s(m, w)
+    return total
+
+
 def estimate_s(plan: Plan) -> float:
     """Seconds the plan should take here (engine starts, probes, every point, the repeats)."""
     m = plan.mode
-    total = sum(START_S[s] for s in plan.setups)
+    total = FIXED_S + sum(START_S[s] + WARMUP_S for s in plan.setups)
+    if "conditional" in plan.setups and "pd" not in plan.setups:
+        total += START_S["pd"]  # its engines start for it alone
     for w in plan.workloads:
         wl, svc = WORKLOADS[w], SERVICE_S[w]
         total += m.probe_prompts * svc + POINT_OVERHEAD_S  # colocated's unloaded probe (the SLOs)
         if wl.burst:
             total += len(plan.setups) * BURST_S
             continue
-        points = len(m.rate_factors) + m.extend + m.repeats
-        total += len(plan.setups) * points * (m.window_s + 2 * svc + POINT_OVERHEAD_S)
+        total += len(plan.setups) * points_per_cell(m) * point_s(m, w)
     return total
 
 
