@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from pdgate.cli.client import parse_metrics
 from pdgate.cli.doctor import Facts, Finding
 
 from pdgate.auth import is_loopback
@@ -159,6 +160,50 @@ def engines_reachable(f: Facts) -> list[Finding]:
         else:
             out.append(Finding("engines", "ok", f"{ids} at {url} answers"))
     return out or [Finding("engines", "skip", "no engine registered")]
+
+
+def _cache_config(f: Facts, url: str) -> dict[str, str] | None:
+    """The labels of vLLM's `vllm:cache_config_info` on the engine's /metrics (None: not a vLLM, or no
+    answer): what the engine really runs with, as vLLM itself reports it."""
+    try:
+        resp = f.admin.get(url.rstrip("/") + "/metrics")
+        if resp.status_code != 200:
+            return None
+        samples = parse_metrics(resp.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+    found = [dict(labels) for (name, labels) in samples if name == "vllm:cache_config_info"]
+    return found[0] if found else None
+
+
+def engine_config(f: Facts) -> list[Finding]:
+    """What each engine registered (its connector's view of its kv_transfer_config and engine flags)
+    against what its vLLM reports running with: block size, KV cache dtype."""
+    out = []
+    for url in sorted({i["url"] for i in f.registry or []}):
+        cfg = _cache_config(f, url)
+        if cfg is None:
+            continue
+        for inst in (i for i in f.registry or [] if i["url"] == url):
+            wrong = []
+            if cfg.get("block_size") not in (None, "None") and cfg["block_size"] != str(inst.get("block_size")):
+                wrong.append(f"block_size {inst.get('block_size')} registered, {cfg['block_size']} in vLLM")
+            dtype = cfg.get("cache_dtype")
+            if dtype not in (None, "auto") and inst.get("kv_dtype") not in (None, dtype):
+                wrong.append(f"kv_dtype {inst.get('kv_dtype')} registered, cache_dtype {dtype} in vLLM")
+            if wrong:
+                out.append(
+                    Finding(
+                        "config",
+                        "fail",
+                        f"{inst['id']}: " + "; ".join(wrong) + " (vllm:cache_config_info): its pairs would be wrong",
+                        "register what the engine runs with: let the connector register it (kv_transfer_config), "
+                        "or fix the static --block-size / the hand-written registration",
+                    )
+                )
+            else:
+                out.append(Finding("config", "ok", f"{inst['id']}: registration agrees with vLLM's cache config"))
+    return out or [Finding("config", "skip", "no engine exposes vLLM's cache_config_info (not vLLM, or no /metrics)")]
 
 
 def pool_vs_registry(f: Facts) -> list[Finding]:
@@ -385,6 +430,7 @@ CHECKS: tuple[Callable[[Facts], list[Finding]], ...] = (
     services,
     bind_addresses,
     engines_reachable,
+    engine_config,
     pool_vs_registry,
     pairing,
     transports,
