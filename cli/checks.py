@@ -235,6 +235,17 @@ def pool_vs_registry(f: Facts) -> list[Finding]:
                 "add its network to the router's --allowed-engine-networks, or fix the engine's advertised URL",
             )
         )
+    for r in rows:
+        if r["id"] in {i["id"] for i in f.registry} and r.get("available") is False:
+            out.append(
+                Finding(
+                    "pool",
+                    "warn",
+                    f"the router gives {r['role']} {r['id']} no work: {r.get('reason')} (breaker {r.get('breaker')})",
+                    "a failing health check: look at the engine's log, and at its --api-key against the router's "
+                    "--upstream-api-key (a 401)",
+                )
+            )
     registered = {i["id"] for i in f.registry}
     pending = _pending(f)
     for r in rows:

@@ -61,6 +61,19 @@ def test_a_sound_stack_has_no_failure(stack: Deployment, capsys: pytest.CaptureF
     assert "0 failed" in out
 
 
+def test_an_instance_the_router_gives_no_work_is_named(stack: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    decode = stack.by_role("decode")[0]
+    decode.script(unhealthy=True)
+    try:
+        stack.wait_available(decode.id, available=False)
+        _, found = _findings(capsys, "--router", stack.url, "--token", TOKEN)
+        [msg] = _lines(found, "pool", "warn")
+        assert msg.startswith(f"the router gives decode {decode.id} no work: ")
+    finally:
+        decode.script(unhealthy=False)
+        stack.wait_available(decode.id)
+
+
 def test_a_wrong_token_fails_and_names_the_setting(stack: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, found = _findings(capsys, "--router", stack.url, "--token", "not-the-token")
     assert code == 1
