@@ -55,6 +55,9 @@ def make_transport(
         options.setdefault("hostname", urlsplit(cfg.url).hostname or "127.0.0.1")
         if cfg.mooncake_protocol:
             options.setdefault("protocol", cfg.mooncake_protocol)
+        # A read cannot be cancelled: the engine's stall deadline is what bounds a synchronous load's wait
+        # on a stalled prefill (`sync_pull_timeout_s`). It counts time without progress, not a pull's length.
+        options.setdefault("progress_timeout_s", min(cfg.sync_pull_timeout_s, cfg.pull_timeout_s))
         return cls(pull_timeout_s=cfg.pull_timeout_s, **options)
     # llmdatadist: `transport_class` knows no other kind.
     if cfg.role not in ("prefill", "decode"):

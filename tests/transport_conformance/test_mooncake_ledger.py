@@ -53,6 +53,8 @@ def cache(buf: np.ndarray) -> list[KVRegion]:
 
 def test_a_pull_planned_from_the_ledgers_location_moves_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLOG_minloglevel", "1")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "0")  # so that the undo removes what the factory writes
+    monkeypatch.delenv("MC_TCP_PROGRESS_TIMEOUT_SEC")
     extra = {"metaserver_url": "http://127.0.0.1:8300", "url": "http://127.0.0.1:8100", "transport": "mooncake"}
     p_cfg = parse_config(extra, ServerFacts(kv_role="kv_producer", host="127.0.0.1", port=8100, served_model="m"))
     d_cfg = parse_config(

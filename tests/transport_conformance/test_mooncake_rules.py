@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import time
 import types
 from typing import Any
@@ -24,6 +25,14 @@ from pdgate.connector.transport.mooncake import MooncakeTransport, default_proto
 
 from pdgate.contract import KVFacts, mismatch
 from pdgate.models import TransportKind
+
+
+@pytest.fixture(autouse=True)
+def _no_stall_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transport writes MC_TCP_PROGRESS_TIMEOUT_SEC when unset; start each test without it and take
+    what it wrote away afterwards (setenv first, so that the undo removes it)."""
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "0")
+    monkeypatch.delenv("MC_TCP_PROGRESS_TIMEOUT_SEC")
 
 
 class FakeEngine:
@@ -153,6 +162,8 @@ def test_the_config_key_and_the_factory() -> None:
         assert isinstance(t, MooncakeTransport)
         assert t.protocol == "rdma" and t.session == f"10.1.2.3:{t.port}"
         assert t._engine.init_args == ("10.1.2.3", "P2PHANDSHAKE", "rdma", "")
+        # The stall deadline follows the synchronous load's bound (5 s), not the pull's (30 s).
+        assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "5"
     finally:
         t.close()
 
