@@ -80,7 +80,8 @@ def _slo_section(result: dict[str, Any]) -> list[str]:
 
 
 def _first(result: dict[str, Any]) -> str:
-    return next(iter(result["slo"].values()), {}).get("measured_on", "colocated")
+    first: dict[str, Any] = next(iter(result["slo"].values()), {})
+    return str(first.get("measured_on", "colocated"))
 
 
 def _max_section(result: dict[str, Any]) -> list[str]:

