@@ -226,6 +226,10 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
         "slo": {},
         "setups": {},
     }
+    try:
+        import pandas  # noqa: F401  # vLLM's custom dataset reads JSONL with it
+    except ImportError:
+        sys.exit("bench/goodput.py needs pandas in the vLLM venv: .venv-vllm/bin/pip install -e '.[bench]'")
     t0 = time.monotonic()
     ensure_model(args.model_dir, ensure_vllm_env(args.venv, install=False, log=_say), _say)  # the datasets' tokenizer
     sweep = Sweep(plan, args, run_dir, result)
