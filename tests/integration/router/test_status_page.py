@@ -180,3 +180,21 @@ def test_an_engines_own_words_are_shown_as_text() -> None:
         page = Page(chromium("--dump-dom", f"{d.url}/status#token={TOKEN}"))
     assert "injected" not in page.by_id
     assert name in page.text
+
+
+def test_handoffs_from_a_remote_metaserver() -> None:
+    """With --metaserver, the live handoffs come from the metaserver's /metrics (read with its token)."""
+    from tests.cli.conftest import TOKEN as META_TOKEN
+    from tests.cli.conftest import metaserver
+
+    meta = metaserver()
+    try:
+        auth = {"Authorization": f"Bearer {META_TOKEN}"}
+        for i in range(2):
+            body = {"prefill_instance_id": "p-remote", "transfer_id": f"remote-{i}"}
+            assert HTTP.post(meta.url + "/v1/handoffs", json=body, headers=auth).status_code == 201
+        with Deployment(metaserver=meta.url, metaserver_token=META_TOKEN, admin_token=META_TOKEN) as d:
+            data = HTTP.get(d.url + "/status/data").json()
+        assert data["handoffs"] == {"PENDING": 2, "READY": 0, "CLAIMED": 0}
+    finally:
+        meta.stop()
