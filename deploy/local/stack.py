@@ -7,8 +7,14 @@ per vLLM engine on two cores), so the class also lets a caller add an instance t
 (`add_instance`) instead of starting a new one: instances register themselves with the metaserver and
 the router pairs them as soon as they appear.
 
-`SingleInstance` is one plain vLLM engine with the same serving flags and no connector: the baseline
-that PD outputs are compared against.
+Before the stack says it is ready, each engine answers one request with `logprobs` (`warm_up`): vLLM
+compiles its logprobs kernel (`batched_count_greater_than`, `torch.compile` with inductor, in
+vllm/v1/sample/ops/logprobs.py) at its first use in each engine process, which took 52.5 s on 2 cores
+(issue #26), long enough for a decode's claim lease to lapse mid-request. `--enforce-eager` does not
+cover it. The warm-up moves that cost into start-up, where it is said and timed.
+
+`SingleInstance` (single.py) is one plain vLLM engine with the same serving flags and no connector: the
+baseline that PD outputs are compared against.
 """
 
 from __future__ import annotations
@@ -17,18 +23,19 @@ import contextlib
 import json
 import os
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+from pdgate.deploy.local.model import DEFAULT_MODEL_DIR, Log, StackError, ensure_model, served_model_name
 from pdgate.deploy.local.procs import ManagedProcess, ProcessFailed, free_port, port_is_free, stop_all, wait_http
-from pdgate.deploy.local.tiny_model import MODEL_NAME, is_built
+from pdgate.deploy.local.single import SingleInstance, http_get_json
 from pdgate.deploy.local.vllm_env import VllmEnv, ensure_vllm_env, repo_root
 from pdgate.deploy.local.vllm_instance import ServeFlags, VllmInstanceSpec, start_engine, write_logging_config
 
@@ -44,15 +51,8 @@ __all__ = [
 
 ADMIN_TOKEN_ENV = "PDGATE_ROUTER_ADMIN_TOKEN"  # the router's admin token (its embedded metaserver's)
 ENGINE_TOKEN_ENV = "PDGATE_METASERVER_TOKEN"  # what PDGateConnector sends to the metaserver
-DEFAULT_MODEL_DIR = Path(os.environ.get("PDGATE_MODEL_DIR", "~/.cache/pdgate/pdgate-tiny")).expanduser()
 CONNECTOR_CLASS = "PDGateConnector"
 CONNECTOR_MODULE = "pdgate.connector"
-
-Log = Callable[[str], None]
-
-
-class StackError(RuntimeError):
-    """The stack could not be started; the message says which part failed and where its log is."""
 
 
 def host_cpus() -> list[int]:
@@ -76,30 +76,6 @@ def wait_router_ready(router: ManagedProcess, url: str, log: Log, others: Sequen
     """Until the router at `url` reports a compatible prefill/decode pair (its /health answers 200)."""
     waited = wait_http(router, url + "/health", timeout_s=60, what="ready (a compatible pair)", others=list(others))
     log(f"router: ready on {url} after {waited:.1f} s")
-
-
-def ensure_model(model_dir: Path, env: VllmEnv, log: Log = print) -> Path:
-    """Build the tiny model into `model_dir` unless it is already complete.
-
-    The build needs torch and transformers, which live in the vLLM venv, so it runs there.
-    """
-    if is_built(model_dir):
-        log(f"model: reusing {model_dir}")
-        return model_dir
-    if (model_dir / "config.json").is_file():  # a checkpoint the user brought: served as it is, never overwritten
-        log(f"model: serving the checkpoint in {model_dir} as it is (not built by pdgate; delete it to rebuild)")
-        return model_dir
-    log(f"model: building {MODEL_NAME} into {model_dir} (offline, a few seconds)")
-    out = subprocess.run(
-        [str(env.python), "-m", "pdgate.deploy.local.tiny_model", str(model_dir)],
-        cwd=str(repo_root()),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode != 0 or not is_built(model_dir):
-        raise StackError(f"building the model failed (exit {out.returncode}):\n{out.stdout}\n{out.stderr}")
-    return model_dir
 
 
 @dataclass(frozen=True)
@@ -126,14 +102,31 @@ class StackConfig:
     router_args: Sequence[str] = ()
     router_env: Mapping[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
+    host: str = "127.0.0.1"  # the router's listen address (the engines stay on loopback)
+    served_name: str | None = None  # None: `model.served_model_name` (tiny: pdgate-tiny; else the folder's)
+    # vLLM's own arguments, after pdgate's (vLLM takes the last of a repeated flag): every engine's, then
+    # one role's. E.g. ("--max-model-len", "8192") or ("--dtype", "float32").
+    engine_args: Sequence[str] = ()
+    prefill_args: Sequence[str] = ()
+    decode_args: Sequence[str] = ()
+    warm_up: bool = True  # one logprobs request per engine before ready (see the module docstring)
+
+    @property
+    def model_name(self) -> str:
+        return served_model_name(Path(self.model_dir), self.served_name)
 
     def flags(self) -> ServeFlags:
         return ServeFlags(
             model_dir=Path(self.model_dir),
+            served_name=self.model_name,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
         )
+
+    def role_args(self, role: str) -> tuple[str, ...]:
+        """The vLLM arguments appended to one engine's command line: every engine's, then its role's."""
+        return (*self.engine_args, *(self.prefill_args if role == "prefill" else self.decode_args))
 
 
 @dataclass
@@ -210,8 +203,8 @@ class LocalStack:
 
     @property
     def url(self) -> str:
-        """The router: the OpenAI-compatible front door."""
-        return f"http://127.0.0.1:{self.config.port}"
+        """The router: the OpenAI-compatible front door, as this host reaches it."""
+        return f"http://{connect_host(self.config.host)}:{self.config.port}"
 
     @property
     def openai_base_url(self) -> str:
@@ -238,8 +231,8 @@ class LocalStack:
         cfg = self.config
         if cfg.n_prefill < 1 or cfg.n_decode < 1:
             raise StackError("a PD stack needs at least one prefill and one decode instance")
-        if not port_is_free(cfg.port):
-            raise StackError(f"port {cfg.port} is already in use on 127.0.0.1: pick another one (--port)")
+        if not port_is_free(cfg.port, connect_host(cfg.host)):
+            raise StackError(f"port {cfg.port} is already in use on {cfg.host}: pick another one (--port)")
         t0 = time.monotonic()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log(f"run dir: {self.run_dir} (logs of every process)")
@@ -256,11 +249,14 @@ class LocalStack:
             self._wait_instances(new)
             self.wait_router_ready()
             self.timings["engines_s"] = time.monotonic() - t
+            t = time.monotonic()
+            self.warm_up(self.instances)
+            self.timings["warm_up_s"] = time.monotonic() - t
         except BaseException:
             self.stop()
             raise
         self.timings["start_s"] = time.monotonic() - t0
-        self.log(f"stack ready in {self.timings['start_s']:.0f} s: {self.url}/v1 serves {MODEL_NAME}")
+        self.log(f"stack ready in {self.timings['start_s']:.0f} s: {self.url}/v1 serves {cfg.model_name}")
         return self
 
     def add_instance(self, role: str, *, extra: Mapping[str, Any] | None = None) -> InstanceHandle:
@@ -268,6 +264,7 @@ class LocalStack:
         handle = self._launch(role, extra=extra)
         try:
             self._wait_instances([handle])
+            self.warm_up([handle])
         except BaseException:
             handle.proc.stop()
             self.instances.remove(handle)
@@ -335,22 +332,8 @@ class LocalStack:
         # A restarted stack reuses its run dir: an earlier engine's counters must not pass for this one's
         # until its first write (a reader would take them as its baseline).
         stats_path.unlink(missing_ok=True)
-        conn_extra: dict[str, Any] = {"stats_file": str(stats_path)}
-        conn_extra.update(cfg.connector_extra)
-        conn_extra.update(cfg.prefill_extra if role == "prefill" else cfg.decode_extra)
-        conn_extra.update(extra or {})
-        spec = VllmInstanceSpec(
-            name=instance_id,
-            port=port,
-            cpu=self._next_cpu(),
-            kv_transfer_config=kv_transfer_config(
-                role=role,
-                instance_id=instance_id,
-                url=f"http://127.0.0.1:{port}",
-                metaserver_url=self.metaserver_url,
-                transport=cfg.transport,
-                extra=conn_extra,
-            ),
+        spec = engine_spec(
+            cfg, role, instance_id, port, self._next_cpu(), self.metaserver_url, stats_path, extra=extra or {}
         )
         flags = cfg.flags()
         proc = start_engine(spec, self.env.python, flags, self.run_dir, env=self.engine_env(spec, flags))
@@ -376,6 +359,28 @@ class LocalStack:
             )
             self.log(f"{h.instance_id}: registered")
 
+    def warm_up(self, handles: Sequence[InstanceHandle]) -> None:
+        """One request with `logprobs` straight to each engine (no KV handoff), all at once, so that vLLM
+        compiles its logprobs kernel now and not in a client's first logprobs request (module docstring)."""
+        if not self.config.warm_up or not handles:
+            return
+        self.log("warm-up: one logprobs request per engine (vLLM compiles its logprobs kernel once per process)")
+        body = {"model": self.config.model_name, "prompt": "warm up", "max_tokens": 1, "logprobs": 1}
+
+        def one(h: InstanceHandle) -> float:
+            t = time.monotonic()
+            with httpx.Client(timeout=self.config.startup_timeout_s, trust_env=False) as client:
+                resp = client.post(h.url + "/v1/completions", json=body)
+            if resp.status_code != 200:
+                raise StackError(
+                    f"{h.instance_id}: warm-up answered {resp.status_code}: {resp.text[:300]} (log {h.log_path})"
+                )
+            return time.monotonic() - t
+
+        with ThreadPoolExecutor(len(handles)) as pool:
+            took = list(pool.map(one, handles))
+        self.log("warm-up: " + ", ".join(f"{h.instance_id} {s:.1f} s" for h, s in zip(handles, took, strict=True)))
+
     def wait_router_ready(self) -> None:
         """Until the router reports a compatible pair: also how a caller re-checks a stack it kept running."""
         assert self.router is not None
@@ -384,10 +389,48 @@ class LocalStack:
 
 def router_args(cfg: StackConfig) -> list[str]:
     """Flags of `pdgate-router` for the local stack (metaserver embedded unless a store is given)."""
-    args = ["--host", "127.0.0.1", "--port", str(cfg.port)]
+    args = ["--host", cfg.host, "--port", str(cfg.port)]
     if cfg.store:
         args += ["--store", cfg.store]
     return args + list(cfg.router_args)
+
+
+def engine_spec(
+    cfg: StackConfig,
+    role: str,
+    instance_id: str,
+    port: int,
+    cpu: str,
+    metaserver_url: str,
+    stats_path: Path,
+    *,
+    extra: Mapping[str, Any],
+) -> VllmInstanceSpec:
+    """One engine of the stack: its connector config (the config's extras, the role's, `extra`) and the
+    user's vLLM arguments (`StackConfig.role_args`), after pdgate's flags on its command line."""
+    conn_extra: dict[str, Any] = {"stats_file": str(stats_path)}
+    conn_extra.update(cfg.connector_extra)
+    conn_extra.update(cfg.prefill_extra if role == "prefill" else cfg.decode_extra)
+    conn_extra.update(extra)
+    return VllmInstanceSpec(
+        name=instance_id,
+        port=port,
+        cpu=cpu,
+        extra_args=cfg.role_args(role),
+        kv_transfer_config=kv_transfer_config(
+            role=role,
+            instance_id=instance_id,
+            url=f"http://127.0.0.1:{port}",
+            metaserver_url=metaserver_url,
+            transport=cfg.transport,
+            extra=conn_extra,
+        ),
+    )
+
+
+def connect_host(host: str) -> str:
+    """Where a client on this host reaches a server listening on `host` (a wildcard: loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
 def kv_transfer_config(
@@ -414,85 +457,15 @@ def kv_transfer_config(
     }
 
 
-class SingleInstance:
-    """One vLLM engine without a connector: the baseline PD outputs must equal."""
-
-    def __init__(
-        self,
-        *,
-        model_dir: Path = DEFAULT_MODEL_DIR,
-        run_dir: Path | None = None,
-        venv: Path | None = None,
-        install: bool = True,
-        port: int | None = None,
-        cpu: str | None = None,
-        flags: ServeFlags | None = None,
-        log: Log = print,
-        startup_timeout_s: float = 600.0,
-    ) -> None:
-        self.model_dir = Path(model_dir)
-        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="pdgate-single-")).resolve()
-        self.venv = venv
-        self.install = install
-        self.spec = VllmInstanceSpec(name="single", port=port or free_port(), cpu=cpu)
-        self.flags = flags or ServeFlags(model_dir=self.model_dir)
-        self.log = log
-        self.startup_timeout_s = startup_timeout_s
-        self.proc: ManagedProcess | None = None
-        self.started_in_s: float | None = None
-
-    @property
-    def url(self) -> str:
-        return self.spec.url
-
-    @property
-    def openai_base_url(self) -> str:
-        return self.url + "/v1"
-
-    def launch(self) -> SingleInstance:
-        """Start the process without waiting (so it can boot while something else does)."""
-        env = ensure_vllm_env(self.venv, install=self.install, log=self.log)
-        ensure_model(self.model_dir, env, self.log)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = start_engine(self.spec, env.python, self.flags, self.run_dir)
-        self.log(f"single: starting vLLM on {self.url} (log {self.proc.log_path})")
-        return self
-
-    def wait(self) -> SingleInstance:
-        assert self.proc is not None, "launch() first"
-        self.started_in_s = wait_http(self.proc, self.url + "/health", timeout_s=self.startup_timeout_s)
-        self.log(f"single: healthy after {self.started_in_s:.0f} s")
-        return self
-
-    def start(self) -> SingleInstance:
-        return self.launch().wait()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-            self.proc = None
-
-    def __enter__(self) -> SingleInstance:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def http_get_json(url: str, timeout: float = 5.0) -> Any:
-    """One GET through a client that ignores proxy variables (everything here is loopback)."""
-    with httpx.Client(timeout=timeout, trust_env=False) as client:
-        resp = client.get(url)
-        resp.raise_for_status()
-        return resp.json()
-
-
 __all__ += [
     "ProcessFailed",
+    "connect_host",
+    "engine_spec",
     "host_cpus",
     "http_get_json",
     "kv_transfer_config",
     "router_args",
+    "served_model_name",
     "start_engine",
     "wait_healthy",
     "wait_router_ready",

