@@ -226,6 +226,11 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
         "slo": {},
         "setups": {},
     }
+    # Offline (the tokenizer is local) and never through a proxy to the loopback setups.
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(
+        x for x in ("127.0.0.1,localhost", os.environ.get("NO_PROXY", "")) if x
+    )
     try:
         import pandas  # noqa: F401  # vLLM's custom dataset reads JSONL with it
     except ImportError:

@@ -113,6 +113,10 @@ def _max_section(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _pct(v: float | None) -> float | None:
+    return None if v is None else v * 100
+
+
 def _point_rows(setup: str, points: Sequence[dict[str, Any]]) -> list[str]:
     rows = []
     for p in points:
@@ -121,7 +125,7 @@ def _point_rows(setup: str, points: Sequence[dict[str, Any]]) -> list[str]:
             f"| {setup} | {_f(p['rate'], '{:.2f}')}{' (again)' if p.get('repeat') else ''} | {p['good']}/{p['sent']} "
             f"| {p['goodput']:.2f} | {p['cut_or_failed']} | {_f(t['p50'])} / {_f(t['p99'])} "
             f"| {_f(tp['p50'], '{:.1f}')} / {_f(tp['p99'], '{:.1f}')} | {_f(m.get('load1_mean'), '{:.1f}')} "
-            f"| {_f((m.get('cpu_busy') or 0) * 100)} % |"
+            f"| {_f((m.get('cpu_busy') or 0) * 100)} % | {_f(_pct(p.get('where', {}).get('prefix_cache_hit_rate')))} |"
         )
     return rows
 
@@ -131,7 +135,8 @@ def _rates_section(result: dict[str, Any]) -> list[str]:
     out.append(
         "TTFT and TPOT over the requests that completed; `cut/failed`: requests with an error or fewer tokens "
         "than asked (never good); load: the 1-minute load average sampled every second during the run; busy: "
-        "the cores' busy share during it."
+        "the cores' busy share during it; cache: the engines' prefix-cache hit rate (% of prompt tokens; random "
+        "prompts must not hit, multi-turn turns should)."
     )
     for w in WORKLOADS:
         rows = []
@@ -141,8 +146,8 @@ def _rates_section(result: dict[str, Any]) -> list[str]:
             continue
         out += ["", f"### {w}: {WORKLOADS[w].title}", ""]
         out.append("| setup | rate req/s | good/sent | goodput | cut/failed | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-                   "| load | busy |")  # fmt: skip
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+                   "| load | busy | cache |")  # fmt: skip
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         out += rows
     return out
 

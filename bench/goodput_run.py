@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 from e2e import NIXL_XFER, histograms, transfer_lines
 from goodput_plan import OUTPUT_TOKENS, Slo, rescore
 from goodput_setups import Running
@@ -123,6 +124,20 @@ def _router_state(url: str) -> dict[str, float]:
     return out
 
 
+def _prefix_cache(urls: list[str]) -> dict[str, float]:
+    """vLLM's prefix-cache queries and hits (tokens), summed over the setup's engines."""
+    out = {"queries": 0.0, "hits": 0.0}
+    for url in urls:
+        try:
+            samples = scrape(url)
+        except httpx.HTTPError:  # an engine without vLLM's /metrics (or gone): its counters are unknown
+            continue
+        for name, _labels, value in samples:
+            if name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+                out[name[len("vllm:prefix_cache_") : -len("_total")]] += value
+    return out
+
+
 def _where_time_went(run: Running, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     r0, r1 = before["router"], after["router"]
 
@@ -142,6 +157,9 @@ def _where_time_went(run: Running, before: dict[str, Any], after: dict[str, Any]
         (s0, c0), (s1, c1) = before["nixl"][NIXL_XFER], after["nixl"][NIXL_XFER]
         out["transfer_ms"] = (s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else None
         out["kv_load_total_ms"] = out["transfer_ms"]
+    (q0, h0), (q1, h1) = before["cache"].values(), after["cache"].values()
+    # Random prompts must not hit (W1-W3, burst); W4's turns should: the trap of vLLM's random dataset shows here.
+    out["prefix_cache_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else None
     first, total = out.get("decode_ttft_ms"), out.get("kv_load_total_ms")
     out["decode_first_step_ms"] = first - total if first is not None and total is not None else None
     return out
@@ -152,6 +170,7 @@ def _observe(run: Running) -> dict[str, Any]:
         "router": _router_state(run.url),
         "loads": transfer_lines(run.decode_log) if run.decode_log is not None else {},
         "nixl": histograms(run.decode_url, (NIXL_XFER,)) if run.decode_url is not None else {},
+        "cache": _prefix_cache(run.engine_urls),
     }
 
 

@@ -53,6 +53,7 @@ class Running:
     decode_log: Path | None = None  # pdgate's decode: its connector logs each KV load's timing
     decode_url: str | None = None  # NIXL's decode: vllm:nixl_xfer_time_seconds on its /metrics
     direct_url: str | None = None  # an engine of the setup asked directly: the one-instance answer
+    engine_urls: list[str] = field(default_factory=list)  # whose prefix-cache counters are read per point
 
     def pinning(self) -> dict[str, list[dict[str, Any]]]:
         """What each process ended with (CPU set -> threads, nice), read back from /proc."""
@@ -94,7 +95,7 @@ def colocated(ctx: Context) -> Iterator[Running]:
         url = f"http://127.0.0.1:{port}"
         wait_router_ready(router, url, ctx.log, [r.proc for r in reps if r.proc is not None])
         engines = {f"replica-{i}": r.proc.pid for i, r in enumerate(reps) if r.proc is not None and r.proc.pid}
-        yield Running("colocated", url, engines, router.pid)
+        yield Running("colocated", url, engines, router.pid, engine_urls=[r.url for r in reps])
     finally:
         if router is not None:
             stop_all([router])
@@ -122,7 +123,8 @@ def pd_running(stack: LocalStack) -> Running:
     engines = {h.instance_id: h.proc.pid for h in stack.instances if h.proc.pid is not None}
     [decode] = stack.by_role("decode")
     pid = stack.router.pid if stack.router else None
-    return Running("pd", stack.url, engines, pid, decode_log=decode.log_path)
+    urls = [h.url for h in stack.instances]
+    return Running("pd", stack.url, engines, pid, decode_log=decode.log_path, engine_urls=urls)
 
 
 @contextmanager
@@ -138,7 +140,15 @@ def conditional(ctx: Context, stack: LocalStack) -> Iterator[Running]:
         wait_router_ready(router, url, ctx.log, [h.proc for h in stack.instances])
         pd = pd_running(stack)
         [prefill] = stack.by_role("prefill")  # whole requests run on the decode: the other engine answers alone
-        yield Running("conditional", url, pd.engines, router.pid, decode_log=pd.decode_log, direct_url=prefill.url)
+        yield Running(
+            "conditional",
+            url,
+            pd.engines,
+            router.pid,
+            decode_log=pd.decode_log,
+            direct_url=prefill.url,
+            engine_urls=pd.engine_urls,
+        )
     finally:
         stop_all([router])
 
@@ -155,7 +165,8 @@ def nixl(ctx: Context) -> Iterator[Running]:
     ) as pair:
         engines = {f"nixl-{e.role}": e.proc.pid for e in pair.engines if e.proc.pid is not None}
         pid = pair.router.pid if pair.router else None
-        yield Running("nixl", pair.url, engines, pid, decode_url=pair.engine("decode").url)
+        urls = [e.url for e in pair.engines]
+        yield Running("nixl", pair.url, engines, pid, decode_url=pair.engine("decode").url, engine_urls=urls)
 
 
 def each_setup(names: tuple[str, ...], ctx: Context, body: Callable[[Running], None]) -> None:
