@@ -136,6 +136,11 @@ class Sweep:
             self.result["quick_check"] = decider_check(run, self.args.pd_min_tokens)
         self._save()
 
+    def failed(self, name: str, exc: Exception) -> None:
+        entry = self.result["setups"].setdefault(name, {"label": SETUPS[name], "workloads": {}})
+        entry["failed"] = f"{type(exc).__name__}: {str(exc)[:1000]}"
+        self._save()
+
     def _ladder(self, run: Any, w: str, slo: Slo, cap: float, out: Path) -> list[dict[str, Any]]:
         from goodput_run import run_point
 
@@ -239,7 +244,7 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     ensure_model(args.model_dir, ensure_vllm_env(args.venv, install=False, log=_say), _say)  # the datasets' tokenizer
     sweep = Sweep(plan, args, run_dir, result)
     ctx = Context(args.model_dir, run_dir, args.venv, flags, args.pd_min_tokens, _say)
-    each_setup(plan.setups, ctx, sweep.setup)
+    each_setup(plan.setups, ctx, sweep.setup, sweep.failed)
     result["wall_s"] = time.monotonic() - t0
     result["skipped_for_budget"] = sweep.skipped
     result["host"]["loadavg_after"] = os.getloadavg()
@@ -289,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         DOCS.write_text(render_markdown(result))
         print(f"wrote {DOCS}")
     check = result.get("quick_check")
+    if args.quick and check is None:  # the conditional setup failed before the check could run
+        why = result["setups"].get("conditional", {}).get("failed", "no check ran")
+        check = {"pass": False, "problems": [f"conditional setup: {why}"]}
     if check is not None and not check["pass"]:
         print(f"FAILED: {check['problems']}")
         return 1

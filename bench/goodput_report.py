@@ -222,5 +222,9 @@ def render_markdown(result: dict[str, Any]) -> str:
     for s, entry in result["setups"].items():
         for name, rows in entry.get("pinning", {}).items():
             out.append(f"- {s}, {name}: {describe_pinning(rows)}")
+    failed = [f"- {s}: {e['failed']}" for s, e in result["setups"].items() if e.get("failed")]
+    skipped = result.get("skipped_for_budget") or []
+    if failed or skipped:
+        out += ["", "## What did not run", ""] + failed + [f"- {x}" for x in skipped]
     out.append("")
     return "\n".join(out)
