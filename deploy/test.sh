@@ -20,6 +20,9 @@ command -v docker-compose >/dev/null || need+=(docker-compose)
 command -v ip >/dev/null || need+=(iproute2)
 # Headless Chromium loads the router's status page (tests/integration/router/test_status_page.py).
 command -v chromium >/dev/null || need+=(chromium)
+# The README's commands run as written (tests/e2e/test_13_readme_commands.py): openssl, curl.
+command -v openssl >/dev/null || need+=(openssl)
+command -v curl >/dev/null || need+=(curl)
 # The Mooncake transport's engine links libibverbs even over tcp (tests/transport_conformance runs it).
 ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || need+=(libibverbs1)
 if ((${#need[@]})); then
