@@ -1,0 +1,122 @@
+"""bench/goodput.py's arithmetic, without engines: the re-scoring of vLLM's per-request results, the random
+prompts and multi-turn conversations, the plan's time budget and the report's headline numbers.
+
+The benchmark runs for many minutes on real vLLM; these catch, in milliseconds, the traps the first sweep
+fell into (/work/shared/reference/goodput-method.md): a stream cut after its first token scored as good,
+prompts that share prefixes, a single lucky run taken for the peak.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from goodput_plan import DEFAULT, QUICK, SETUPS, WORKLOADS, Plan, Slo, dataset_texts, estimate_s, rescore
+from goodput_report import best, render_markdown, render_table
+
+SLO = Slo(ttft_ms=400.0, tpot_ms=30.0)
+
+
+def encode(text: str) -> list[int]:
+    """A tokenizer whose re-encoding grows: an id of 4 digits encodes as two tokens."""
+    return [0 if len(w) < 4 else 1 for w in text.split() for _ in range(1 if len(w) < 4 else 2)]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(f" {i}" for i in ids)
+
+
+def test_a_stream_cut_after_its_first_token_is_not_good_though_vllm_counts_it() -> None:
+    result = {
+        "duration": 2.0,
+        "errors": ["", "", "connection reset", "", ""],
+        "output_lens": [64, 1, 0, 64, 64],
+        "ttfts": [0.1, 0.05, 0.0, 0.5, 0.1],
+        "latencies": [0.1 + 63 * 0.01, 0.05, 0.0, 0.5 + 63 * 0.01, 0.1 + 63 * 0.04],
+    }
+    scored = rescore(result, SLO)
+    # request 0 is good; 1 was cut (1 token); 2 failed; 3 misses the TTFT SLO; 4 misses the TPOT SLO
+    assert (scored["sent"], scored["complete"], scored["cut_or_failed"], scored["good"]) == (5, 3, 2, 1)
+    assert scored["goodput"] == 0.5 and scored["throughput"] == 1.5
+    assert round(scored["tpot_ms"]["p50"], 6) == 10.0 and scored["ttft_ms"]["p50"] == 100.0
+
+
+def test_prompts_are_random_tokens_within_their_length_and_share_no_prefix() -> None:
+    texts = dataset_texts("W3", 8, seed=0, vocab=2048, encode=encode, decode=decode)
+    lo, hi = WORKLOADS["W3"].lengths
+    assert all(len(encode(t)) <= hi for t in texts) and len(set(texts)) == 8
+    assert all(len(encode(t)) >= lo * 0.8 for t in texts)
+    firsts = {t.split()[0] + t.split()[1] for t in texts}
+    assert len(firsts) == 8  # no two prompts open alike (vLLM's random dataset would)
+    again = dataset_texts("W3", 8, seed=0, vocab=2048, encode=encode, decode=decode)
+    other = dataset_texts("W3", 8, seed=1, vocab=2048, encode=encode, decode=decode)
+    assert again == texts and not set(other) & set(texts)  # same for every setup, fresh for every point
+
+
+def test_multi_turn_prompts_extend_the_turn_before() -> None:
+    texts = dataset_texts("W4", 8, seed=0, vocab=2048, encode=encode, decode=decode)
+    convs = 8 // WORKLOADS["W4"].turns
+    for c in range(convs):
+        turns = texts[c::convs]
+        assert len(turns) == WORKLOADS["W4"].turns
+        for before, after in itertools.pairwise(turns):
+            assert after.startswith(before) and len(encode(after)) > len(encode(before)) + 250
+    assert not texts[1].startswith(texts[0])  # conversations share nothing with each other
+
+
+def test_the_default_plan_fits_the_twenty_minutes_and_quick_covers_the_decider() -> None:
+    assert estimate_s(Plan(DEFAULT, tuple(SETUPS), tuple(WORKLOADS))) < 19 * 60
+    assert QUICK.setups == ("conditional",) and estimate_s(Plan(QUICK, QUICK.setups, QUICK.workloads)) < 5 * 60
+
+
+def point(rate: float, goodput: float, **kw: Any) -> dict[str, Any]:
+    return {
+        "rate": rate,
+        "sent": 6,
+        "good": round(goodput * 6),
+        "goodput": goodput,
+        "throughput": kw.pop("throughput", goodput),
+        "cut_or_failed": 0,
+        "ttft_ms": {"p50": 100.0, "p99": 300.0},
+        "tpot_ms": {"p50": 9.0, "p99": 20.0},
+        **kw,
+    }
+
+
+def test_the_best_rate_is_the_mean_of_its_runs_not_one_lucky_run() -> None:
+    points = [point(0.3, 0.30), point(0.6, 0.55), point(0.6, 0.03, repeat=True), point(1.2, 0.2)]
+    b = best(points)
+    assert b["rate"] == 0.3 and b["goodput"] == 0.30  # 0.6's runs average 0.29: its first alone would win
+    b = best([point(0.3, 0.25), point(0.6, 0.55), point(0.6, 0.45, repeat=True)])
+    assert (b["rate"], b["lo"], b["hi"], b["runs"]) == (0.6, 0.45, 0.55, 2)
+
+
+def test_the_report_gives_ratios_to_colocated_and_says_what_failed() -> None:
+    def setup(g: float) -> dict[str, Any]:
+        return {
+            "workloads": {"W2": {"points": [point(1.0, g)]}, "burst": {"points": [point(9e9, 0.0, throughput=g * 10)]}}
+        }
+
+    result = {
+        "config": {"model": "pdgate-tiny", "engine_flags": ["--block-size", "32"], "pd_min_tokens": 1024},
+        "host": {"python": "3.11", "cpus": 2, "loadavg_before": [1.0, 1.0, 1.0]},
+        "slo": {
+            "W2": {
+                "measured_on": "colocated",
+                "unloaded": {"ttft_ms": 50.0, "tpot_ms": 9.0},
+                "ttft_ms": 200.0,
+                "tpot_ms": 27.0,
+                "capacity_rps": 3.0,
+            }
+        },
+        "setups": {"colocated": setup(2.0), "pd": setup(0.8), "nixl": {"workloads": {}, "failed": "RuntimeError: x"}},
+    }
+    table = render_table(result)
+    assert "0.80 (0.40x)" in table and "8.00 (0.40x)" in table  # the burst's headline is its capacity
+    doc = render_markdown(result)
+    assert "| W2 | 50 | 9.0 | 200 | 27.0 | 3.00 |" in doc
+    assert "- nixl: RuntimeError: x" in doc
