@@ -204,7 +204,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         "Load: `vllm bench serve`, Poisson arrivals, prompts of uniformly random token ids (custom dataset), "
         "64 tokens out, `--ignore-eos`, temperature 0; re-scored from the per-request results: a request is good "
         "only with every requested token, TTFT and TPOT within the SLOs. Few requests per point on this "
-        "machine class: points near the knee swing between runs, which is why the best one runs again.",
+        "machine class: points near the knee swing between runs, which is why the best one runs again. "
+        "The router serves colocated and conditional-whole requests on its whole path (router/whole.py), which "
+        "picks among the live instances at random, not by load.",
         "",
         *_slo_section(result),
         "",
