@@ -46,6 +46,7 @@ from pdgate.deploy.local.vllm_env import VllmEnvError, ensure_vllm_env
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pdgate.auth import read_secret_lines
 from pdgate.cli_config import write_cli_config
 from pdgate.settings import add_settings_flags, given, invalid_settings
 
@@ -265,7 +266,9 @@ def demo(stack: LocalStack) -> None:
         from openai import OpenAI
     except ImportError as exc:  # the router venv lacks the client: say how to get it
         raise StackError("the demo needs the `openai` package: pip install openai") from exc
-    client = OpenAI(base_url=stack.openai_base_url, api_key="pdgate-local", max_retries=0, timeout=120)
+    keys_file = os.environ.get("PDGATE_ROUTER_API_KEY_FILE")  # the router asks for one of its client keys
+    key = read_secret_lines(keys_file)[0] if keys_file else "pdgate-local"
+    client = OpenAI(base_url=stack.openai_base_url, api_key=key, max_retries=0, timeout=120)
     model = stack.config.model_name
     messages = [{"role": "user", "content": "hello world, the quick brown fox"}]
     decodes = stack.by_role("decode")
@@ -358,6 +361,11 @@ def _refuse_second_stack(args: UpSettings) -> None:
 
 def cmd_up(args: UpSettings) -> int:
     _refuse_second_stack(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("PDGATE_ROUTER_API_KEY_FILE"):
+        say(
+            f"note: the router listens on {args.host}: anyone who reaches it may use the OpenAI routes; "
+            "PDGATE_ROUTER_API_KEY_FILE=<file of client keys> in this environment makes them ask for a key"
+        )
     stack = LocalStack(stack_config(args), log=say)
     cli_file: Path | None = None
     try:

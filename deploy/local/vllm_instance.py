@@ -98,9 +98,10 @@ def vllm_base_env(
     # Our own variables must not leak from the caller's shell into vLLM's choices.
     for key in ("VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES"):
         env.pop(key, None)
+    # The KV cache's size: the operator's own VLLM_CPU_KVCACHE_SPACE (GiB) wins over the stack's default.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     env.update(
         {
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
             # Without it vLLM advertises the machine's non-loopback address to its own processes.
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_NO_USAGE_STATS": "1",

@@ -119,3 +119,13 @@ def test_up_records_itself_in_the_state_file_while_it_starts(tmp_path: Path, mon
     [recorded] = seen
     assert recorded["phase"] == "starting" and recorded["router"] == "http://127.0.0.1:8000"
     assert recorded["model"] == MODEL_NAME and recorded["run_dir"] == str((tmp_path / "run").resolve())
+
+
+def test_the_operators_kv_cache_size_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Memory is vLLM's environment on CPU (VLLM_CPU_KVCACHE_SPACE, GiB): the operator's value is kept."""
+    from pdgate.deploy.local.vllm_instance import vllm_base_env
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert vllm_base_env(tmp_path, kv_cache_gib=1)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "6")
+    assert vllm_base_env(tmp_path, kv_cache_gib=1)["VLLM_CPU_KVCACHE_SPACE"] == "6"
