@@ -120,7 +120,7 @@ def test_prefill_4xx_is_the_clients_error(dep: Deployment) -> None:
         p.script(fail_first=1, fail_status=400)
     with pytest.raises(openai.BadRequestError) as info:
         complete(dep)
-    assert str(info.value.code) == "400" and "scripted failure" in info.value.message  # the engine body
+    assert info.value.code == "upstream_rejected" and "scripted failure" in info.value.message  # the engine's words
     assert sum(p.count("requests") for p in dep.by_role("prefill")) == 1
 
 
