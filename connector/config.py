@@ -195,6 +195,13 @@ class ConnectorConfig:
         "idle decode's step; past it the pull fails, and vLLM fails the request (its kv_load_failure_policy).",
         default=5.0,
     )
+    layerwise_min_tokens: float | None = _key(
+        "nonneg",
+        "A synchronous load of at least this many tokens is pulled layer by layer, each layer's read behind the "
+        "compute of the layers before it (NIXL, Mooncake); unset: every load is pulled whole. See docs/TRANSFER.md.",
+        default=None,
+        shown="unset",
+    )
     control_process: bool = _key(
         "bool",
         "Run the ledger I/O in a child process instead of a thread of the engine's (off its GIL). Experimental.",

@@ -211,6 +211,7 @@ class PDGateConnector(KVConnectorBase_V1):
                 transport_factory=lambda: make_transport(
                     cfg, tp_rank=tp_rank, dp_rank=dp_rank, tp_size=tp_size, device_index=worker.device_index
                 ),
+                block_size=block_size,
             )
             self._worker = worker
 
@@ -232,13 +233,15 @@ class PDGateConnector(KVConnectorBase_V1):
             self._worker.on_step(meta.step)  # every step: an empty one still says whether it is idle
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole-request pulls complete before the request is scheduled
+        assert self._worker is not None
+        self._worker.wait_for_layer_load(layer_name)  # a layer-wise load (`layerwise.py`); else at once
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # pull design: the decode reads the prefill's blocks where they are
 
     def wait_for_save(self) -> None:
-        return
+        assert self._worker is not None
+        self._worker.finish_layered()  # no layer-wise read outlives the step
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None

@@ -13,9 +13,10 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from pdgate.connector.layerwise import LayerDone, LayerTally, part_key
 from pdgate.connector.logs import about
 from pdgate.connector.metadata import PullOutcome
 from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport
@@ -44,6 +45,9 @@ class PullJob:
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     timeout_s: float | None = None  # None: the transport's own deadline
+    # A layer-wise load (`layerwise.py`): the region indexes of each layer, pulled one pull per layer in
+    # this order, each ending in a `LayerDone` on the thread's `layers` queue before the job's outcome.
+    layers: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,10 @@ class TransferThread:
         self._corrupt = corrupt
         self.inbox: queue.SimpleQueue[PullJob | Holding | _Stop] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[PullOutcome] = queue.SimpleQueue()
+        self.layers: queue.SimpleQueue[LayerDone] = queue.SimpleQueue()
+        # transport id of one layer's pull -> (the job's key, the layers it covers); the job's tally by key
+        self._parts: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._tallies: dict[str, LayerTally] = {}
         self._started: queue.SimpleQueue[_Started] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"pdgate-xfer-tp{tp_rank}", daemon=True)
 
@@ -149,7 +157,8 @@ class TransferThread:
     def _submit(self, transport: Transport, job: PullJob, inflight: dict[str, PullJob]) -> None:
         # The transport keys a pull by its id: siblings of one handoff (vLLM's n > 1) each pull the same
         # transfer into their own blocks, so a second one in flight gets an id of its own.
-        key = job.transfer_id if job.transfer_id not in inflight else f"{job.transfer_id}#{job.req_id}"
+        taken = job.transfer_id in inflight or job.transfer_id in self._tallies
+        key = f"{job.transfer_id}#{job.req_id}" if taken else job.transfer_id
         req = PullRequest(
             transfer_id=key,
             kv_key=job.kv_key,
@@ -158,13 +167,49 @@ class TransferThread:
             local_block_ids=job.local_block_ids,
             timeout_s=job.timeout_s,
         )
+        if job.layers:
+            self._submit_layers(transport, job, key, req, inflight)
+            return
         inflight[key] = job
         try:
             transport.start_pull(req)
         except TransportError as exc:
             self._finish(PullResult.failure(key, exc), inflight)
 
+    def _submit_layers(
+        self, transport: Transport, job: PullJob, key: str, req: PullRequest, inflight: dict[str, PullJob]
+    ) -> None:
+        """One pull per layer, in layer order; a transport that cannot pull some regions only
+        (`Transport.layerwise`) pulls the whole job at once, and every layer ends with it."""
+        assert job.layers is not None
+        n = len(job.layers)
+        self._tallies[key] = LayerTally(key, n)
+        parts = (
+            [(part_key(key, i), (i,), regions) for i, regions in enumerate(job.layers)]
+            if transport.layerwise
+            else [(part_key(key, 0), tuple(range(n)), None)]
+        )
+        for pkey, layers, _ in parts:
+            self._parts[pkey] = (key, layers)
+            inflight[pkey] = job
+        for pkey, _, regions in parts:
+            try:
+                transport.start_pull(replace(req, transfer_id=pkey, regions=regions))
+            except TransportError as exc:
+                self._finish(PullResult.failure(pkey, exc), inflight)
+
     def _finish(self, result: PullResult, inflight: dict[str, PullJob]) -> None:
+        part = self._parts.pop(result.transfer_id, None)
+        if part is not None:  # one layer's pull of a layer-wise job
+            key, layers = part
+            job = inflight.pop(result.transfer_id, None)
+            assert job is not None
+            for layer in layers:
+                self.layers.put(LayerDone(job.req_id, job.transfer_id, layer, result.ok))
+            if not self._tallies[key].add(layers, result):
+                return
+            result = self._tallies.pop(key).result()
+            inflight[key] = job
         job = inflight.pop(result.transfer_id, None)
         if job is None:
             logger.warning(

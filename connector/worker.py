@@ -20,6 +20,10 @@ Per step (`StepMetadata` from the scheduler half):
   holds     -> the prefill keeps blocks for a decode: the thread polls the transport often, because
                NIXL without a progress thread needs the *target* to make progress over TCP.
   frees     -> reported as finished sending (every worker reports it; vLLM frees when all did).
+
+A synchronous pull of at least `layerwise_min_tokens` goes layer by layer (`layerwise.py`): `start_load_kv`
+submits it and returns, `wait_for_layer_load` waits for one layer each, and the step's end (`wait_for_save`,
+`get_finished`) waits for the rest, so no read outlives the step that reports its blocks.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.errors import ConfigError
+from pdgate.connector.layerwise import layer_groups, use_layerwise
 from pdgate.connector.metadata import PullOutcome, RecvDone, StepMetadata
 from pdgate.connector.transfer_thread import Holding, PullJob, TransferThread
 from pdgate.connector.transport.base import KVRegion, Transport
@@ -129,6 +135,7 @@ class WorkerHalf:
         tp_rank: int,
         transport_factory: Callable[[], Transport],
         wall: Callable[[], float] = time.time,
+        block_size: int | None = None,
     ) -> None:
         self._cfg = cfg
         self._wall = wall
@@ -148,6 +155,13 @@ class WorkerHalf:
         self._outcomes: list[PullOutcome] = []
         self._load_errors: set[int] = set()
         self._idle = False  # this step computes nothing (`StepMetadata.idle`): get_finished may wait
+        self._block_size = block_size
+        self._layer_of: dict[str, int] = {}  # layer name -> index into `_layers` (the layer-wise order)
+        self._layers: tuple[tuple[int, ...], ...] = ()  # each layer's region indexes
+        # req_id -> (when submitted, the layers landed) of the layer-wise pulls of this step
+        self._layered: dict[str, tuple[float, set[int]]] = {}
+        # (layer index, seconds `wait_for_layer_load` blocked) of the latest layer waits, for measurement
+        self.layer_waits: deque[tuple[int, float]] = deque(maxlen=4096)
 
     # ---- set-up -----------------------------------------------------------------------------------
 
@@ -161,6 +175,9 @@ class WorkerHalf:
         if self._thread is not None:
             raise RuntimeError("register_kv_caches called twice")
         self.device_index = kv_device_index(kv_caches)
+        groups = layer_groups(kv_caches.keys(), regions)
+        self._layer_of = {name: i for i, name in enumerate(groups)}
+        self._layers = tuple(groups.values())
         thread = TransferThread(self._factory, regions, tp_rank=self.tp_rank, corrupt=self._cfg.corrupt_pulled_bytes)
         self.address = thread.start()
         self._thread = thread
@@ -201,7 +218,12 @@ class WorkerHalf:
             self._inflight[plan.req_id] = plan.transfer_id
             if plan.trusted_until is not None:
                 self._trusted[plan.req_id] = (plan.trusted_until, plan.local_block_ids)
-            if plan.sync:
+            layered = plan.sync and use_layerwise(
+                self._cfg.layerwise_min_tokens, len(plan.local_block_ids), self._block_size, len(self._layers)
+            )
+            if layered:
+                self._layered[plan.req_id] = (time.perf_counter(), set())
+            elif plan.sync:
                 self._sync_started[plan.req_id] = time.perf_counter()
             self._thread.inbox.put(
                 PullJob(
@@ -213,6 +235,7 @@ class WorkerHalf:
                     plan.local_block_ids,
                     # A synchronous pull holds the engine's step: a stalled peer may hold it this long at most.
                     min(self._cfg.sync_pull_timeout_s, self._cfg.pull_timeout_s) if plan.sync else None,
+                    self._layers if layered else None,
                 )
             )
         for done in step.recv_done:
@@ -245,10 +268,47 @@ class WorkerHalf:
                 return
             self._drain(wait_s=0.5)
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until layer `layer_name` of every layer-wise pull of this step ended (landed or failed: a
+        failed one only fails its request, at the step's end); its time blocked goes to `layer_waits`."""
+        layer = self._layer_of.get(layer_name)
+        thread = self._thread
+        if layer is None or thread is None or not self._layered:
+            return
+        t0 = time.perf_counter()
+        while any(layer not in landed for _, landed in self._layered.values()):
+            if not thread.alive():
+                break  # the step's end reports the pulls lost
+            try:
+                done = thread.layers.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            entry = self._layered.get(done.req_id)
+            if entry is not None and self._inflight.get(done.req_id) == done.transfer_id:
+                entry[1].add(done.layer)
+        self.layer_waits.append((layer, time.perf_counter() - t0))
+
+    def finish_layered(self) -> None:
+        """The step's end: wait until every layer-wise pull of the step ended, as `_await_sync` does for a
+        whole one (the transport ends each by its deadline), and forget their layer events."""
+        thread = self._thread
+        while self._layered and thread is not None:
+            if not thread.alive():
+                for req_id in list(self._layered):
+                    self._sync_outcome_lost(req_id, "the transfer thread stopped")
+                break
+            self._drain(wait_s=0.5)
+        while thread is not None:
+            try:
+                thread.layers.get_nowait()
+            except queue.Empty:
+                break
+
     def _sync_outcome_lost(self, req_id: str, why: str) -> None:
         transfer_id = self._inflight.pop(req_id, "")
         _, local = self._trusted.pop(req_id, (0.0, ()))
         self._sync_started.pop(req_id, None)
+        self._layered.pop(req_id, None)
         self._load_errors.update(local)
         self._outcomes.append(
             PullOutcome(req_id, transfer_id, self.tp_rank, False, Code.TRANSPORT_CLOSED, why, reported=True)
@@ -257,6 +317,7 @@ class WorkerHalf:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests finished sending and receiving. In an idle step with a pull in flight, first wait up to
         `_IDLE_WAIT_S` for a pull to end, so that it is reported in this very step."""
+        self.finish_layered()
         wait = _IDLE_WAIT_S if self._idle and self._inflight else 0.0
         self._idle = False  # once per step
         self._drain(wait)
@@ -304,6 +365,8 @@ class WorkerHalf:
                 del self._inflight[oc.req_id]
                 trusted = self._trusted.pop(oc.req_id, None)
                 started = self._sync_started.pop(oc.req_id, None)
+                layered = self._layered.pop(oc.req_id, None)
+                started = layered[0] if layered is not None else started
                 if started is not None and trusted is not None:
                     oc = self._report_sync(oc, time.perf_counter() - started, *trusted)
                 elif trusted is not None:

@@ -160,7 +160,9 @@ class PullRequest:
     ``transfer_id`` is the ledger's handoff id (it comes back in :class:`PullResult` and, for
     NIXL, as the notification the prefill side receives). ``kv_key`` is the ledger's numeric
     key; engines that key caches by integer use it as is, never a hash of a string.
-    ``timeout_s`` overrides the transport's default deadline for this pull.
+    ``timeout_s`` overrides the transport's default deadline for this pull. ``regions``: the indexes
+    of the registered regions to pull (None: all of them); a layer-wise load pulls one layer's
+    regions per request (``pdgate.connector.layerwise``).
     """
 
     transfer_id: str
@@ -169,11 +171,18 @@ class PullRequest:
     remote_block_ids: Sequence[int]
     local_block_ids: Sequence[int]
     timeout_s: float | None = None
+    regions: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         # Freeze the id lists so a caller mutating its list after start_pull cannot race us.
         object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
         object.__setattr__(self, "local_block_ids", tuple(self.local_block_ids))
+        if self.regions is not None:
+            object.__setattr__(self, "regions", tuple(self.regions))
+
+    def region_indexes(self, count: int) -> tuple[int, ...]:
+        """The indexes of the regions this pull reads, of `count` registered (checked by `check_pull_against`)."""
+        return tuple(range(count)) if self.regions is None else tuple(self.regions)
 
 
 @dataclass(frozen=True)
@@ -279,6 +288,10 @@ def check_pull_against(req: PullRequest, local: Sequence[KVRegion], remote: Sequ
 
     One function so that a new transport cannot forget half of it."""
     check_layouts_match(local, remote)
+    if req.regions is not None:
+        picked = list(req.regions)
+        if not picked or len(set(picked)) != len(picked) or not all(_is_int(i) and 0 <= i < len(local) for i in picked):
+            raise InvalidPull(f"regions {picked} must be distinct indexes in [0, {len(local)})")
     check_pull(
         req,
         local_num_blocks=min(r.num_blocks for r in local),
@@ -368,6 +381,9 @@ class Transport(abc.ABC):
     """
 
     kind: ClassVar[str]
+    #: Whether :meth:`start_pull` honours ``PullRequest.regions`` (a pull of some regions only, which a
+    #: layer-wise load needs); the others pull a request's whole cache at once.
+    layerwise: ClassVar[bool] = False
     _regions: tuple[KVRegion, ...] = ()  # registered, in order; empty until register() succeeded
     _closed: bool = False
 

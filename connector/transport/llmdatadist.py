@@ -280,6 +280,8 @@ class LLMDataDistTransport(Transport):
 
     def start_pull(self, req: PullRequest) -> None:
         remote = self._parse_remote(req.remote, self._admit_pull(req))
+        if req.regions is not None:
+            raise InvalidPull("llm_datadist pulls a request's whole cache; it cannot pull some regions only")
         with self._pending_lock:
             if req.transfer_id in self._pending:
                 raise InvalidPull(f"transfer {req.transfer_id!r} is already in flight")

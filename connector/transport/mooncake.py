@@ -149,6 +149,7 @@ class MooncakeTransport(Transport):
     """Pull KV blocks with Mooncake's transfer engine. See the module docstring for the design."""
 
     kind = "mooncake"
+    layerwise = True
 
     def __init__(
         self,
@@ -274,7 +275,9 @@ class MooncakeTransport(Transport):
             return PullResult.failure(req.transfer_id, late, elapsed_s=started - submitted)
         runs = coalesce(req.remote_block_ids, req.local_block_ids)
         ranges = [
-            br for src, dst in zip(remote.regions, self._regions, strict=True) for br in byte_ranges(runs, src, dst)
+            br
+            for i in req.region_indexes(len(self._regions))
+            for br in byte_ranges(runs, remote.regions[i], self._regions[i])
         ]
         for i in range(0, len(ranges), self._max_batch):
             chunk = ranges[i : i + self._max_batch]

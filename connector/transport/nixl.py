@@ -131,6 +131,7 @@ class NixlTransport(Transport):
     """Pull KV blocks with NIXL over UCX. See the module docstring for the design."""
 
     kind = "nixl"
+    layerwise = True
 
     def __init__(
         self,
@@ -226,9 +227,10 @@ class NixlTransport(Transport):
         except TransportError as peer_err:
             self._ready.append(PullResult.failure(req.transfer_id, peer_err))
             return
-        local_idx = _indices(self._local_offsets, req.local_block_ids)
-        remote_idx = _indices(peer.offsets, req.remote_block_ids)
-        nbytes = len(req.local_block_ids) * sum(r.block_len for r in self._regions)
+        picked = list(req.region_indexes(len(self._regions)))  # one layer's regions for a layer-wise load
+        local_idx = _indices(self._local_offsets[picked], req.local_block_ids)
+        remote_idx = _indices(peer.offsets[picked], req.remote_block_ids)
+        nbytes = len(req.local_block_ids) * sum(self._regions[i].block_len for i in picked)
         if logger.isEnabledFor(logging.DEBUG):
             runs = len(coalesce(req.remote_block_ids, req.local_block_ids))
             logger.debug("pull %s: %d blocks in %d runs from %s", req.transfer_id, len(local_idx), runs, peer.name)

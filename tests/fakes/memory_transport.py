@@ -52,6 +52,7 @@ class _Pending:
 
 class MemoryTransport(Transport):
     kind = "memory"
+    layerwise = True
 
     # name -> live transport; the "network" of this process.
     _world: ClassVar[dict[str, MemoryTransport]] = {}
@@ -137,7 +138,8 @@ class MemoryTransport(Transport):
                 tid, PeerUnreachable(f"memory peer {p.peer!r} is gone"), elapsed_s=now - p.started
             )
         nbytes = 0
-        for local, remote in zip(self._regions, peer._regions, strict=True):
+        for i in p.req.region_indexes(len(self._regions)):
+            local, remote = self._regions[i], peer._regions[i]
             for src, dst in zip(p.req.remote_block_ids, p.req.local_block_ids, strict=True):
                 ctypes.memmove(local.block_addr(dst), remote.block_addr(src), local.block_len)
                 nbytes += local.block_len
