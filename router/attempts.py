@@ -163,9 +163,14 @@ class Dispatcher:
             now = self._clock()
             return NoCompatiblePair(self._pool.explain(model, now, public=True), detail=self._pool.explain(model, now))
 
-        await retry_elsewhere(
-            "prefill", self._p_tries, pick, lambda p: self._prefill_once(req, p), none_left, self.pause
-        )
+        async def attempt(p: LiveInstance) -> None:
+            try:
+                await self._prefill_once(req, p)
+            except PDGateError:
+                req.tried.append(p.id)
+                raise
+
+        await retry_elsewhere("prefill", self._p_tries, pick, attempt, none_left, self.pause)
 
     async def _create_handoff(self, req: ProxiedRequest, p: LiveInstance) -> None:
         t = perf_counter()

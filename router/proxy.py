@@ -297,13 +297,14 @@ class Proxy:
         the client goes whole (`Whole.fallback`); after the prefill's first token went out, the rest is
         resumed elsewhere (`Whole.resume`)."""
         reason = self._whole.choose(req, model)
+        cause = None
         if reason is None:
             try:
                 return await self._pd(req, model, send)
             except RouterError as exc:
                 if req.started and req.track is not None and isinstance(exc, PDError):
                     return await self._whole.resume(req, exc, list(req.tried))
-                reason = self._whole.fallback(req, exc)
+                reason, cause = self._whole.fallback(req, exc), exc
                 if reason is None:
                     return await self._fail(req, send, exc)
                 self._dispatch.abort(req, "served_whole")
@@ -311,7 +312,7 @@ class Proxy:
         if self._resumable and req.facts.stream:
             out = req.track = self._track(req, send)
         try:
-            return await self._whole.serve(req, model, out, reason)
+            return await self._whole.serve(req, model, out, reason, cause)
         except RouterError as exc:
             return await self._fail(req, send, exc)
 

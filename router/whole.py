@@ -124,8 +124,13 @@ class Whole:
         on = self._on_outage if reason in _LEDGER_REASONS else self._on_failure
         return reason if on else None
 
-    async def serve(self, req: ProxiedRequest, model: str, send: Send, reason: str) -> str:
-        """Serve `req` end to end on an instance; returns its outcome label."""
+    async def serve(
+        self, req: ProxiedRequest, model: str, send: Send, reason: str, cause: RouterError | None = None
+    ) -> str:
+        """Serve `req` end to end on an instance; returns its outcome label. An instance whose PD attempt
+        failed is not asked again; when none is left, `cause` (PD's failure) is the client's error."""
+        if cause is not None and not self._pool.whole_candidates(model, self._clock(), req.tried):
+            raise cause
         self._m.undisaggregated.labels(reason).inc()
         log.info("serving whole (%s)", reason)
         skip = req.tried

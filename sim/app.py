@@ -282,7 +282,11 @@ class SimApp:
         if stream:
             out = Out(tokens, token_ids, ids, finish)
             return await self._stream(body, out, prompt_tokens, chat, rid, send, disconnected)
-        extra = {"finish": finish, "n": choices(body), "logprobs": logprobs_of(body, chat, tokens, token_ids)}
+        extra = {
+            "finish": finish,
+            "n": choices(body) if self.s.token_ids else 1,
+            "logprobs": logprobs_of(body, chat, tokens, token_ids),
+        }
         payload = full_answer(body, tokens, prompt_tokens, chat, rid, out_params, ids, **extra)
         if sc.die_after_tokens is not None and mode != "prefill":
             await send({"type": "http.response.start", "status": 200, "headers": with_length(JSON_HEADERS, payload)})
@@ -305,7 +309,7 @@ class SimApp:
         """The answer as SSE; with `ids`, the first chunk carries the prompt's ids and each chunk its
         token's id (vLLM's stream with `return_token_ids`); `n` choices interleaved, token by token."""
         sc = self.script
-        tokens, ids, n = out.tokens, out.ids, choices(body)
+        tokens, ids, n = out.tokens, out.ids, choices(body) if self.s.token_ids else 1
         created = int(time.time())
         model = body.get("model") or self.s.model
         usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -3,8 +3,9 @@
 logprob is a function of its id, so a resumed stream can be compared with one engine's, field for field.
 
 Simplified on purpose: a stop string ends the answer at the first output token whose text contains it
-(that token is not output; `finish_reason` "stop", `stop_reason` the string); the `n` choices of a request
-are the same sequence (the simulator does not sample).
+(that token is not output; `finish_reason` "stop", `stop_reason` the string); with `--token-ids` the `n`
+choices of a request are the same sequence (the simulator does not sample; without it, one choice, as the
+tests written before it expect).
 """
 
 from __future__ import annotations

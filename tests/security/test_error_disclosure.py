@@ -49,7 +49,15 @@ def failing(req: dict[str, Any]) -> bytes:
 
 def router(prefills: list[Engine], decodes: list[Engine], **settings: Any) -> Deployment:
     return Deployment(
-        prefill=[e.url for e in prefills], decode=[e.url for e in decodes], model=MODEL, admin_token=TOKEN, **settings
+        prefill=[e.url for e in prefills],
+        decode=[e.url for e in decodes],
+        model=MODEL,
+        admin_token=TOKEN,
+        **{
+            "whole_on_failure": False,
+            "max_resumes": 0,
+            **settings,
+        },  # the PD path's own errors (router/whole.py serves them whole by default)
     )
 
 
@@ -85,7 +93,7 @@ def test_an_engine_failure_names_the_role_and_an_opaque_name(
 
 def test_an_open_breaker_is_reported_without_the_address(engines: Callable[[Script], Engine]) -> None:
     p, d = engines(failing), engines(Decode())
-    with router([p], [d], breaker_failures=1, breaker_open_s=60) as r:
+    with router([p], [d], breaker_failures=1, breaker_open_s=60, on_ledger_outage="refuse") as r:  # no pair: refused
         client = r.openai()
         with pytest.raises(openai.APIStatusError) as first:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1)

@@ -26,7 +26,8 @@ MAX_INFLIGHT = 8
 
 @pytest.fixture(scope="module")
 def dep() -> Iterator[Deployment]:
-    with Deployment(max_inflight=MAX_INFLIGHT, prefill_timeout_s=10.0, breaker_failures=3) as d:
+    # whole_on_failure off: the burst's failures must reach the breaker (router/whole.py serves them whole)
+    with Deployment(max_inflight=MAX_INFLIGHT, prefill_timeout_s=10.0, breaker_failures=3, whole_on_failure=False) as d:
         d.add_many([("prefill", ()), ("decode", ())])
         d.wait_available(*(s.id for s in d.sims))
         yield d

@@ -49,6 +49,8 @@ def router(prefills: list[Engine], decodes: list[Engine]) -> Deployment:
         prefill_policy="round_robin",
         decode_policy="round_robin",
         breaker_failures=1000,
+        whole_on_failure=False,  # the PD path's own errors (router/whole.py serves them whole by default)
+        max_resumes=0,
     )
 
 

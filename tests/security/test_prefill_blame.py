@@ -72,6 +72,8 @@ def router(prefills: list[Engine], decodes: list[Engine], **settings: Any) -> De
         admin_token=TOKEN,
         prefill_policy="round_robin",
         decode_policy="round_robin",
+        whole_on_failure=False,  # the PD path's own errors (router/whole.py serves them whole by default)
+        max_resumes=0,
         **settings,
     )
 
