@@ -295,7 +295,7 @@ def test_a_decode_refusing_the_continuation_ends_the_stream_with_the_engines_rea
     assert events[0]["choices"][0]["text"] == first
     err = events[1]["error"]
     assert err["code"] == Code.UPSTREAM_REJECTED.value
-    assert "400" in err["message"] and "scripted failure" in err["message"], err
+    assert err["message"].startswith("scripted failure"), err  # the engine's own words
     assert events[2] == "[DONE]"
     assert sum(d.count("scripted_failures") for d in dep.by_role("decode")) == 1  # the client's error: no retry
 
