@@ -183,8 +183,9 @@ async def test_engine_4xx_is_relayed_not_retried(meta: MetaAPI, engines: Engines
     app, lifespan = await serve(meta, engines)
     async with lifespan, client(app) as c:
         r = await c.post("/v1/completions", json={"model": "m", "prompt": "x"})
-    assert r.status_code == 400 and r.json() == {"error": {"message": "prompt too long", "code": 400}}
-    assert "x-pdgate-error" not in r.headers and len(engines.calls) == 1
+    error = {"message": "prompt too long", "type": "invalid_request_error", "code": "upstream_rejected", "param": None}
+    assert r.status_code == 400 and r.json() == {"error": error}  # the engine's status and words, pdgate's shape
+    assert r.headers["x-pdgate-error"] == "upstream_rejected" and len(engines.calls) == 1
     await app.proxy.drain_background()
     tid = engines.calls[0][1]["kv_transfer_params"]["transfer_id"]
     assert (await meta.get_handoff(tid)).state is HandoffState.ABORTED
