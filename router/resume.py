@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 from pdgate.router.answers import split_events
+from pdgate.router.streaming import Garbage
 
 from pdgate.asgi import Message, Send
 
@@ -97,18 +98,32 @@ class StreamTrack:
             return
         events, self.rest = split_events(self.rest + msg.get("body", b""))
         more = msg.get("more_body", False)
+        bad = None
         if events:
-            events = b"".join(self._event(ev) for ev in events.split(b"\n\n") if ev)
-        if events or not more:
-            await self._send({**msg, "body": events})
+            out = []
+            for ev in events.split(b"\n\n"):
+                if not ev:
+                    continue
+                try:
+                    if ev.startswith(b"data: ") and ev != _DONE and not ev.startswith(b"data: {"):
+                        raise Garbage(ev[:64].decode("utf-8", "replace"))
+                    out.append(self._event(ev))
+                except Garbage as exc:  # what came before it goes out; the rest is the engine's failure
+                    bad, self.rest = str(exc), b""
+                    break
+            events = b"".join(out)
+        if events or (not more and bad is None):
+            await self._send({**msg, "body": events, "more_body": more or bad is not None})
+        if bad is not None:
+            raise Garbage(bad)
 
     def _event(self, ev: bytes) -> bytes:
         if not ev.startswith(b"data: {"):
             return ev + b"\n\n"
         try:
             obj = orjson.loads(ev[6:])
-        except orjson.JSONDecodeError:
-            return ev + b"\n\n"
+        except orjson.JSONDecodeError as exc:
+            raise Garbage(ev[:64].decode("utf-8", "replace")) from exc
         if not isinstance(obj, dict):
             return ev + b"\n\n"
         changed = self._record(obj)

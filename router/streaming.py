@@ -20,9 +20,16 @@ from pdgate.router.errors import UPSTREAM_FAILURES, DecodeFailed, RouterError, W
 from pdgate.asgi import Send
 from pdgate.upstream import UpstreamResponse
 
-__all__ = ["SSE", "end_stream", "engine_error", "is_sse", "relay_stream", "send_body", "send_error"]
+__all__ = ["SSE", "Garbage", "end_stream", "engine_error", "is_sse", "relay_stream", "send_body", "send_error"]
 
 SSE = b"text/event-stream"
+
+
+class Garbage(Exception):
+    """Raised by a resumable stream's send (`resume.StreamTrack`) for an event that is not JSON: the
+    engine's failure, and the stream goes on elsewhere."""
+
+
 _TAIL = 32
 
 
@@ -101,7 +108,11 @@ async def relay_stream(
             # client does, at [DONE]) has everything, and must not be taken for one that left mid-stream
             # (which would abort a handoff the decode is finishing).
             before_end()
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        try:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except Garbage as exc:  # a resumable stream's send found an event that is not one (`resume`)
+            error = failed(DecodeFailed, where, "answered an event that is not JSON mid-stream", str(exc))
+            break
         try:
             chunk = await resp.next_chunk(idle_timeout)
         except Exception as exc:  # whatever the decode's connection did, it is the decode's failure
