@@ -202,6 +202,12 @@ class ConnectorConfig:
         default=None,
         shown="unset",
     )
+    test_fail_layer: float | None = _key(
+        "nonneg",
+        "TEST ONLY: in a layer-wise load, the read of this layer (index, from 0) fails, to test that failure.",
+        default=None,
+        shown="unset",
+    )
     control_process: bool = _key(
         "bool",
         "Run the ledger I/O in a child process instead of a thread of the engine's (off its GIL). Experimental.",

@@ -20,7 +20,7 @@ from pdgate.connector.layerwise import LayerDone, LayerTally, part_key
 from pdgate.connector.logs import about
 from pdgate.connector.metadata import PullOutcome
 from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport
-from pdgate.connector.transport.errors import TransportError
+from pdgate.connector.transport.errors import EngineError, TransportError
 
 __all__ = ["Holding", "PullJob", "TransferThread"]
 
@@ -78,11 +78,13 @@ class TransferThread:
         *,
         tp_rank: int,
         corrupt: bool,
+        fail_layer: int | None = None,
     ) -> None:
         self._factory = factory
         self._regions = tuple(regions)
         self._tp_rank = tp_rank
         self._corrupt = corrupt
+        self._fail_layer = fail_layer  # TEST ONLY (`test_fail_layer`): this layer's read fails
         self.inbox: queue.SimpleQueue[PullJob | Holding | _Stop] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[PullOutcome] = queue.SimpleQueue()
         self.layers: queue.SimpleQueue[LayerDone] = queue.SimpleQueue()
@@ -192,7 +194,11 @@ class TransferThread:
         for pkey, layers, _ in parts:
             self._parts[pkey] = (key, layers)
             inflight[pkey] = job
-        for pkey, _, regions in parts:
+        for pkey, layers, regions in parts:
+            if self._fail_layer in layers:
+                err = EngineError(f"TEST ONLY (test_fail_layer): the read of layer {self._fail_layer} failed")
+                self._finish(PullResult.failure(pkey, err), inflight)
+                continue
             try:
                 transport.start_pull(replace(req, transfer_id=pkey, regions=regions))
             except TransportError as exc:

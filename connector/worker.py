@@ -33,7 +33,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdgate.connector.config import ConnectorConfig
@@ -125,6 +125,16 @@ def kv_device_index(kv_caches: Mapping[str, Any]) -> int | None:
     return index or 0
 
 
+@dataclass
+class _Layered:
+    """A layer-wise pull of this step: when it was submitted (perf counter), the layers seen landing in the
+    forward's waits, and when the last of them was seen (wall clock)."""
+
+    started: float
+    landed: set[int] = field(default_factory=set)
+    seen_at: float | None = None
+
+
 class WorkerHalf:
     """See the module docstring. Model-runner thread only (apart from the transfer thread it owns)."""
 
@@ -159,9 +169,10 @@ class WorkerHalf:
         self._layer_of: dict[str, int] = {}  # layer name -> index into `_layers` (the layer-wise order)
         self._layers: tuple[tuple[int, ...], ...] = ()  # each layer's region indexes
         # req_id -> (when submitted, the layers landed) of the layer-wise pulls of this step
-        self._layered: dict[str, tuple[float, set[int]]] = {}
+        self._layered: dict[str, _Layered] = {}
         # (layer index, seconds `wait_for_layer_load` blocked) of the latest layer waits, for measurement
         self.layer_waits: deque[tuple[int, float]] = deque(maxlen=4096)
+        self._step_waits: list[tuple[int, float]] = []  # this step's, for the load's log line
 
     # ---- set-up -----------------------------------------------------------------------------------
 
@@ -178,7 +189,14 @@ class WorkerHalf:
         groups = layer_groups(kv_caches.keys(), regions)
         self._layer_of = {name: i for i, name in enumerate(groups)}
         self._layers = tuple(groups.values())
-        thread = TransferThread(self._factory, regions, tp_rank=self.tp_rank, corrupt=self._cfg.corrupt_pulled_bytes)
+        fail_layer = self._cfg.test_fail_layer
+        thread = TransferThread(
+            self._factory,
+            regions,
+            tp_rank=self.tp_rank,
+            corrupt=self._cfg.corrupt_pulled_bytes,
+            fail_layer=None if fail_layer is None else int(fail_layer),
+        )
         self.address = thread.start()
         self._thread = thread
         logger.info(
@@ -222,7 +240,7 @@ class WorkerHalf:
                 self._cfg.layerwise_min_tokens, len(plan.local_block_ids), self._block_size, len(self._layers)
             )
             if layered:
-                self._layered[plan.req_id] = (time.perf_counter(), set())
+                self._layered[plan.req_id] = _Layered(time.perf_counter())
             elif plan.sync:
                 self._sync_started[plan.req_id] = time.perf_counter()
             self._thread.inbox.put(
@@ -276,7 +294,7 @@ class WorkerHalf:
         if layer is None or thread is None or not self._layered:
             return
         t0 = time.perf_counter()
-        while any(layer not in landed for _, landed in self._layered.values()):
+        while any(layer not in entry.landed for entry in self._layered.values()):
             if not thread.alive():
                 break  # the step's end reports the pulls lost
             try:
@@ -285,8 +303,11 @@ class WorkerHalf:
                 continue
             entry = self._layered.get(done.req_id)
             if entry is not None and self._inflight.get(done.req_id) == done.transfer_id:
-                entry[1].add(done.layer)
-        self.layer_waits.append((layer, time.perf_counter() - t0))
+                entry.landed.add(done.layer)
+                entry.seen_at = self._wall()
+        waited = (layer, time.perf_counter() - t0)
+        self.layer_waits.append(waited)
+        self._step_waits.append(waited)
 
     def finish_layered(self) -> None:
         """The step's end: wait until every layer-wise pull of the step ended, as `_await_sync` does for a
@@ -303,6 +324,22 @@ class WorkerHalf:
                 thread.layers.get_nowait()
             except queue.Empty:
                 break
+
+    def _log_layered(self, oc: PullOutcome) -> None:
+        """One line per layer-wise load: how long the forward blocked on each layer (in wait order) against
+        how long the transport took, the overlap `docs/TRANSFER.md` reports."""
+        waits, self._step_waits = self._step_waits, []
+        logger.info(
+            "transfer %s: %s loaded layer by layer (%s): %d layers, transport %.2f ms, forward blocked %.2f ms "
+            "(per layer, in wait order: %s)",
+            oc.transfer_id,
+            oc.req_id,
+            "ok" if oc.ok else f"failed: {oc.code.value if oc.code else '?'}",
+            len(self._layers),
+            oc.elapsed_s * 1e3,
+            sum(w for _, w in waits) * 1e3,
+            " ".join(f"{layer}:{w * 1e3:.3f}" for layer, w in waits),
+        )
 
     def _sync_outcome_lost(self, req_id: str, why: str) -> None:
         transfer_id = self._inflight.pop(req_id, "")
@@ -366,17 +403,26 @@ class WorkerHalf:
                 trusted = self._trusted.pop(oc.req_id, None)
                 started = self._sync_started.pop(oc.req_id, None)
                 layered = self._layered.pop(oc.req_id, None)
-                started = layered[0] if layered is not None else started
+                ended_at = None
+                if layered is not None:
+                    started = layered.started
+                    # Every layer seen landing in the forward's waits: the pull ended by then (the claim's bound
+                    # is about when the read ended, not when the step's end looked).
+                    ended_at = layered.seen_at if len(layered.landed) == len(self._layers) else None
+                    self._log_layered(oc)
                 if started is not None and trusted is not None:
-                    oc = self._report_sync(oc, time.perf_counter() - started, *trusted)
+                    oc = self._report_sync(oc, time.perf_counter() - started, *trusted, ended_at=ended_at)
                 elif trusted is not None:
                     oc = self._report_trusted(oc, *trusted)
             self._outcomes.append(oc)
 
-    def _report_sync(self, oc: PullOutcome, waited_s: float, until: float, local: tuple[int, ...]) -> PullOutcome:
-        """A synchronous pull ended: nothing to report to vLLM when it succeeded within the router's claim;
-        otherwise its blocks are load errors of this step (a late one cannot wait for DONE here)."""
-        if oc.ok and self._wall() >= until:
+    def _report_sync(
+        self, oc: PullOutcome, waited_s: float, until: float, local: tuple[int, ...], *, ended_at: float | None = None
+    ) -> PullOutcome:
+        """A synchronous pull ended (at `ended_at`, wall clock; None: now): nothing to report to vLLM when it
+        succeeded within the router's claim; otherwise its blocks are load errors of this step (a late one
+        cannot wait for DONE here)."""
+        if oc.ok and (self._wall() if ended_at is None else ended_at) >= until:
             oc = replace(
                 oc,
                 ok=False,

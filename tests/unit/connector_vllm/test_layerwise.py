@@ -203,3 +203,31 @@ def test_pull_request_refuses_region_indexes_out_of_range(gated: Pair) -> None:
         with pytest.raises(InvalidPull, match="regions"):
             check_pull_against(req, regions, regions)
     check_pull_against(PullRequest("t", 1, {}, (0,), (0,), regions=(0,)), regions, regions)
+
+
+def test_the_claims_bound_is_judged_by_when_the_layers_landed_not_when_the_step_ended() -> None:
+    """The forward between the layer waits may take long; a load whose every layer was seen landing before
+    the router claim's bound is good even when the step ends past it, and one that was not is a load error."""
+    for landed_at, ok in ((1000.0, True), (2000.0, False)):
+        now = [landed_at]
+        pair = Pair(LayerGate())
+        pair.d.close()
+        pair.d = WorkerHalf(
+            cfg(layerwise_min_tokens=2 * BLOCK_SIZE),
+            tp_rank=0,
+            transport_factory=lambda: LayerGate(),
+            block_size=BLOCK_SIZE,
+            wall=lambda now=now: now[0],  # type: ignore[misc]
+        )
+        pair.d.register_kv_caches(pair.d_kv)
+        try:
+            plan = RecvPlan("d1", "t1", 9, (3, 4), (10, 11), (pair.p_addr,), 1500.0, sync=True)
+            pair.d.on_step(StepMetadata(pulls=(plan,)))
+            for layer in LAYERS:
+                pair.d.wait_for_layer_load(layer)
+            now[0] = 3000.0  # the forward ran past the bound
+            pair.d.finish_layered()
+            (oc,) = pair.d.take_outcomes(drain=False)
+            assert oc.ok is ok and pair.d.take_load_errors() == (set() if ok else {10, 11})
+        finally:
+            pair.close()
