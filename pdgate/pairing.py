@@ -33,10 +33,14 @@ from pdgate.models import TransportKind
 __all__ = [
     "TALKS_TO",
     "TP_GE_TRANSPORTS",
+    "HeadRead",
     "KVFacts",
     "KVShape",
     "Mismatch",
+    "head_reads",
+    "hetero_tp_fits",
     "mismatch",
+    "rank_heads",
     "source_rank",
     "tp_mismatch",
     "transports_talk",
@@ -166,3 +170,74 @@ def tp_mismatch(
 def source_rank(decode_rank: int, prefill_tp: int, decode_tp: int) -> int:
     """The prefill TP rank that decode rank `decode_rank` reads, for a pair `tp_mismatch` accepted."""
     return decode_rank * prefill_tp // decode_tp
+
+
+# ---- Heterogeneous TP over sharded (GQA) KV: which rank holds which heads, what a decode rank reads ----------
+#
+# Not yet accepted by `tp_mismatch` (the connector's pull still reads whole blocks from one rank); this is the
+# layout math a sharded unequal-TP pull is built on, held here beside the rule that will admit it.
+#
+# vLLM shards KV heads over TP ranks in order: with H KV heads and tp ranks, rank r holds heads
+# [r*H/tp, (r+1)*H/tp) when tp divides H, and when H < tp (tp a multiple of H) each head is replicated on tp/H
+# ranks, rank r holding head r*H//tp. A block whose heads are its outermost dimension (vLLM CPU's
+# `[blocks, heads, block_size, ...]`, HND on GPU) keeps each head as one contiguous run of `head_bytes`,
+# so a decode rank reads its heads as byte ranges of the prefill ranks' blocks.
+
+
+class HeadRead(NamedTuple):
+    """Bytes `[src_offset, src_offset + nbytes)` of a prefill rank's block go to `dst_offset` of the decode
+    rank's block (offsets within one block of one region)."""
+
+    prefill_rank: int
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+def rank_heads(rank: int, kv_heads: int, tp: int) -> range:
+    """The KV heads TP rank `rank` of `tp` holds (see above); ValueError for a split vLLM refuses."""
+    if not 0 <= rank < tp or kv_heads < 1:
+        raise ValueError(f"rank {rank} of tp {tp} with {kv_heads} KV heads")
+    if kv_heads % tp == 0:
+        per = kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    if tp % kv_heads == 0:
+        head = rank * kv_heads // tp
+        return range(head, head + 1)
+    raise ValueError(f"{kv_heads} KV heads cannot be split over tp {tp} (neither divides the other)")
+
+
+def hetero_tp_fits(prefill_tp: int, decode_tp: int, kv_heads: int) -> bool:
+    """Whether every decode rank finds each of its heads whole on some prefill rank, with one TP a multiple of
+    the other: P tp > D tp with P % D == 0 (vllm-ascend's rule; a decode rank gathers P/D prefill ranks), or
+    D tp > P tp with D % P == 0 (a decode rank reads part of one prefill rank), for head counts vLLM can split."""
+    if prefill_tp % decode_tp and decode_tp % prefill_tp:
+        return False
+    try:
+        rank_heads(0, kv_heads, prefill_tp)
+        rank_heads(0, kv_heads, decode_tp)
+    except ValueError:
+        return False
+    return True
+
+
+def head_reads(decode_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int, head_bytes: int) -> list[HeadRead]:
+    """What decode rank `decode_rank` reads from which prefill rank, per block, for a pair `hetero_tp_fits`
+    accepts: each of its heads from the first prefill rank holding it, runs of adjacent heads merged."""
+    if not hetero_tp_fits(prefill_tp, decode_tp, kv_heads):
+        raise ValueError(f"tp {prefill_tp} -> {decode_tp} with {kv_heads} KV heads does not fit")
+    mine = rank_heads(decode_rank, kv_heads, decode_tp)
+    holder: dict[int, int] = {}
+    for p in reversed(range(prefill_tp)):  # reversed: the first rank holding a head wins
+        for h in rank_heads(p, kv_heads, prefill_tp):
+            holder[h] = p
+    reads: list[HeadRead] = []
+    for i, h in enumerate(mine):
+        p = holder[h]
+        src = (h - rank_heads(p, kv_heads, prefill_tp).start) * head_bytes
+        last = reads[-1] if reads else None
+        if last is not None and last.prefill_rank == p and last.src_offset + last.nbytes == src:
+            reads[-1] = last._replace(nbytes=last.nbytes + head_bytes)
+        else:
+            reads.append(HeadRead(p, src, i * head_bytes, head_bytes))
+    return reads
