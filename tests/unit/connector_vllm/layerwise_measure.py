@@ -103,12 +103,14 @@ def main() -> None:
     sizes = [int(t) for t in args.tokens.split(",")]
     num_blocks = max(sizes) // BLOCK + 1
     layers = [Layer(args.compute_scale) for _ in range(LAYERS)]
+    kept = [caches(num_blocks, fill=True), caches(num_blocks, fill=False), caches(num_blocks, fill=False)]
     p = WorkerHalf(cfg(None), tp_rank=0, transport_factory=lambda: transport(args.transport))
-    addr = p.register_kv_caches(caches(num_blocks, fill=True))
+    addr = p.register_kv_caches(kept[0])
+    p.on_step(StepMetadata(holds=("held",)))  # a prefill holding KV polls every 0.5 ms (NIXL needs the target to)
     whole = WorkerHalf(cfg(None), tp_rank=0, transport_factory=lambda: transport(args.transport), block_size=BLOCK)
-    whole.register_kv_caches(caches(num_blocks, fill=False))
+    whole.register_kv_caches(kept[1])
     lw = WorkerHalf(cfg(0), tp_rank=0, transport_factory=lambda: transport(args.transport), block_size=BLOCK)
-    lw.register_kv_caches(caches(num_blocks, fill=False))
+    lw.register_kv_caches(kept[2])
     kib = LAYERS * KV_HEADS * 2 * HEAD * 2 / 1024
     print(f"{args.transport}: {LAYERS} layers, {kib:.0f} KiB of KV per token; ms, median of {args.reps}")
     print("tokens | whole: pull, compute, step | layer-wise: layer 0, layers 1.., blocked, step | hidden")
@@ -124,6 +126,11 @@ def main() -> None:
         pull, wcompute = w[0] + sum(w[1:-1]), w[-1]
         l0, rest, lcompute = lwm[1], sum(lwm[2:-1]), lwm[-1]
         blocked = lwm[0] + l0 + rest
+        for got in (kept[1], kept[2]):
+            for name, t in got.items():
+                assert torch.equal(
+                    t[: tokens // BLOCK].view(torch.int16), kept[0][name][: tokens // BLOCK].view(torch.int16)
+                )
         print(
             f"{tokens} | {pull:.2f}, {wcompute:.2f}, {pull + wcompute:.2f} | {l0:.2f}, {rest:.2f} "
             f"({rest / (LAYERS - 1):.3f}/layer), {blocked:.2f}, {blocked + lcompute:.2f} | {1 - blocked / pull:.0%}"

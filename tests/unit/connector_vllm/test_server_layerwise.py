@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from pdgate.deploy.local.procs import ManagedProcess, free_port, wait_http
 from pdgate.deploy.local.tiny_model import build_tiny_model
@@ -28,7 +29,7 @@ from pdgate.models import HandoffCreate, HandoffState
 from tests.support.meta import uid
 from tests.support.ports import wait_until
 from tests.support.servers import UvicornThread
-from tests.unit.connector_vllm.test_server import PROMPT, REPO, Server, meta
+from tests.unit.connector_vllm.test_server import MODEL_NAME, PROMPT, REPO, Server, meta
 
 TOKEN = "layerwise-token"
 LINE = re.compile(r"loaded layer by layer \((?P<how>[^)]*)\): (?P<n>\d+) layers.*in wait order: (?P<waits>[^)]*)\)")
@@ -50,6 +51,9 @@ def start(tmp: Path, model: Path, metaserver: str, name: str, **extra: Any) -> S
             "heartbeat_s": 1.0,
             "feed_wait_s": 1.0,
             "layerwise_min_tokens": 32,
+            # A loaded 2-core machine took 7 s to load the peer's NIXL metadata (131,072 block descriptors).
+            "sync_pull_timeout_s": 120.0,
+            "pull_timeout_s": 120.0,
             **extra,
         },
     }
@@ -96,6 +100,17 @@ def handoff(p: Server, d: Server) -> tuple[str, dict[str, Any]]:
     return h.transfer_id, with_claim(params, sealed)
 
 
+def complete(s: Server, kv: dict[str, Any] | None = None) -> str:
+    """`Server.complete` with room for a loaded machine: vLLM CPU's first step of a new shape (one prompt token
+    over a loaded prefix) took 16 s to over 60 s here with two servers on two busy cores."""
+    body: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    resp = httpx.post(f"{s.url}/v1/completions", json=body, timeout=400)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["text"])
+
+
 def state(s: Server, tid: str) -> HandoffState:
     return meta(s.metaserver, lambda c: c.get_handoff(tid)).state
 
@@ -109,10 +124,9 @@ def test_a_layer_wise_load_waits_per_layer_in_order_and_gives_the_single_instanc
     servers: tuple[Server, Server],
 ) -> None:
     a, b = servers
-    baseline = a.complete(PROMPT, max_tokens=8)["choices"][0]["text"]
+    baseline = complete(a)
     tid, params = handoff(b, a)
-    out = a.complete(PROMPT, max_tokens=8, kv=params)
-    assert out["choices"][0]["text"] == baseline
+    assert complete(a, params) == baseline
     wait_until(lambda: bool(layer_lines(a, tid)), timeout=10, what="the layer-wise log line")
     (m,) = layer_lines(a, tid)
     assert m["how"] == "ok" and m["n"] == "2"
@@ -124,11 +138,10 @@ def test_a_load_that_fails_at_layer_1_fails_with_its_typed_error_and_nothing_sta
     servers: tuple[Server, Server],
 ) -> None:
     a, b = servers
-    baseline = b.complete(PROMPT, max_tokens=8)["choices"][0]["text"]
+    baseline = complete(b)
     before_b, before_a = b.counters(), a.counters()
     tid, params = handoff(a, b)
-    out = b.complete(PROMPT, max_tokens=8, kv=params)
-    assert out["choices"][0]["text"] == baseline  # recomputed, not decoded from a half-loaded KV
+    assert complete(b, params) == baseline  # recomputed, not decoded from a half-loaded KV
     wait_until(lambda: bool(layer_lines(b, tid)), timeout=10, what="the layer-wise log line")
     (m,) = layer_lines(b, tid)
     assert m["how"] == "failed: transport_engine_error", m.group(0)
