@@ -231,3 +231,39 @@ def test_the_claims_bound_is_judged_by_when_the_layers_landed_not_when_the_step_
             assert oc.ok is ok and pair.d.take_load_errors() == (set() if ok else {10, 11})
         finally:
             pair.close()
+
+
+def _real(kind: str) -> Any:
+    if kind == "nixl":
+        from pdgate.connector.transport.nixl import NixlTransport
+
+        return NixlTransport(ucx_net_devices="lo")
+    from pdgate.connector.transport.mooncake import MooncakeTransport
+
+    return MooncakeTransport()
+
+
+@pytest.mark.parametrize("kind", ["nixl", "mooncake"])
+def test_real_transports_pull_one_layer_per_pull(kind: str) -> None:
+    """NIXL and Mooncake honour `PullRequest.regions`: each layer's pull writes that layer's blocks only."""
+    p_kv, d_kv = kv_caches(seed=1), kv_caches(seed=None)
+    p = WorkerHalf(cfg(), tp_rank=0, transport_factory=lambda: _real(kind))
+    d = WorkerHalf(
+        cfg(layerwise_min_tokens=BLOCK_SIZE), tp_rank=0, transport_factory=lambda: _real(kind), block_size=BLOCK_SIZE
+    )
+    try:
+        addr = p.register_kv_caches(p_kv)
+        p.on_step(StepMetadata(holds=("held",)))  # NIXL needs the target to make progress
+        d.register_kv_caches(d_kv)
+        plan = RecvPlan("d1", "t1", 9, (3, 4), (10, 11), (addr,), time.time() + 60, sync=True)
+        d.on_step(StepMetadata(pulls=(plan,)))
+        for layer in LAYERS:
+            d.wait_for_layer_load(layer)
+            assert same(d_kv[layer][10:12], p_kv[layer][3:5])
+        d.finish_layered()
+        (oc,) = d.take_outcomes(drain=False)
+        assert oc.ok and oc.nbytes == 2 * 2 * p_kv[LAYERS[0]][0].nbytes
+        assert not same(d_kv[LAYERS[0]][12:13], p_kv[LAYERS[0]][5:6])  # nothing beyond the plan moved
+    finally:
+        d.close()
+        p.close()
