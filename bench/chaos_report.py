@@ -25,6 +25,36 @@ _COLS = [
 ]
 
 
+# What each column of the scenario table means (issue 10; issue 24 added errors seen and latency).
+_COLUMNS_TEXT = (
+    "Columns: **sent** requests finished; **answered fully** all tokens and a finish_reason; **errors seen "
+    "by clients** every request that did not end answered fully, typed or not (the load generator's own "
+    "failures apart): where an engine survives the fault (every scenario here) it must be 0, since a "
+    "fault may cost latency, never an error (issue 24); **typed** "
+    "errors carrying a pdgate code (HTTP error or SSE error event); **untyped** a 5xx without a code, an "
+    "empty or truncated 200, a reset without an error event, a client timeout (must be 0); **load "
+    "generator's own** a reset or a client timeout while the load generator itself did not run (it "
+    "measures its own event loop) for longer than the router's header timeout (a reset) or half its "
+    "connect timeout (a timeout): a starved client, not the stack (bench/chaos_load.py); **its worst "
+    "stall s** the longest the load generator's event loop did not run; **stranded "
+    "handoffs** READY or CLAIMED records still live after the longest lease chain (must be 0); **held "
+    "blocks** prefill KV blocks still held after recovery (must be 0); **recovery s** from the fault to "
+    "the end of the last failed request; **added TTFT / E2E p50 / p99 ms** what the fault added to the "
+    "time to first token and to the end-to-end latency of streams answered fully: p50 and p99 during "
+    "the fault window minus p50 and p99 before it, in the same run. The **fault window** runs from the "
+    "fault until it is healed (a killed process is healed at once, or when it is started again; a "
+    "stopped one when it is continued; Redis or the metaserver one instance lease after it is back, "
+    "while engines re-register) or until the last failed request ended, whichever is later, and lasts "
+    "at least the quiet time above; a stream counts in it when it was in flight at some moment of it. "
+    "**Before** is the streams that started and ended in the warm-up before the fault (its own set-up, "
+    "such as scenario 4's slowed decodes, excluded). Per scenario below: the absolute numbers and "
+    "**served whole** (answers the router marked `X-PDGate-Path: whole`, served without "
+    "disaggregation). **load 1m** the machine's 1-minute load average as the scenario ended (other "
+    "work on the machine included). **pass** every zero above, a recovery and the scenario's own "
+    "checks."
+)
+
+
 def _cell(row: dict[str, Any], key: str) -> str:
     if row.get("skipped"):
         return {"scenario": str(row["scenario"]), "pass": "skipped"}.get(key, "-")
@@ -123,31 +153,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         "One fault at a known time; the load runs until no request has failed for "
         f"{k['quiet_s']} s.",
         "",
-        "Columns: **sent** requests finished; **answered fully** all tokens and a finish_reason; **errors seen "
-        "by clients** every request that did not end answered fully, typed or not (the load generator's own "
-        "failures apart): where an engine survives the fault (every scenario here) it must be 0, since a "
-        "fault may cost latency, never an error (issue 24); **typed** "
-        "errors carrying a pdgate code (HTTP error or SSE error event); **untyped** a 5xx without a code, an "
-        "empty or truncated 200, a reset without an error event, a client timeout (must be 0); **load "
-        "generator's own** a reset or a client timeout while the load generator itself did not run (it "
-        "measures its own event loop) for longer than the router's header timeout (a reset) or half its "
-        "connect timeout (a timeout): a starved client, not the stack (bench/chaos_load.py); **its worst "
-        "stall s** the longest the load generator's event loop did not run; **stranded "
-        "handoffs** READY or CLAIMED records still live after the longest lease chain (must be 0); **held "
-        "blocks** prefill KV blocks still held after recovery (must be 0); **recovery s** from the fault to "
-        "the end of the last failed request; **added TTFT / E2E p50 / p99 ms** what the fault added to the "
-        "time to first token and to the end-to-end latency of streams answered fully: p50 and p99 during "
-        "the fault window minus p50 and p99 before it, in the same run. The **fault window** runs from the "
-        "fault until it is healed (a killed process is healed at once, or when it is started again; a "
-        "stopped one when it is continued; Redis or the metaserver one instance lease after it is back, "
-        "while engines re-register) or until the last failed request ended, whichever is later, and lasts "
-        "at least the quiet time above; a stream counts in it when it was in flight at some moment of it. "
-        "**Before** is the streams that started and ended in the warm-up before the fault (its own set-up, "
-        "such as scenario 4's slowed decodes, excluded). Per scenario below: the absolute numbers and "
-        "**served whole** (answers the router marked `X-PDGate-Path: whole`, served without "
-        "disaggregation). **load 1m** the machine's 1-minute load average as the scenario ended (other "
-        "work on the machine included). **pass** every zero above, a recovery and the scenario's own "
-        "checks.",
+        _COLUMNS_TEXT,
         "",
         "| " + " | ".join(h for _, h in _COLS) + " |",
         "|" + "---|" * len(_COLS),
