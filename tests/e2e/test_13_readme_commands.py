@@ -177,7 +177,8 @@ def here(
 def test_the_readmes_commands_run_as_written(here: tuple[Here, dict[str, str]], tmp_path: Path) -> None:
     h, env = here
     commands = [c for c in readme_commands((REPO / "README.md").read_text()) if not _not_here(c)]
-    commands = [c for c in commands if not c.startswith(LAST)] + [c for c in commands if c.startswith(LAST)]
+    last = [c for c in commands if any(name in c for name in LAST)]
+    commands = [c for c in commands if c not in last] + last
     servers: list[subprocess.Popen[bytes]] = []
     try:
         for i, readme_cmd in enumerate(commands):
