@@ -13,6 +13,7 @@ FROM python:${PYTHON_VERSION}-slim-bookworm
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG BUILD_TINY_MODEL=1
 ENV PYTHONUNBUFFERED=1 \
+    UCX_MODULES=^ib \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -23,7 +24,8 @@ ENV PYTHONUNBUFFERED=1 \
     TRANSFORMERS_OFFLINE=1
 # libnuma/libgomp: vLLM's CPU kernels; tcmalloc: vLLM CPU's recommended allocator (LD_PRELOAD below),
 # linked to one path whatever the architecture's lib folder is. libibverbs1: the Mooncake transport's engine
-# links it even over tcp.
+# links it even over tcp. With it installed UCX (under NIXL) loads its InfiniBand module, whose libnl
+# destructor segfaults the engine at exit on a host without RDMA: UCX_MODULES=^ib above keeps it out.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libnuma1 libgomp1 libtcmalloc-minimal4 numactl libibverbs1 \
     && rm -rf /var/lib/apt/lists/* \

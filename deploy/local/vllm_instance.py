@@ -111,6 +111,9 @@ def vllm_base_env(
             "TOKENIZERS_PARALLELISM": "false",
             # NIXL's UCX backend: loopback only, shared memory and TCP between processes of one host.
             "UCX_NET_DEVICES": "lo",
+            # ...and not its InfiniBand module: loaded wherever libibverbs is (the Mooncake wheel needs it),
+            # on a host without RDMA it segfaults the process at exit (libnl's destructor).
+            "UCX_MODULES": "^ib",
             "PYTHONUNBUFFERED": "1",
             # The connector is imported by module path inside vLLM's processes.
             "PYTHONPATH": os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p),
