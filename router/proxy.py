@@ -130,6 +130,7 @@ class Proxy:
             pause=self._dispatch.pause,
             clock=clock,
             rng=rng,
+            cached_tokens=getattr(decode_policy, "cached_tokens", None),
         )
         self._dispatch.resume = self._whole.resume
         self._resumable = s.max_resumes > 0

@@ -25,7 +25,8 @@ from random import Random
 from time import perf_counter
 
 import orjson
-from pdgate.router.bodies import COMPLETIONS
+from pdgate.router.bodies import COMPLETIONS, RequestFacts
+from pdgate.router.decider import Path, config_from, decide_request
 from pdgate.router.engine_call import open_answer
 from pdgate.router.errors import (
     DecodeFailed,
@@ -39,6 +40,7 @@ from pdgate.router.errors import (
     snippet,
 )
 from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import load_of
 from pdgate.router.pool import LiveInstance, Pool
 from pdgate.router.request_flow import ProxiedRequest
 from pdgate.router.resume import Continuation, continuation_body
@@ -86,8 +88,11 @@ class Whole:
         pause: Callable[[int], Awaitable[None]],
         clock: Callable[[], float],
         rng: Random,
+        cached_tokens: Callable[[LiveInstance, RequestFacts], int] | None = None,
     ) -> None:
         s = settings
+        self._decider = config_from(s)
+        self._cached = cached_tokens  # the decode's cached prefix (KV events: CacheAware.cached_tokens)
         self._pool = pool
         self._upstream = upstream
         self._m = metrics
@@ -113,7 +118,31 @@ class Whole:
             cands = self._pool.prefill_candidates(model, self._clock())
             if cands and all(p.view.role is Role.BOTH for p in cands):
                 return "colocated"
+        if self._decider.mode != "always":
+            return self._decide(req, model)
         return None
+
+    def _decide(self, req: ProxiedRequest, model: str) -> str | None:
+        """`--disaggregation conditional|never`: the decider (router/decider.py) over the least-loaded
+        prefill and the least-loaded decode that pairs with it (the whole path's pick); counted by reason.
+        With no instance to ask, PD's own path names the error."""
+        now = self._clock()
+        prefills = self._pool.prefill_candidates(model, now)
+        prefill = min(prefills, key=load_of) if prefills else None
+        decodes = self._pool.decode_candidates(prefill, now) if prefill is not None else []
+        decodes = decodes or self._pool.whole_candidates(model, now)
+        if not decodes:
+            return None
+        decision = decide_request(
+            self._decider,
+            req.facts,
+            min(decodes, key=load_of),
+            prefill,
+            cached_tokens=self._cached,
+            ledger_ok=not self._pool.ledger_down,
+        )
+        self._m.decision(decision.labels)
+        return None if decision.path is Path.PD else decision.reason.value
 
     def fallback(self, req: ProxiedRequest, exc: RouterError) -> str | None:
         """Why `req`, whose PD attempts failed with `exc` before a byte reached the client, goes whole; None:
@@ -139,7 +168,7 @@ class Whole:
 
         async def pick(tried: Sequence[str]) -> LiveInstance | None:
             cands = self._pool.whole_candidates(model, self._clock(), [*skip, *tried])
-            return cands[self._rng.randrange(len(cands))] if cands else None
+            return min(cands, key=load_of) if cands else None  # the least loaded, as the decider assumed
 
         def none_left() -> PDGateError:
             now = self._clock()

@@ -1,0 +1,55 @@
+"""The conditional decider (router/decider.py) drives the one whole-or-PD entry point (`Whole.choose`), over
+real sockets with the openai client: a short prompt goes whole to the decode, a long one through PD, each
+counted by its reason, and both answers are the one engine's (issue #22 item 3).
+
+Real parts: `pdgate-sim` engines with `--token-ids` (answers are a function of the prompt), the router's own
+HTTP server with its embedded metaserver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.pdclient import metric
+from tests.integration.router.conftest import HTTP, Deployment, Sim, start_sims
+
+MODEL = "sim-model"
+DECISIONS = "pdgate_router_decisions_total"
+
+
+@pytest.fixture(scope="module")
+def sims() -> Iterator[tuple[Sim, Sim]]:
+    p, d = start_sims([("prefill", ("--token-ids",)), ("decode", ("--token-ids",))])
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def test_short_prompts_go_whole_and_long_ones_through_pd(sims: tuple[Sim, Sim]) -> None:
+    p, d = sims
+    short = {"model": MODEL, "prompt": list(range(1, 17)), "max_tokens": 6}  # 16 tokens
+    long = {"model": MODEL, "prompt": list(range(1, 129)), "max_tokens": 6}  # 128 tokens
+    with Deployment(prefill=[p.url], decode=[d.url], disaggregation="conditional", pd_min_tokens=64) as dep:
+        dep.wait_available(p.id, d.id)
+        for body, path, reason in ((short, "whole", "short_prompt"), (long, "pd", "long_prompt")):
+            want = HTTP.post(d.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+            p.reset()
+            d.reset()
+            out = dep.openai().completions.with_raw_response.create(**body)
+            assert out.parse().choices[0].text == want
+            assert out.headers.get("x-pdgate-path", "pd") == path
+            assert metric(dep.url, DECISIONS, {"path": path, "reason": reason}) == 1
+            prefilled = [e for e in p.stats(log=True)["log"] if e["mode"] == "prefill"]
+            assert len(prefilled) == (1 if path == "pd" else 0)  # whole: the prefill never saw it
+
+
+def test_mode_always_asks_no_decider(sims: tuple[Sim, Sim]) -> None:
+    """Today's default: every request PD, and the decider's counter stays at zero."""
+    p, d = sims
+    with Deployment(prefill=[p.url], decode=[d.url]) as dep:
+        dep.wait_available(p.id, d.id)
+        out = dep.openai().completions.with_raw_response.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4)
+        assert "x-pdgate-path" not in out.headers
+        assert metric(dep.url, DECISIONS, {"path": "whole", "reason": "short_prompt"}) == 0
