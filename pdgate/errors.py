@@ -86,7 +86,7 @@ class Code(str, Enum):
     TOO_MANY_REQUESTS = "too_many_requests", CodeInfo(429, retryable=True, openai_type="rate_limit_error")
     REQUEST_TIMEOUT = "request_timeout", CodeInfo(408, openai_type=_BAD)  # the client did not send its headers in time
     SERVER_BUSY = "server_busy", CodeInfo(503, retryable=True)  # connection limit reached; retry shortly
-    UPSTREAM_REJECTED = "upstream_rejected", CodeInfo(400, openai_type=_BAD)  # an engine's own 4xx: its status and words
+    UPSTREAM_REJECTED = "upstream_rejected", CodeInfo(400, openai_type=_BAD)  # an engine's own 4xx
     LOOP_DETECTED = "pd_loop_detected", CodeInfo(508, openai_type=_BAD)
     # -- ledger state ---------------------------------------------------------------------------
     HANDOFF_EXISTS = "handoff_exists", CodeInfo(409, openai_type=_BAD)
