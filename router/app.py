@@ -3,11 +3,9 @@
 Two layers. The two proxy routes (`POST /v1/completions`, `POST /v1/chat/completions`) are raw ASGI
 (`proxy.Proxy`): measured, FastAPI's request handling costs ~70 us more per request than a raw ASGI
 callable under uvicorn, which is a fifth of the router's budget. vLLM's other routes (`/tokenize`,
-`/detokenize`, `/version`, `/v1/embeddings`, `/pooling`, ...) go whole to one instance of the model
-(`passthrough.Passthrough`, raw ASGI too). Everything else is a FastAPI app: `GET /v1/models` (the
-instances' own model cards, `max_model_len` included: `model_cards`), `GET /health`, `GET /metrics`
-and, with no `--metaserver`, the embedded metaserver's `/v1/instances` and `/v1/handoffs` routes on
-the same port.
+`/v1/embeddings`, ...) go whole to one instance of the model (`passthrough.Passthrough`, raw ASGI too).
+Everything else is a FastAPI app: `GET /v1/models` (the instances' own cards: `model_cards`), `/health`,
+`/metrics`, the status page and, with no `--metaserver`, the embedded metaserver's routes on this port.
 
 Who may do what (`access`): client API keys open the OpenAI routes; the admin token opens the embedded
 metaserver's routes and the instance URLs in `/health`; with no admin token the router is in protected
@@ -203,27 +201,7 @@ def create_app(
     ledger_token = msettings.admin_token if msettings is not None else s.admin_token or s.metaserver_token
     parts.pool.key_public_names(claim_seal.claim_key(ledger_token))  # client-facing names, alike on every worker
     holder = parts.holder
-    kv = holder["kv_events"] = _kv_events(s, parts.metrics)  # None unless --kv-events / --kv-events-port
-    options = {
-        "load_factor": s.prefix_load_factor,
-        "kv_index": kv.index if kv is not None else None,
-        "hash_seed": s.kv_events_hash_seed,
-    }
-    proxy = Proxy(
-        s,
-        pool=parts.pool,
-        meta=lambda: holder["meta"],
-        upstream=lambda: holder["upstream"],
-        metrics=parts.metrics,
-        prefill_policy=make_policy(s.prefill_policy, **options),
-        decode_policy=make_policy(s.decode_policy, **options),
-        engine_metaserver=s.engine_metaserver_url() if s.port else s.advertise_metaserver or s.metaserver,
-        rng=rng or Random(),
-        clock=clock,
-        cards=parts.cards,
-        tracing=tracing,
-        claim_key=claim_seal.claim_key(ledger_token),
-    )
+    proxy = _proxy(s, parts, rng or Random(), clock, tracing, ledger_token)
     admin = AdminCheck(ledger_token)
     passthrough = Passthrough(
         s, parts.pool, lambda: holder["upstream"], clock, admin, trace_dropped=parts.metrics.trace_dropped.inc
@@ -264,6 +242,39 @@ def create_app(
         rest,
         embedded=embedded,
         max_register_bytes=msettings.max_body_bytes if msettings is not None else 1 << 20,
+    )
+
+
+def _proxy(
+    s: RouterSettings,
+    parts: _Parts,
+    rng: Random,
+    clock: Callable[[], float],
+    tracing: Tracing | None,
+    token: str | None,
+) -> Proxy:
+    """The request path, with its policies (fed by the KV-event index when --kv-events is on)."""
+    holder = parts.holder
+    kv = holder["kv_events"] = _kv_events(s, parts.metrics)  # None unless --kv-events / --kv-events-port
+    options = {
+        "load_factor": s.prefix_load_factor,
+        "kv_index": kv.index if kv is not None else None,
+        "hash_seed": s.kv_events_hash_seed,
+    }
+    return Proxy(
+        s,
+        pool=parts.pool,
+        meta=lambda: holder["meta"],
+        upstream=lambda: holder["upstream"],
+        metrics=parts.metrics,
+        prefill_policy=make_policy(s.prefill_policy, **options),
+        decode_policy=make_policy(s.decode_policy, **options),
+        engine_metaserver=s.engine_metaserver_url() if s.port else s.advertise_metaserver or s.metaserver,
+        rng=rng,
+        clock=clock,
+        cards=parts.cards,
+        tracing=tracing,
+        claim_key=claim_seal.claim_key(token),
     )
 
 
