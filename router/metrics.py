@@ -88,6 +88,11 @@ class RouterMetrics:
             "Requests whose malformed traceparent/tracestate was not forwarded to the engines",
             registry=r,
         )
+        self._paths(r)
+        self._error_children: dict[str, Counter] = {}
+
+    def _paths(self, r: CollectorRegistry) -> None:
+        """Which path requests took: whole instead of PD, resumed, the decider's choice, the KV index."""
         self.undisaggregated = Counter(
             "pdgate_router_undisaggregated",
             "Requests served end to end on one instance instead of prefill/decode, by reason",
@@ -115,7 +120,6 @@ class RouterMetrics:
             registry=r,
         )
         self._kv_events = {o.value: kv_events.labels(o.value) for o in Outcome}
-        self._error_children: dict[str, Counter] = {}
 
     def error(self, code: str) -> None:
         child = self._error_children.get(code)
