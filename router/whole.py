@@ -27,7 +27,7 @@ from time import perf_counter
 import orjson
 from pdgate.router.bodies import COMPLETIONS, RequestFacts
 from pdgate.router.decider import Path, config_from, decide_request
-from pdgate.router.engine_call import open_answer
+from pdgate.router.engine_call import Answer, open_answer
 from pdgate.router.errors import (
     DecodeFailed,
     NoCompatiblePair,
@@ -41,7 +41,7 @@ from pdgate.router.errors import (
 )
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import load_of
-from pdgate.router.pool import LiveInstance, Pool
+from pdgate.router.pool import Lease, LiveInstance, Pool
 from pdgate.router.request_flow import ProxiedRequest
 from pdgate.router.resume import Continuation, continuation_body
 from pdgate.router.retry import Verdict, retry_elsewhere
@@ -186,25 +186,32 @@ class Whole:
             self._pause,
         )
 
+    async def _open(
+        self, req: ProxiedRequest, inst: LiveInstance, lease: Lease, path: str, body: bytes, *, stream: bool
+    ) -> Answer:
+        """One engine call of the whole path (a request, or a stream's continuation); a call that raises
+        counts against the instance."""
+        try:
+            return await open_answer(
+                self._upstream(),
+                inst.view.url + path,
+                self._headers(req, inst),
+                body,
+                stream=stream,
+                timeout=self._timeout,
+                idle_timeout=self._idle,
+                where=Where(*inst.where("instance")),
+                ttft=self._m.decode_ttft,
+            )
+        except Exception:
+            lease.failed()
+            raise
+
     async def _once(self, req: ProxiedRequest, inst: LiveInstance, send: Send, payload: bytes, endpoint: str) -> str:
         where = Where(*inst.where("instance"))
         stream = req.facts.stream
         with self._pool.lease(inst, req.facts.prompt_tokens + req.facts.max_tokens, self._clock) as lease:
-            try:
-                ans = await open_answer(
-                    self._upstream(),
-                    inst.view.url + endpoint,
-                    self._headers(req, inst),
-                    payload,
-                    stream=stream,
-                    timeout=self._timeout,
-                    idle_timeout=self._idle,
-                    where=where,
-                    ttft=self._m.decode_ttft,
-                )
-            except Exception:
-                lease.failed()
-                raise
+            ans = await self._open(req, inst, lease, endpoint, payload, stream=stream)
             resp = ans.resp
             try:
                 if ans.verdict == Verdict.REJECTED:
@@ -284,21 +291,7 @@ class Whole:
     ) -> RouterError | None:
         where = Where(*inst.where("instance"))
         with self._pool.lease(inst, req.facts.prompt_tokens + req.facts.max_tokens, self._clock) as lease:
-            try:
-                ans = await open_answer(
-                    self._upstream(),
-                    inst.view.url + COMPLETIONS,
-                    self._headers(req, inst),
-                    body,
-                    stream=True,
-                    timeout=self._timeout,
-                    idle_timeout=self._idle,
-                    where=where,
-                    ttft=self._m.decode_ttft,
-                )
-            except Exception:
-                lease.failed()
-                raise
+            ans = await self._open(req, inst, lease, COMPLETIONS, body, stream=True)
             resp = ans.resp
             try:
                 if ans.verdict != Verdict.OK:
