@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -27,19 +27,6 @@ from tests.support.ports import wait_until
 TOKEN = "error-disclosure-admin-token"
 SECRET = "engine-internal 10.9.8.7:5555 stack trace"  # what a failing engine says about itself
 OPAQUE = re.compile(r"(prefill|decode) (#[0-9a-f]{10})")
-
-
-@pytest.fixture
-def engines() -> Iterator[Callable[[Script], Engine]]:
-    made: list[Engine] = []
-
-    def make(script: Script) -> Engine:
-        made.append(Engine(script))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.stop()
 
 
 def failing(req: dict[str, Any]) -> bytes:

@@ -9,7 +9,7 @@ cloud metadata address), which a decode then pulls from without asking the ledge
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -25,19 +25,6 @@ from tests.security.hostile_engine import FIRST_ID, LOCATION, MODEL, Decode, pre
 
 TOKEN = "first-token-trust-admin-token"
 METADATA = "169.254.169.254"
-
-
-@pytest.fixture
-def engines() -> Iterator[Callable[[Script], Engine]]:
-    made: list[Engine] = []
-
-    def make(script: Script) -> Engine:
-        made.append(Engine(script))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.stop()
 
 
 def router(prefills: list[Engine], decodes: list[Engine]) -> Deployment:

@@ -10,7 +10,7 @@ streamed to the client before anything refused them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -49,19 +49,6 @@ BAD_FIRST_TOKENS: dict[str, Lie] = {
     "prompt id out of range": _choice(prompt_token_ids=[-1, 105]),
     "text not a string": _choice(text=["x"]),
 }
-
-
-@pytest.fixture
-def engines() -> Iterator[Callable[[Script], Engine]]:
-    made: list[Engine] = []
-
-    def make(script: Script) -> Engine:
-        made.append(Engine(script))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.stop()
 
 
 def router(prefills: list[Engine], decodes: list[Engine], **settings: Any) -> Deployment:
