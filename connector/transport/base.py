@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import queue
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -363,6 +364,18 @@ def byte_ranges(runs: Sequence[BlockRun], src: KVRegion, dst: KVRegion) -> list[
 # --------------------------------------------------------------------------------------------
 # The interface
 # --------------------------------------------------------------------------------------------
+
+
+def drain(results: queue.SimpleQueue[PullResult], closed: bool) -> list[PullResult]:
+    """The results a transport's own thread queued since the last poll; none once closed (a pull that
+    ended while close() waited for it is abandoned, not reported)."""
+    out: list[PullResult] = []
+    while not closed:
+        try:
+            out.append(results.get_nowait())
+        except queue.Empty:
+            break
+    return out
 
 
 class Transport(abc.ABC):

@@ -63,6 +63,7 @@ from pdgate.connector.transport.base import (
     PullResult,
     RemotePeer,
     Transport,
+    drain,
     regions_from_address,
 )
 from pdgate.connector.transport.errors import (
@@ -300,14 +301,7 @@ class LLMDataDistTransport(Transport):
         return self._worker.submit(self._link_many, remotes)
 
     def poll(self) -> list[PullResult]:
-        out: list[PullResult] = []
-        if self._closed:  # a pull that ended while close() waited for it is abandoned, not reported
-            return out
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._results, self._closed)
 
     def _close_engine(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)

@@ -64,6 +64,7 @@ from pdgate.connector.transport.base import (
     Transport,
     byte_ranges,
     coalesce,
+    drain,
     merge_extents,
 )
 from pdgate.connector.transport.errors import (
@@ -243,14 +244,7 @@ class MooncakeTransport(Transport):
         future.add_done_callback(self._deliver)
 
     def poll(self) -> list[PullResult]:
-        out: list[PullResult] = []
-        if self._closed:
-            return out
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._results, self._closed)
 
     def _close_engine(self) -> None:
         # Wait for a read in progress: it cannot be cancelled, and its destination must stay registered
