@@ -12,12 +12,14 @@ keep every process log in a known folder.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
+from pdgate.deploy.local.procs import free_port
 from pdgate.deploy.local.stack import LocalStack, SingleInstance, StackConfig, ensure_model
 from pdgate.deploy.local.vllm_env import VllmEnv, find_vllm_env
 from pdgate.deploy.local.vllm_instance import ServeFlags
@@ -27,6 +29,29 @@ from tests.e2e.pdclient import MAX_TOKENS, Answer, chat, complete, openai_client
 
 def _log(msg: str) -> None:
     print(f"[e2e] {msg}", flush=True)
+
+
+@contextlib.contextmanager
+def own_1p2d(
+    run_dir: Path, model_dir: Path, vllm_env: VllmEnv, log: Callable[[str], None], *router_args: str
+) -> Iterator[LocalStack]:
+    """A 1P2D stack of one test module's own: the fault tests end with a dead engine, so no other test may
+    share it. The router takes the decodes in turn and probes health every second."""
+    cfg = StackConfig(
+        n_prefill=1,
+        n_decode=2,
+        port=free_port(),
+        model_dir=model_dir,
+        run_dir=run_dir,
+        venv=vllm_env.venv,
+        install=False,
+        router_args=["--decode-policy", "round_robin", "--health-interval-s", "1", *router_args],
+    )
+    stack = LocalStack(cfg, log=log)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
 
 
 @pytest.fixture(scope="session")

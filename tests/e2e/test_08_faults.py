@@ -24,12 +24,12 @@ from typing import Any
 
 import openai
 import pytest
-from pdgate.deploy.local.procs import free_port
-from pdgate.deploy.local.stack import LocalStack, StackConfig
+from pdgate.deploy.local.stack import LocalStack
 from pdgate.deploy.local.tiny_model import MODEL_NAME
 from pdgate.deploy.local.vllm_env import VllmEnv
 
 from pdgate.errors import Code
+from tests.e2e.conftest import own_1p2d
 from tests.e2e.pdclient import observe, openai_client, prompt_ids, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -45,21 +45,8 @@ def _log(msg: str) -> None:
 
 @pytest.fixture(scope="module")
 def stack_1p2d(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[LocalStack]:
-    cfg = StackConfig(
-        n_prefill=1,
-        n_decode=2,
-        port=free_port(),
-        model_dir=model_dir,
-        run_dir=e2e_run_dir / "faults-1p2d",
-        venv=vllm_env.venv,
-        install=False,
-        router_args=["--decode-policy", "round_robin", "--health-interval-s", "1"],
-    )
-    stack = LocalStack(cfg, log=_log)
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
+    with own_1p2d(e2e_run_dir / "faults-1p2d", model_dir, vllm_env, _log) as stack:
+        yield stack
 
 
 def _idle(counters: dict[str, float]) -> bool:

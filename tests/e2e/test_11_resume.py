@@ -20,11 +20,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from pdgate.deploy.local.procs import free_port
-from pdgate.deploy.local.stack import LocalStack, StackConfig
+from pdgate.deploy.local.stack import LocalStack
 from pdgate.deploy.local.vllm_env import VllmEnv
 
-from tests.e2e.conftest import Baseline
+from tests.e2e.conftest import Baseline, own_1p2d
 from tests.e2e.pdclient import Answer, complete, metric, observe, openai_client, prompt_ids, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -39,21 +38,8 @@ def _log(msg: str) -> None:
 
 @pytest.fixture(scope="module")
 def stack_1p2d(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[LocalStack]:
-    cfg = StackConfig(
-        n_prefill=1,
-        n_decode=2,
-        port=free_port(),
-        model_dir=model_dir,
-        run_dir=e2e_run_dir / "resume-1p2d",
-        venv=vllm_env.venv,
-        install=False,
-        router_args=["--decode-policy", "round_robin", "--health-interval-s", "1", "--max-resumes", "2"],
-    )
-    stack = LocalStack(cfg, log=_log)
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
+    with own_1p2d(e2e_run_dir / "resume-1p2d", model_dir, vllm_env, _log, "--max-resumes", "2") as stack:
+        yield stack
 
 
 def _stream(client: openai.OpenAI, seed: int) -> Answer | str:
