@@ -129,6 +129,58 @@ def _checks(r: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _scenario_line(r: dict[str, Any]) -> str:
+    line = f"- **{r['scenario']}** ({r.get('title', '')})"
+    if r.get("skipped"):
+        return line + f": not run here: {r['skipped']}"
+    line += f": streams {r.get('streams_sent')}, client retries {r.get('client_retries')}"
+    if r.get("served_whole") is not None:
+        line += f", served whole {r['served_whole']}"
+    if _latency(r):
+        line += f"; {_latency(r)}"
+    if r.get("error"):
+        line += f"; error: {r['error']}"
+    if _checks(r):
+        line += f"; {_checks(r)}"
+    return line
+
+
+def _scale_section(result: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    s = result.get("scale")
+    if not s:
+        return out
+    out += [
+        "",
+        "## Scale",
+        "",
+        f"Run: {s.get('started', result['started'])}; machine load (`uptime`) at its start: "
+        f"`{s.get('uptime_start', '?')}`, at its end: `{s.get('uptime_end', '?')}`. Each client sends one "
+        "streaming request; decodes send a token every few seconds so every stream stays open at once. "
+        f"The clients run in {s.get('load_procs', 1)} load generator process(es) (official `openai` client).",
+        "",
+        "Failures caused by the load generator are counted apart: **load generator: 408** the router's "
+        "typed answer to a client that sent its request later than the header timeout after connecting; "
+        "**load generator: stalled** a connection error while the client process itself was stalled "
+        "longer than that timeout (it measures its own event loop); **its worst stall** the longest time "
+        "the client's event loop did not run.",
+        "",
+        "| streams sent | answered fully | untyped | typed | load generator: 408 / stalled | its worst stall s "
+        "| peak open streams | router RSS MB per 1,000 open streams | router RSS idle / peak MB "
+        "| router fds idle / at peak | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {s.get('sent')} | {s.get('ok')} | {s.get('untyped')} | {_cell(s, 'typed')} | "
+        f"{s.get('client_408', 'n/a')} / {s.get('client_stalled', 'n/a')} | "
+        f"{s.get('client_worst_stall_s', 'n/a')} | "
+        f"{s.get('peak_open_streams')} | {s.get('router_rss_mb_per_1k_streams')} | "
+        f"{s.get('router_rss_idle_mb')} / {s.get('router_rss_peak_mb')} | "
+        f"{s.get('router_fds_idle')} / {s.get('router_fds_at_peak')} | {_cell(s, 'pass')} |",
+    ]
+    if s.get("error"):
+        out.append(f"\nScale error: {s['error']}")
+    return out
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     m = result["machine"]
@@ -162,51 +214,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "## Per scenario",
         "",
     ]
-    for r in rows:
-        line = f"- **{r['scenario']}** ({r.get('title', '')})"
-        if r.get("skipped"):
-            line += f": not run here: {r['skipped']}"
-        else:
-            line += f": streams {r.get('streams_sent')}, client retries {r.get('client_retries')}"
-            if r.get("served_whole") is not None:
-                line += f", served whole {r['served_whole']}"
-            if _latency(r):
-                line += f"; {_latency(r)}"
-            if r.get("error"):
-                line += f"; error: {r['error']}"
-            if _checks(r):
-                line += f"; {_checks(r)}"
-        out.append(line)
-    s = result.get("scale")
-    if s:
-        out += [
-            "",
-            "## Scale",
-            "",
-            f"Run: {s.get('started', result['started'])}; machine load (`uptime`) at its start: "
-            f"`{s.get('uptime_start', '?')}`, at its end: `{s.get('uptime_end', '?')}`. Each client sends one "
-            "streaming request; decodes send a token every few seconds so every stream stays open at once. "
-            f"The clients run in {s.get('load_procs', 1)} load generator process(es) (official `openai` client).",
-            "",
-            "Failures caused by the load generator are counted apart: **load generator: 408** the router's "
-            "typed answer to a client that sent its request later than the header timeout after connecting; "
-            "**load generator: stalled** a connection error while the client process itself was stalled "
-            "longer than that timeout (it measures its own event loop); **its worst stall** the longest time "
-            "the client's event loop did not run.",
-            "",
-            "| streams sent | answered fully | untyped | typed | load generator: 408 / stalled | its worst stall s "
-            "| peak open streams | router RSS MB per 1,000 open streams | router RSS idle / peak MB "
-            "| router fds idle / at peak | pass |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-            f"| {s.get('sent')} | {s.get('ok')} | {s.get('untyped')} | {_cell(s, 'typed')} | "
-            f"{s.get('client_408', 'n/a')} / {s.get('client_stalled', 'n/a')} | "
-            f"{s.get('client_worst_stall_s', 'n/a')} | "
-            f"{s.get('peak_open_streams')} | {s.get('router_rss_mb_per_1k_streams')} | "
-            f"{s.get('router_rss_idle_mb')} / {s.get('router_rss_peak_mb')} | "
-            f"{s.get('router_fds_idle')} / {s.get('router_fds_at_peak')} | {_cell(s, 'pass')} |",
-        ]
-        if s.get("error"):
-            out.append(f"\nScale error: {s['error']}")
+    out += [_scenario_line(r) for r in rows]
+    out += _scale_section(result)
     out += [
         "",
         "## Leases and timeouts of the stack",
