@@ -51,6 +51,21 @@ def _inflight(url: str) -> int:
     return -1
 
 
+def _router_footprint(samples: list[tuple[int, float, int]], idle_rss: float, idle_fds: int) -> dict[str, Any]:
+    """The router's memory and descriptors at the sample with the most streams open (the larger RSS among
+    equals), against idle."""
+    peak_open, rss, fds = max(samples, default=(0, idle_rss, idle_fds), key=lambda s: (s[0], s[1]))
+    return {
+        "peak_open_streams": peak_open,
+        "router_rss_idle_mb": round(idle_rss, 1),
+        "router_rss_peak_mb": round(rss, 1),
+        "router_rss_mb_per_1k_streams": round((rss - idle_rss) / peak_open * 1000, 1) if peak_open else None,
+        "router_fds_idle": idle_fds,
+        "router_fds_at_peak": fds,
+        "router_max_rss_mb": round(max((s[1] for s in samples), default=idle_rss), 1),
+    }
+
+
 def run_scale(
     streams: int,
     results_dir: Path,
@@ -121,15 +136,7 @@ def run_scale(
         # Answered 408 because this client sent its request later than the router's header timeout: the
         # router's typed answer to a starved client, counted apart from the stack's own errors.
         row["client_408"] = sum(1 for r in recs if r["o"] == "typed" and r.get("c") == "request_timeout")
-        # The sample with the most streams open in the router (the larger RSS among equals).
-        peak_open, rss, fds = max(samples, default=(0, idle_rss, idle_fds), key=lambda s: (s[0], s[1]))
-        row["peak_open_streams"] = peak_open
-        row["router_rss_idle_mb"] = round(idle_rss, 1)
-        row["router_rss_peak_mb"] = round(rss, 1)
-        row["router_rss_mb_per_1k_streams"] = round((rss - idle_rss) / peak_open * 1000, 1) if peak_open else None
-        row["router_fds_idle"] = idle_fds
-        row["router_fds_at_peak"] = fds
-        row["router_max_rss_mb"] = round(max((s[1] for s in samples), default=idle_rss), 1)
+        row.update(_router_footprint(samples, idle_rss, idle_fds))
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
