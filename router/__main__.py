@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from pdgate.router.settings import RouterSettings, parse_cli
+from pdgate.router.settings import RouterSettings, claim_budget_problem, parse_cli
 from pydantic import ValidationError
 
 from pdgate.logs import configure_logging
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     from pdgate.router.workers import run_workers, workers_problem
 
-    problem = workers_problem(settings)
+    problem = workers_problem(settings) or _claim_budget(settings)
     if problem is not None:
         print(f"pdgate-router: invalid settings: {problem}", file=sys.stderr)
         raise SystemExit(2)
@@ -76,6 +76,20 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 _BACKLOG = 4096
+
+
+def _claim_budget(settings: RouterSettings) -> str | None:
+    """The embedded metaserver's `max_claims` against `--decode-retries`; a separate metaserver's is its own
+    setting, which the router cannot read, so it is named in the log."""
+    if settings.embedded:
+        from pdgate.router.app import embedded_meta_settings
+
+        return claim_budget_problem(settings.decode_retries, embedded_meta_settings(settings).max_claims)
+    logging.getLogger("pdgate.router").info(
+        "--decode-retries %d: the metaserver's --max-claims must be above it (its default, 3, is)",
+        settings.decode_retries,
+    )
+    return None
 
 
 def _serve(settings: RouterSettings, sock: socket.socket | None) -> None:

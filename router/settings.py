@@ -27,7 +27,7 @@ from pdgate.auth import SecretFileError, read_secret_file, resolve_secret
 from pdgate.settings import parse_settings, settings_parser
 from pdgate.urls import InvalidEngineURL, IPNetwork, check_engine_url, parse_networks
 
-__all__ = ["ENV_PREFIX", "POLICY_NAMES", "RouterSettings", "build_parser", "parse_cli"]
+__all__ = ["ENV_PREFIX", "POLICY_NAMES", "RouterSettings", "build_parser", "claim_budget_problem", "parse_cli"]
 
 ENV_PREFIX = "PDGATE_ROUTER_"
 POLICY_NAMES = ("round_robin", "least_load", "power_of_two", "prefix_affinity", "cache_aware")
@@ -353,3 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_cli(argv: Sequence[str] | None = None) -> RouterSettings:
     """Flags given on the command line override the environment, which overrides the defaults."""
     return parse_settings(RouterSettings, build_parser(), argv)
+
+
+def claim_budget_problem(decode_retries: int, max_claims: int) -> str | None:
+    """Why a router with `decode_retries` cannot work with a ledger that allows `max_claims`, or None.
+
+    Each decode retry takes the claim back from the decode it gave up on, and that claim's lapse spends one
+    of the record's `max_claims` requeues; the lapse after the last one expires the handoff. So with
+    `decode_retries >= max_claims` the last retry can only find its KV gone (pd_kv_expired)."""
+    if decode_retries < max_claims:
+        return None
+    return (
+        f"--decode-retries {decode_retries} needs the metaserver's --max-claims above it (it is {max_claims}): each "
+        "retry takes a claim back, and the lapse after the last allowed claim expires the handoff; lower "
+        "PDGATE_ROUTER_DECODE_RETRIES or raise PDGATE_METASERVER_MAX_CLAIMS"
+    )
