@@ -5,13 +5,19 @@ oracle (`baseline`). `CLIENTS` greedy streams of `LONG` tokens run at once; a de
 server and its EngineCore) while it generates for some of them. The router resumes each broken stream on an
 instance left (router/resume.py: prompt ids + the ids the client received, the tokens left). What must
 hold: every client gets the single instance's full greedy answer, token for token, with 0 errors, and the
-router counts the resumes. 8 clients: the 2-core CI host runs three engines unpinned (test_08's note); a
+router counts the resumes. "The single instance's answer" is, after each resume point k, what the single
+instance answers for the continuation the router sent (prompt + the k ids received, LONG - k tokens): the
+resumed tokens come from a prefill over those ids, and in bfloat16 a prefill's logits may differ from the
+uninterrupted decode's in the last bits, so a near-tie can flip there (CI saw it once at token 101). A lost,
+repeated or reordered token at the resume point fails this check as it failed the plain one. 8 clients:
+the 2-core CI host runs three engines unpinned (test_08's note); a
 GPU host may raise `PDGATE_E2E_RESUME_CLIENTS` to 32.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -40,6 +46,27 @@ def _log(msg: str) -> None:
 def stack_1p2d(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[LocalStack]:
     with own_1p2d(e2e_run_dir / "resume-1p2d", model_dir, vllm_env, _log, "--max-resumes", "2") as stack:
         yield stack
+
+
+_RESUMED = re.compile(r"\[(?P<tid>[^\]\s]+)\] .* after (?P<k>\d+) tokens: resuming")
+
+
+def resume_points(router_log: Path) -> dict[str, list[int]]:
+    """Request id (the router's transfer id, sent back as X-Request-Id) -> the token counts it resumed at."""
+    points: dict[str, list[int]] = {}
+    for m in _RESUMED.finditer(router_log.read_text(errors="replace")):
+        points.setdefault(m["tid"], []).append(int(m["k"]))
+    return points
+
+
+def expected(baseline: Baseline, prompt: list[int], got: tuple[int, ...], at: list[int]) -> tuple[int, ...]:
+    """The single instance's answer, segment by segment: from each resume point k on, its greedy answer to
+    prompt + got[:k] (the continuation the router asked for), up to the next resume point."""
+    want: list[int] = []
+    for j, k in enumerate([0, *at]):
+        end = ([*at, LONG])[j]
+        want[k:] = baseline.complete(prompt + list(got[:k]), max_tokens=LONG - k).token_ids[: end - k]
+    return tuple(want)
 
 
 def _stream(client: openai.OpenAI, seed: int) -> Answer | str:
@@ -75,10 +102,15 @@ def test_sigkill_decode_mid_stream_every_client_gets_the_single_instances_answer
 
     errors = {i: r for i, r in results.items() if isinstance(r, str)}
     assert not errors, errors
+    points = resume_points(stack.router.log_path) if stack.router is not None else {}
     for i, got in results.items():
         assert isinstance(got, Answer)
         assert len(got.token_ids) == LONG and got.prompt_tokens == 120, (i, len(got.token_ids), got.prompt_tokens)
-        assert got.token_ids == wants[i].token_ids, f"client {i}: the resumed stream differs from the single instance"
+        at = sorted(points.get(got.headers.get("x-request-id", ""), []))
+        want = wants[i].token_ids if not at else expected(baseline, prompt_ids(120, seed=1100 + i), got.token_ids, at)
+        if at and want != wants[i].token_ids:
+            _log(f"client {i}: resumed at {at}; the continuation's prefill flipped a near-tie (bfloat16)")
+        assert got.token_ids == want, f"client {i} (resumed at {at}): the stream differs from the single instance's"
     resumed = metric(stack.url, "pdgate_router_resumes_total")
     _log(f"{resumed:.0f} streams resumed, 0 errors of {CLIENTS}")
     assert resumed >= 1  # the kill landed on streams in flight, and they were resumed, not failed
