@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,6 +101,8 @@ def server_facts(
     """What the config defaults depend on, read from vLLM and the process (see `discover_server`)."""
     kv = vllm_config.kv_transfer_config
     host, port = discover_server(sys.argv if argv is None else argv, os.environ if env is None else env)
+    if host is None and port is not None:
+        host = _outbound_ip()
     served = vllm_config.model_config.served_model_name
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None
@@ -111,6 +114,22 @@ def server_facts(
         port=port,
         served_model=served or vllm_config.model_config.model,
     )
+
+
+def _outbound_ip() -> str:
+    """The address a server bound to every interface (`vllm serve` without `--host`) is reached at:
+    vLLM's own rule for what it advertises (`VLLM_HOST_IP`, else the interface of the default route).
+    A host with no route at all (loopback only) answers on 127.0.0.1, which is what a router on the
+    same host calls; set `kv_connector_extra_config.url` for anything else."""
+    from vllm.utils.network_utils import get_ip
+
+    with warnings.catch_warnings():  # get_ip warns before answering 0.0.0.0: the fallback below is ours
+        warnings.simplefilter("ignore")
+        ip = get_ip()
+    if ip in ("0.0.0.0", "::"):
+        logger.warning("no default route on this host: registering 127.0.0.1 (set kv_connector_extra_config.url)")
+        return "127.0.0.1"
+    return ip
 
 
 def _kv_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> tuple[int, str, str]:
