@@ -92,6 +92,17 @@ def _local_address_towards(host: str) -> str | None:
         return None
 
 
+def _own_address(host: str) -> bool:
+    """Whether `host` is an address of this host (an engine there reaches a loopback-bound service)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+            return True
+    except OSError:
+        return False
+
+
 def _accepts(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1.0):
@@ -102,9 +113,10 @@ def _accepts(host: str, port: int) -> bool:
 
 def bind_addresses(f: Facts) -> list[Finding]:
     """A router or metaserver given at a loopback URL while engines registered from other addresses: is
-    it bound to loopback only? Tried on this host's address towards those engines."""
+    it bound to loopback only? Tried on this host's address towards those engines. Engines on this host
+    (registered from one of its own addresses, as `vllm serve` without --host does) reach loopback."""
     engines = sorted({_host(i["url"]) for i in f.registry or []} - {""})
-    remote = [h for h in engines if not _loopback(h)]
+    remote = [h for h in engines if not _loopback(h) and not _own_address(h)]
     out = []
     for name, url in (("router", f.admin.s.router), ("metaserver", f.admin.s.meta_url)):
         if url is None or not _loopback(_host(url)) or not remote:

@@ -177,12 +177,13 @@ def test_a_metaserver_bound_to_loopback_with_engines_elsewhere(bind: str, capsys
     server = metaserver(host=bind)
     url = f"http://127.0.0.1:{server.port}"
     port = free_port()
-    # An engine that advertises this host's routable address, but listens on loopback only.
-    sim = Sim("decode", "--advertise-url", f"http://{here}:{port}", "--admin-token", TOKEN, metaserver=url,
+    # An engine on another host (a documentation address: never one of this host's), reached through
+    # this host's routable address.
+    sim = Sim("decode", "--advertise-url", f"http://192.0.2.77:{port}", "--admin-token", TOKEN, metaserver=url,
               name="far-decode")  # fmt: skip
     try:
         _registered(url, 1)
-        code, found = _findings(capsys, "--metaserver", url, "--token", TOKEN)
+        code, found = _findings(capsys, "--metaserver", url, "--token", TOKEN, "--timeout-s", "1")
         assert code == 1  # the engine cannot be reached either way
         if bind == "127.0.0.1":
             [msg] = _lines(found, "bind", "fail")
@@ -191,6 +192,24 @@ def test_a_metaserver_bound_to_loopback_with_engines_elsewhere(bind: str, capsys
             assert _lines(found, "bind", "ok") == [f"the metaserver on port {server.port} also answers on {here}"]
         [unreached] = _lines(found, "engines", "fail")
         assert "far-decode" in unreached and "cannot be reached from this host" in unreached
+    finally:
+        sim.stop()
+        server.stop()
+
+
+def test_engines_on_this_host_reach_a_loopback_metaserver(capsys: pytest.CaptureFixture[str]) -> None:
+    """`vllm serve` without --host registers this host's routable address: a loopback-bound metaserver
+    on the same host serves it, and doctor must not say otherwise (the walkthrough's false failure)."""
+    here = _host_address()
+    server = metaserver(host="127.0.0.1")
+    url = f"http://127.0.0.1:{server.port}"
+    sim = Sim("decode", "--advertise-url", f"http://{here}:{free_port()}", "--admin-token", TOKEN, metaserver=url,
+              name="near-decode")  # fmt: skip
+    try:
+        _registered(url, 1)
+        _, found = _findings(capsys, "--metaserver", url, "--token", TOKEN, "--timeout-s", "1")
+        assert _lines(found, "bind", "fail") == []
+        assert _lines(found, "bind", "skip") == ["no loopback-bound service with engines on other hosts"]
     finally:
         sim.stop()
         server.stop()
