@@ -36,3 +36,5 @@ def configure_logging(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # httpx logs every request at INFO: the router's registry and metrics polls would fill its log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
