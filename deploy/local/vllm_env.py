@@ -134,7 +134,8 @@ def ensure_vllm_env(
     if not install:
         raise VllmEnvError(f"vLLM venv {env.venv} is not ready: {'; '.join(problems)}")
     log(
-        f"vLLM venv {env.venv}: {'; '.join(problems)}; installing (measured 8.5 min on a fresh 2-core VM; "
+        f"vLLM venv {env.venv}: {'; '.join(problems)}; installing (2 to 9 min on a fresh 2-core VM, "
+        "mostly the download; "
         f"pip's output goes to {install_log(env)})"
     )
     _install(env, log)
