@@ -50,6 +50,7 @@ from pdgate.router.settings import RouterSettings
 
 __all__ = [
     "PATH_REASONS",
+    "SLO_HEADERS",
     "DeciderConfig",
     "Decision",
     "Inputs",
@@ -66,6 +67,7 @@ __all__ = [
 
 HEADER_TTFT = "x-slo-ttft-ms"
 HEADER_TPOT = "x-slo-tpot-ms"
+SLO_HEADERS = frozenset({HEADER_TTFT.encode(), HEADER_TPOT.encode()})  # as ASGI names them (bytes)
 
 
 class Path(enum.Enum):

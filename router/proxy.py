@@ -43,6 +43,7 @@ from pdgate.router.access import ClientKeys
 from pdgate.router.answers import PatchingSend, PrefillFacts, decode_recomputes, prefill_facts
 from pdgate.router.attempts import Dispatcher
 from pdgate.router.bodies import CHAT, COMPLETIONS, SplicedBody, parse_json, request_facts, split_prompts
+from pdgate.router.decider import SLO_HEADERS, slo_from_headers
 from pdgate.router.errors import (
     BadRequest,
     ModelNotFound,
@@ -153,6 +154,7 @@ class Proxy:
         auth = rid = None
         hop = False
         extra: list[tuple[bytes, bytes]] = []
+        slo: dict[str, str] | None = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 auth = value
@@ -162,12 +164,17 @@ class Proxy:
                 extra.append((name, value))
             elif name == HOP_HEADER:
                 hop = True
+            elif name in SLO_HEADERS:
+                slo = slo or {}
+                slo[name.decode()] = value.decode("latin-1")
         if extra:  # only a well-formed trace context goes on to the engines
             extra, dropped = trace_context(extra)
             if dropped:
                 self._m.trace_dropped.inc()
         tid = mint_transfer_id()
         req = ProxiedRequest(endpoint, tid, rid or tid.encode(), auth if self._forward_auth else None, extra)
+        if slo is not None:
+            req.slo = slo_from_headers(slo)
         try:
             if hop:
                 raise LoopDetected(

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from pdgate.router.bodies import RequestFacts, SplicedBody
+from pdgate.router.decider import Slo
 from pdgate.router.pool import LiveInstance
 from pdgate.router.resume import StreamTrack
 
@@ -24,6 +25,9 @@ def mint_transfer_id() -> str:
     """'pd-' + 128 random bits: nobody can guess the next id to create or squat it before the router
     does (a process prefix plus a counter could be read off one answer and pre-created)."""
     return "pd-" + os.urandom(16).hex()
+
+
+_NO_SLO = Slo()
 
 
 class ProxiedRequest:
@@ -64,6 +68,7 @@ class ProxiedRequest:
         "prefill_kv",
         "resumes",
         "rid",
+        "slo",
         "spliced",
         "started",
         "tid",
@@ -80,6 +85,7 @@ class ProxiedRequest:
         self.rid = rid
         self.client_auth = client_auth  # forwarded to engines only with --forward-client-auth
         self.extra = extra  # trace headers passed through to the engines
+        self.slo = _NO_SLO  # the client's x-slo-ttft-ms / x-slo-tpot-ms (the decider's input)
         self.body: dict[str, Any] = {}
         self.facts = _UNPARSED  # set once the body is parsed
         self.kv_key = 0

@@ -140,6 +140,7 @@ class Whole:
             prefill,
             cached_tokens=self._cached,
             ledger_ok=not self._pool.ledger_down,
+            slo=req.slo,
         )
         self._m.decision(decision.labels)
         return None if decision.path is Path.PD else decision.reason.value

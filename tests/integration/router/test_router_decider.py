@@ -53,3 +53,22 @@ def test_mode_always_asks_no_decider(sims: tuple[Sim, Sim]) -> None:
         out = dep.openai().completions.with_raw_response.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4)
         assert "x-pdgate-path" not in out.headers
         assert metric(dep.url, DECISIONS, {"path": "whole", "reason": "short_prompt"}) == 0
+
+
+def test_a_strict_tpot_slo_header_sends_a_middling_prompt_through_pd(sims: tuple[Sim, Sim]) -> None:
+    """x-slo-tpot-ms (llm-d's header) reaches the decider: at or under `strict_tpot_ms` it halves the length
+    threshold, so a 40-token prompt that goes whole without it goes PD with it (reason slo_tpot)."""
+    p, d = sims
+    body = {"model": MODEL, "prompt": list(range(1, 41)), "max_tokens": 4}  # 40 tokens: between 32 and 64
+    with Deployment(prefill=[p.url], decode=[d.url], disaggregation="conditional", pd_min_tokens=64) as dep:
+        dep.wait_available(p.id, d.id)
+        plain = dep.openai().completions.with_raw_response.create(**body)
+        assert plain.headers.get("x-pdgate-path") == "whole"
+        for tpot in ("abc", "0", "-5"):  # malformed or not positive: no SLO
+            out = dep.openai().completions.with_raw_response.create(**body, extra_headers={"x-slo-tpot-ms": tpot})
+            assert out.headers.get("x-pdgate-path") == "whole"
+        strict = dep.openai().completions.with_raw_response.create(**body, extra_headers={"X-SLO-TPOT-MS": "20"})
+        assert strict.headers.get("x-pdgate-path", "pd") == "pd"
+        assert strict.parse().choices[0].text == plain.parse().choices[0].text
+        assert metric(dep.url, DECISIONS, {"path": "pd", "reason": "slo_tpot"}) == 1
+        assert metric(dep.url, DECISIONS, {"path": "whole", "reason": "short_prompt"}) == 4
