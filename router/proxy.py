@@ -67,6 +67,7 @@ from pdgate.router.protocol import Watch
 from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
 from pdgate.router.resume import StreamTrack
 from pdgate.router.settings import RouterSettings
+from pdgate.router.stock_mooncake import StockMooncake
 from pdgate.router.streaming import end_stream, send_error
 from pdgate.router.tracing import TRACE_HEADERS, Tracing, trace_context
 from pdgate.router.validation import check_context, check_pd_support, validate_request
@@ -109,19 +110,32 @@ class Proxy:
         self._m = metrics
         self._cards = cards
         self._tracing = tracing
-        self._dispatch = Dispatcher(
-            s,
-            pool=pool,
-            meta=meta,
-            upstream=upstream,
-            metrics=metrics,
-            prefill_policy=prefill_policy,
-            decode_policy=decode_policy,
-            engine_metaserver=engine_metaserver,
-            rng=rng,
-            clock=clock,
-            claim_key=claim_key,
-        )
+        engines: dict[str, Any] = {
+            "pool": pool,
+            "meta": meta,
+            "upstream": upstream,
+            "metrics": metrics,
+            "prefill_policy": prefill_policy,
+            "decode_policy": decode_policy,
+            "engine_metaserver": engine_metaserver,
+            "rng": rng,
+            "clock": clock,
+            "claim_key": claim_key,
+        }
+        self._dispatch = Dispatcher(s, **engines)
+        self._mooncake = None
+        if s.kv_protocol == "mooncake":  # vLLM's MooncakeConnector: P and D at once, the pair is retried
+            decoder = Dispatcher(s.model_copy(update={"decode_retries": 0}), **engines)
+            self._mooncake = StockMooncake(
+                s,
+                decoder=decoder,
+                pool=pool,
+                upstream=upstream,
+                metrics=metrics,
+                prefill_policy=prefill_policy,
+                rng=rng,
+                clock=clock,
+            )
         self._whole = Whole(
             s,
             pool=pool,
@@ -342,6 +356,8 @@ class Proxy:
 
     async def _pd(self, req: ProxiedRequest, model: str, send: Send) -> str:
         """Prefill, then decode, of one prompt; the decode's answer gets what the prefill's answer adds."""
+        if self._mooncake is not None:
+            return await self._mooncake.pd(req, model, send)
         traced = self._tracing is not None  # without tracing, no phase context managers on the hot path
         if traced:
             with self._phase(req, "prefill"):

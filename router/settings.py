@@ -110,6 +110,15 @@ class RouterSettings(BaseSettings):
     prefill_policy: PolicyName = Field("prefix_affinity", description="how a prefill instance is chosen")
     decode_policy: PolicyName = Field("least_load", description="how a decode instance is chosen")
     prefix_chars: int = Field(256, ge=1, description="prefix_affinity: prompt characters hashed for affinity")
+    kv_protocol: Literal["auto", "mooncake"] = Field(
+        "auto",
+        description="auto: prefill, then decode with the prefill's kv_transfer_params (pdgate's connector, "
+        "vLLM's NixlConnector); mooncake: vLLM's MooncakeConnector, prefill and decode sent at once with the "
+        "prefill's engine id from its bootstrap server (router/stock_mooncake.py, docs/MOONCAKE.md)",
+    )
+    mooncake_bootstrap_port: int = Field(
+        8998, ge=1, le=65535, description="--kv-protocol mooncake: the prefills' VLLM_MOONCAKE_BOOTSTRAP_PORT"
+    )
     prefix_load_factor: float = Field(
         1.25, ge=1.0, description="prefix_affinity: skip an instance above this multiple of the mean load"
     )
