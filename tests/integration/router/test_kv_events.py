@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import NamedTuple
 
 import pytest
 from pdgate.router.kv_events import KVEventSubscriber, Source, decode_batch
@@ -91,14 +93,31 @@ async def connected(pub: Pub, index: KVIndex, instance: str = "p1") -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_stored_removed_cleared_reach_the_index(pubs: list[Pub]) -> None:
-    pubs.append(pub := Pub())
+class Followed(NamedTuple):
+    index: KVIndex
+    sub: KVEventSubscriber
+    seen: list[Outcome]  # every batch's outcome, in order
+
+
+@asynccontextmanager
+async def following(pubs: dict[str, Pub], replay_timeout_s: float = 1.0) -> AsyncIterator[Followed]:
+    """A subscriber on each instance's publisher, live on all of them before the test publishes (what a
+    publisher sends before that is lost, by PUB/SUB's design); closed after, whatever the test did."""
     index = KVIndex()
     seen: list[Outcome] = []
-    sub = KVEventSubscriber(index, on_outcome=lambda _i, o: seen.append(o))
-    sub.sync({"p1": pub.source()})
+    sub = KVEventSubscriber(index, replay_timeout_s, on_outcome=lambda _i, o: seen.append(o))
+    sub.sync({name: pub.source(name) for name, pub in pubs.items()})
     try:
-        await connected(pub, index)
+        for name, pub in pubs.items():
+            await connected(pub, index, name)
+        yield Followed(index, sub, seen)
+    finally:
+        await sub.close()
+
+
+async def test_stored_removed_cleared_reach_the_index(pubs: list[Pub]) -> None:
+    pubs.append(pub := Pub())
+    async with following({"p1": pub}) as (index, _sub, seen):
         await pub.publish(stored(1, 2, 3), stored(7, medium="CPU"))
         await until(lambda: index.size("p1") == 3)
         assert index.matched("p1", [block_key(h(i)) for i in (1, 2, 3)]) == 3
@@ -110,18 +129,11 @@ async def test_stored_removed_cleared_reach_the_index(pubs: list[Pub]) -> None:
         await until(lambda: index.expected("p1") == pub.sent)
         assert index.size("p1") == 1 and index.matched("p1", [block_key(h(9))]) == 1
         assert set(seen) == {Outcome.APPLIED}
-    finally:
-        await sub.close()
 
 
 async def test_a_gap_is_filled_from_the_replay_socket(pubs: list[Pub]) -> None:
     pubs.append(pub := Pub())
-    index = KVIndex()
-    seen: list[Outcome] = []
-    sub = KVEventSubscriber(index, on_outcome=lambda _i, o: seen.append(o))
-    sub.sync({"p1": pub.source()})
-    try:
-        await connected(pub, index)
+    async with following({"p1": pub}) as (index, _sub, seen):
         await pub.publish(stored(1))
         await pub.publish(stored(2), hidden=True)
         await pub.publish(removed(1), stored(3), hidden=True)
@@ -130,18 +142,12 @@ async def test_a_gap_is_filled_from_the_replay_socket(pubs: list[Pub]) -> None:
         assert Outcome.GAP in seen
         assert index.matched("p1", [block_key(h(i)) for i in (2, 3, 4)]) == 3
         assert index.matched("p1", [block_key(h(1))]) == 0  # the replayed removal was applied
-    finally:
-        await sub.close()
 
 
 @pytest.mark.parametrize("replay", [True, False])
 async def test_an_unfillable_gap_drops_the_instance_until_fresh_events(pubs: list[Pub], replay: bool) -> None:
     pubs.append(pub := Pub(replay=replay, buffer_steps=2))
-    index = KVIndex()
-    sub = KVEventSubscriber(index, replay_timeout_s=2.0)
-    sub.sync({"p1": pub.source()})
-    try:
-        await connected(pub, index)
+    async with following({"p1": pub}, replay_timeout_s=2.0) as (index, _sub, _seen):
         await pub.publish(stored(1, 2))
         for i in range(4):  # more than the replay buffer keeps
             await pub.publish(stored(10 + i), hidden=True)
@@ -151,19 +157,12 @@ async def test_an_unfillable_gap_drops_the_instance_until_fresh_events(pubs: lis
         assert index.matched("p1", [block_key(h(1))]) == 0
         assert index.matched("p1", [block_key(h(5))]) == 1
         assert index.size("p1") == 1
-    finally:
-        await sub.close()
 
 
 async def test_an_instance_that_leaves_takes_its_entries(pubs: list[Pub]) -> None:
     pubs.append(a := Pub())
     pubs.append(b := Pub())
-    index = KVIndex()
-    sub = KVEventSubscriber(index)
-    sub.sync({"p1": a.source("p1"), "p2": b.source("p2")})
-    try:
-        await connected(a, index, "p1")
-        await connected(b, index, "p2")
+    async with following({"p1": a, "p2": b}) as (index, sub, _seen):
         await a.publish(stored(1))
         await b.publish(stored(1))
         await until(lambda: index.size("p1") == 1 and index.size("p2") == 1)
@@ -173,8 +172,6 @@ async def test_an_instance_that_leaves_takes_its_entries(pubs: list[Pub]) -> Non
         await b.publish(stored(3))
         await until(lambda: index.size("p2") == 2)
         assert index.size("p1") == 0
-    finally:
-        await sub.close()
 
 
 def test_a_payload_that_is_not_a_batch_is_refused() -> None:
@@ -210,12 +207,7 @@ async def test_the_pool_follower_tracks_instances_as_they_come_and_go(pubs: list
 
 async def test_a_restarted_engine_numbering_past_the_old_counter_leaves_nothing_stale(pubs: list[Pub]) -> None:
     old = Pub()
-    index = KVIndex()
-    seen: list[Outcome] = []
-    sub = KVEventSubscriber(index, on_outcome=lambda _i, o: seen.append(o))
-    sub.sync({"p1": old.source()})
-    try:
-        await connected(old, index)
+    async with following({"p1": old}) as (index, _sub, seen):
         await old.publish(stored(1))
         await until(lambda: index.size("p1") == 1)
         last = index.expected("p1") or 0
@@ -229,5 +221,3 @@ async def test_a_restarted_engine_numbering_past_the_old_counter_leaves_nothing_
         await new.publish(stored(2))
         await until(lambda: index.matched("p1", [block_key(h(2))]) == 1)
         assert index.matched("p1", [block_key(h(1))]) == 0
-    finally:
-        await sub.close()
