@@ -51,8 +51,10 @@ __all__ = [
     "IllegalTransition",
     "Lease",
     "Move",
+    "NotItsPrefill",
     "abort",
     "apply",
+    "check_ready",
     "claim",
     "create",
     "done",
@@ -195,6 +197,35 @@ def refused(
     if move.claimant is Claimant.TAKE:
         return IllegalTransition(current, move.to, f"handoff already claimed by {claimant}")
     return IllegalTransition(current, move.to, f"handoff is claimed by {claimant}, not {caller}")
+
+
+class NotItsPrefill(PDGateError):
+    """A READY refused by `check_ready`. `rule` says which: "engine" (the caller's engine token names
+    another instance; 403) or "engine_id" (the location names another engine than `registered`, the
+    one the prefill registered with; 422). The service words both (service.py), as one error per rule."""
+
+    def __init__(self, rule: str, prefill_instance_id: str, registered: str | None = None) -> None:
+        self.rule = rule
+        self.prefill_instance_id = prefill_instance_id
+        self.registered = registered
+        code = Code.FORBIDDEN if rule == "engine" else Code.VALIDATION_ERROR
+        super().__init__(f"READY refused by the {rule} rule (prefill {prefill_instance_id})", code=code)
+
+
+def check_ready(prefill_instance_id: str, *, engine: str | None, engine_id: str | None, registered: str | None) -> None:
+    """READY only by the handoff's own prefill, or NotItsPrefill: an engine token (`engine`, the instance
+    it names; None for full access) must be that prefill's, and a location's `engine_id` (None: not
+    stated) must be the one the prefill registered (`registered`: None when the prefill is not a live
+    registered instance or stated no engine_id, and then any engine_id passes). The engine rule first.
+
+    Why in the stores, in the move's atomic step: checked before the move, it cost two reads (record,
+    then instance) per READY on Redis. The memory store calls this under its lock; on one Redis its twin
+    is `check_ready` in store/lua/_lib.lua (same order, same outcomes); on a Cluster store/redis.py reads
+    and calls this."""
+    if engine is not None and engine != prefill_instance_id:
+        raise NotItsPrefill("engine", prefill_instance_id)
+    if engine_id is not None and registered is not None and engine_id != registered:
+        raise NotItsPrefill("engine_id", prefill_instance_id, registered)
 
 
 def apply(

@@ -7,7 +7,8 @@ errors and the same metrics. This is where the pure cores' refusals become the s
 
 `engine`: the instance id of the caller's engine token (`guards.check_engine`), None for full access
 (the admin token, in-process callers). Each move checks it here, so a single route and a batch item
-are held to the same rule.
+are held to the same rule; READY hands it to the store, which checks `ledger.check_ready` in the move's
+own atomic step (on one Redis, inside the move script: no read before the move).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from pdgate.metaserver import registry
+from pdgate.metaserver import ledger, registry
 from pdgate.metaserver.errors import HandoffNotFound, InstanceNotFound, InvalidInput, core_errors
 from pdgate.metaserver.guards import check_cursor, check_engine
 from pdgate.metaserver.metrics import MetaMetrics
@@ -54,6 +55,18 @@ def check_id(value: str, what: str) -> str:
             f"path.{what}: {value!r} is not a valid id (1-128 of A-Z a-z 0-9 . _ : -, starting alphanumeric)"
         )
     return value
+
+
+def _not_its_prefill(exc: ledger.NotItsPrefill, location: KVLocation, engine: str | None) -> InvalidInput:
+    """A READY refused by `ledger.check_ready` (in the store's move step), as the caller sees it: the
+    engine rule is `check_engine`'s 403, the engine_id rule a 422 naming the field."""
+    prefill = exc.prefill_instance_id
+    if exc.rule == "engine":
+        check_engine(engine, (prefill,), f"mark READY a handoff of prefill {prefill}")  # raises Forbidden
+    return InvalidInput(
+        f"body.engine_id: {location.engine_id!r} is not the engine of this handoff's prefill {prefill} "
+        f"({exc.registered!r})"
+    )
 
 
 class MetaService:
@@ -169,27 +182,12 @@ class MetaService:
 
     async def mark_ready(self, transfer_id: str, location: KVLocation, *, engine: str | None = None) -> Handoff:
         logs.transfer_id.set(check_id(transfer_id, "transfer_id"))
-        if engine is not None or location.engine_id is not None:
-            await self._check_ready(transfer_id, location, engine)
-        with core_errors(transfer_id):
-            return self._moved(await self.store.mark_ready(transfer_id, location, now=self.clock()))
-
-    async def _check_ready(self, transfer_id: str, location: KVLocation, engine: str | None) -> None:
-        """READY by the handoff's own prefill: an engine token must name it, and a location's `engine_id`
-        must be the one that prefill registered (when both are stated). Costs a read or two, only when
-        the caller is an engine token or the location names an engine."""
-        rec = await self.store.get_handoff(transfer_id)
-        if rec is None:
-            return  # the move answers 404
-        check_engine(engine, (rec.prefill_instance_id,), f"mark READY a handoff of prefill {rec.prefill_instance_id}")
-        if location.engine_id is None:
-            return
-        inst = await self.store.get_instance(rec.prefill_instance_id, now=self.clock())
-        if inst is not None and inst.engine_id is not None and inst.engine_id != location.engine_id:
-            raise InvalidInput(
-                f"body.engine_id: {location.engine_id!r} is not the engine of this handoff's prefill "
-                f"{rec.prefill_instance_id} ({inst.engine_id!r})"
-            )
+        try:
+            with core_errors(transfer_id):
+                moved = await self.store.mark_ready(transfer_id, location, now=self.clock(), engine=engine)
+        except ledger.NotItsPrefill as exc:
+            raise _not_its_prefill(exc, location, engine) from None
+        return self._moved(moved)
 
     async def claim(
         self, transfer_id: str, decode_instance_id: str, lease_s: float | None = None, *, engine: str | None = None

@@ -112,7 +112,12 @@ class Store(ABC):
     async def get_handoff(self, transfer_id: str) -> Handoff | None: ...
 
     @abstractmethod
-    async def mark_ready(self, transfer_id: str, location: KVLocation, *, now: float) -> Moved: ...
+    async def mark_ready(
+        self, transfer_id: str, location: KVLocation, *, now: float, engine: str | None = None
+    ) -> Moved:
+        """PENDING -> READY, held to `ledger.check_ready` in the same atomic step (`engine`: the caller's
+        engine token's instance, None for full access; the location's `engine_id` against the live
+        prefill's): NotItsPrefill when refused, checked after HandoffNotFound and before the state."""
 
     @abstractmethod
     async def claim(self, transfer_id: str, decode_instance_id: str, *, now: float, lease_s: float) -> Moved: ...

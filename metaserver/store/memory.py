@@ -199,9 +199,17 @@ class MemoryStore(Store):
     async def get_handoff(self, transfer_id: str) -> Handoff | None:
         return self._handoffs.get(transfer_id)
 
-    async def mark_ready(self, transfer_id: str, location: KVLocation, *, now: float) -> Moved:
+    async def mark_ready(
+        self, transfer_id: str, location: KVLocation, *, now: float, engine: str | None = None
+    ) -> Moved:
         async with self._lock:
             rec = self._get(transfer_id)
+            if engine is not None or location.engine_id is not None:
+                prefill = self._live(rec.prefill_instance_id, now) if location.engine_id is not None else None
+                registered = prefill.engine_id if prefill is not None else None
+                ledger.check_ready(
+                    rec.prefill_instance_id, engine=engine, engine_id=location.engine_id, registered=registered
+                )
             return self._store(rec.state, ledger.mark_ready(rec, location, now=now), now)
 
     async def claim(self, transfer_id: str, decode_instance_id: str, *, now: float, lease_s: float) -> Moved:

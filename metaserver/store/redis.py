@@ -204,19 +204,30 @@ class RedisStore(Store):
         return cast(dict[str, str], await self._guard(self._redis.hgetall(key)))
 
     async def _move(
-        self, name: str, transfer_id: str, now: float, *, caller: str | None = None, value: str = "", lease: str = ""
+        self,
+        name: str,
+        transfer_id: str,
+        now: float,
+        *,
+        caller: str | None = None,
+        value: str = "",
+        lease: str = "",
+        ready_check: tuple[str, str, str] | None = None,
     ) -> Moved:
-        """One row of `ledger.MOVES`, applied by `move.lua`; its refusals are `ledger.refused`'s."""
+        """One row of `ledger.MOVES`, applied by `move.lua`; its refusals are `ledger.refused`'s, and
+        with `ready_check` (one Redis only: `mark_ready`) `ledger.check_ready`'s."""
         shard = await self._shard(transfer_id)
         if shard is None:
             raise HandoffNotFound(f"handoff {transfer_id} not found")
-        args: _Args = [repr(now), transfer_id, name, caller or "", value, lease]
+        args: _Args = [repr(now), transfer_id, name, caller or "", value, lease, *(ready_check or ())]
         keys = [shard.deadlines, shard.handoff(transfer_id)]
         res = await self._guard(self._pipeliner.call(self._scripts["move"], keys, args))
         if res[0] == "ok":
             return Moved(S(res[1]), _handoff(_pairs(res[2:])))
         if res[0] == "missing":
             raise HandoffNotFound(f"handoff {transfer_id} not found")
+        if res[0] == "not_its_prefill":  # {'not_its_prefill', rule, prefill, registered}: _lib.lua's check_ready
+            raise ledger.NotItsPrefill(res[1], res[2], res[3] if res[1] == "engine_id" else None)
         claimant = res[2] if len(res) > 2 else None
         raise ledger.refused(ledger.MOVES[name], S(res[1]), claimant=claimant, caller=caller)
 
@@ -338,8 +349,33 @@ class RedisStore(Store):
         d = await self._hash(shard.handoff(transfer_id)) if shard is not None else None
         return _handoff(d) if d else None
 
-    async def mark_ready(self, transfer_id: str, location: KVLocation, *, now: float) -> Moved:
-        return await self._move("ready", transfer_id, now, value=location.model_dump_json())
+    async def mark_ready(
+        self, transfer_id: str, location: KVLocation, *, now: float, engine: str | None = None
+    ) -> Moved:
+        value = location.model_dump_json()
+        if engine is None and location.engine_id is None:
+            return await self._move("ready", transfer_id, now, value=value)
+        if self.keys.sharded:
+            # A Redis Cluster: the registry (`{PREFIX}:i:<id>`) is in another slot than the ledger shard, so
+            # move.lua cannot read it; check with two reads first (a check, then the move: not one atomic
+            # step, as before the rule moved into the script), then move unchecked.
+            await self._check_ready_by_reads(transfer_id, location, engine, now)
+            return await self._move("ready", transfer_id, now, value=value)
+        # One Redis (plain or Sentinel): the registry shares the shard's hash tag `{PREFIX}` (keys.py), so
+        # move.lua checks in the move's own step, no round trip added. ARGV[7..9]: _lib.lua's check_ready.
+        engine_id = ("1", location.engine_id) if location.engine_id is not None else ("0", "")
+        return await self._move("ready", transfer_id, now, value=value, ready_check=(engine or "", *engine_id))
+
+    async def _check_ready_by_reads(
+        self, transfer_id: str, location: KVLocation, engine: str | None, now: float
+    ) -> None:
+        rec = await self.get_handoff(transfer_id)
+        if rec is None:
+            return  # the move answers 404
+        prefill = rec.prefill_instance_id
+        inst = await self.get_instance(prefill, now=now) if location.engine_id is not None else None
+        registered = inst.engine_id if inst is not None else None
+        ledger.check_ready(prefill, engine=engine, engine_id=location.engine_id, registered=registered)
 
     async def claim(self, transfer_id: str, decode_instance_id: str, *, now: float, lease_s: float) -> Moved:
         return await self._move("claim", transfer_id, now, caller=decode_instance_id, lease=repr(lease_s))

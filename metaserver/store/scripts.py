@@ -85,6 +85,7 @@ def config(keys: Keys, policy: LedgerPolicy) -> dict[str, Any]:
         "claimed": ledger.CLAIMED_STATE,
         "pending": ledger.FIRST_STATE,
         "kept": registry.KEPT_ON_REREGISTER,
+        "instance_prefix": keys.instance_prefix,
     }
 
 

@@ -12,11 +12,13 @@
 --   CFG.lapses  ledger.LAPSES (move names, tried in order)   CFG.claimed  ledger.CLAIMED_STATE
 --   CFG.pending ledger.FIRST_STATE (a new record's state; leaving it wakes long-polls)
 --   CFG.kept    registry.KEPT_ON_REREGISTER
+--   CFG.instance_prefix  a registry record's key before its id (`{PREFIX}:i:`, keys.py; check_ready)
 --
 -- Layout shared by the handoff scripts:
 --   KEYS[1] the shard's deadlines zset; KEYS[2] the handoff hash (absent in expire.lua)
 --   ARGV[1] now (epoch s)  ARGV[2] transfer_id  ARGV[3...] the script's own arguments
 -- Replies: {'ok', before_state, field, value, ...} | {'missing'} | {'illegal', state[, claimant]} | {'exists', state}
+--          | {'not_its_prefill', rule, prefill_instance_id, registered_engine_id} (move.lua's READY: check_ready)
 -- No rule is written here: `apply_move` interprets a row of ledger.MOVES, as ledger.apply does in Python.
 
 -- The shard's key base ('{TAG}:'): every ledger key a script derives (records, event streams, state
@@ -152,4 +154,28 @@ end
 local function instance_live(key, now)
   local rec = redis.call('HMGET', key, 'last_heartbeat', 'lease_s')
   return rec[1] and tonumber(rec[1]) + tonumber(rec[2]) >= tonumber(now)
+end
+
+-- The twin of ledger.check_ready (the rule is written there; same order, same outcomes): a READY only by
+-- the handoff's own prefill. `engine` the caller's engine token's instance ('' = full access);
+-- `has_engine_id` '1' when the location states `engine_id`. nil, or the {'not_its_prefill', ...} reply.
+-- One Redis only: the prefill's registry hash is read in this atomic step without being in KEYS, which
+-- holds because it shares the single ledger shard's hash tag `{PREFIX}` (keys.py). On a Cluster it is in
+-- another slot, so store/redis.py checks with reads and never sends these arguments there.
+local function check_ready(key, now, engine, has_engine_id, engine_id)
+  local prefill = redis.call('HGET', key, 'prefill_instance_id')
+  if engine ~= '' and engine ~= prefill then
+    return {'not_its_prefill', 'engine', prefill, ''}
+  end
+  if has_engine_id == '1' then
+    local ikey = CFG.instance_prefix .. prefill
+    if instance_live(ikey, now) then
+      -- the registered engine_id is in the record's JSON document (store/redis.py `register`)
+      local registered = cjson.decode(redis.call('HGET', ikey, 'doc'))['engine_id']
+      if type(registered) == 'string' and registered ~= engine_id then
+        return {'not_its_prefill', 'engine_id', prefill, registered}
+      end
+    end
+  end
+  return nil
 end

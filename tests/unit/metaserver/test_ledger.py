@@ -134,3 +134,30 @@ def test_event_for_a_terminal_record() -> None:
     rec = ledger.abort(new(), "client gone", now=101)
     ev = ledger.event_for(rec)
     assert (ev.transfer_id, ev.kv_key, ev.state, ev.reason, ev.at) == ("t", 7, S.ABORTED, "client gone", 101)
+
+
+@pytest.mark.parametrize(
+    ("engine", "engine_id", "registered", "rule"),
+    [
+        (None, None, None, None),
+        ("p0", None, "eng-p0", None),  # its own engine token, no engine_id stated
+        ("p1", None, None, "engine"),  # another instance's engine token
+        ("p1", "eng-x", "eng-p0", "engine"),  # the engine rule is checked first
+        (None, "eng-p0", "eng-p0", None),
+        (None, "eng-x", "eng-p0", "engine_id"),
+        (None, "eng-x", None, None),  # the prefill not registered, or registered without an engine_id
+        (None, "eng-x", "", "engine_id"),  # an empty engine_id is a value, not "none"
+        (None, "", "eng-p0", "engine_id"),
+    ],
+)
+def test_ready_only_by_the_handoffs_own_prefill(
+    engine: str | None, engine_id: str | None, registered: str | None, rule: str | None
+) -> None:
+    if rule is None:
+        ledger.check_ready("p0", engine=engine, engine_id=engine_id, registered=registered)
+        return
+    with pytest.raises(ledger.NotItsPrefill) as refused:
+        ledger.check_ready("p0", engine=engine, engine_id=engine_id, registered=registered)
+    assert (refused.value.rule, refused.value.prefill_instance_id) == (rule, "p0")
+    assert refused.value.status == (403 if rule == "engine" else 422)
+    assert refused.value.registered == (registered if rule == "engine_id" else None)
