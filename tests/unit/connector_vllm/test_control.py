@@ -3,12 +3,11 @@ claims that wait while a handoff is PENDING, the event feed's liveness, and a cl
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from pdgate.connector.config import ConnectorConfig
@@ -20,6 +19,7 @@ from pdgate.metaserver.settings import MetaSettings
 from pdgate.errors import Code
 from pdgate.meta_client import MetaClient, MetaNotFound
 from pdgate.models import (
+    Handoff,
     HandoffCreate,
     HandoffState,
     InstanceRegistration,
@@ -27,25 +27,16 @@ from pdgate.models import (
     Role,
     TransportKind,
 )
-from tests.support.meta import uid
+from tests.support.meta import sync_meta, uid
 from tests.support.ports import free_port, wait_until
 from tests.support.servers import UvicornThread
 
-T = TypeVar("T")
 
-
-def meta(url: str, fn: Callable[[MetaClient], Awaitable[T]]) -> T:
-    async def run() -> T:
-        async with MetaClient(url) as client:
-            return await fn(client)
-
-    return asyncio.run(run())
-
-
-def config(url: str, instance_id: str, role: str = "prefill", **over: Any) -> ConnectorConfig:
+def config(url: str, role: str = "prefill", instance_id: str | None = None, **over: Any) -> ConnectorConfig:
+    """A connector's settings with short leases and polls, so a test sees heartbeats and the feed quickly."""
     base: dict[str, Any] = dict(
         metaserver_url=url,
-        instance_id=instance_id,
+        instance_id=instance_id or uid(role[0]),
         url="http://127.0.0.1:8100",
         model="tiny",
         role=role,
@@ -64,6 +55,20 @@ def registration(cfg: ConnectorConfig) -> InstanceRegistration:
     )
 
 
+LOCATION = KVLocation(block_ids=[[3, 4]], num_tokens=40, block_size=32, transport=TransportKind.NIXL)
+
+
+def pending_handoff(url: str) -> Handoff:
+    """A PENDING handoff from a registered prefill, as the router makes one before the prefill runs."""
+
+    async def create(c: MetaClient) -> Handoff:
+        prefill = uid("p")
+        await c.register(InstanceRegistration(id=prefill, role=Role.PREFILL, url="http://p:1", model="tiny"))
+        return await c.create_handoff(HandoffCreate(prefill_instance_id=prefill))
+
+    return sync_meta(url, create)
+
+
 class Collector:
     def __init__(self, control: ControlThread) -> None:
         self.control = control
@@ -80,7 +85,7 @@ class Collector:
 
 @pytest.fixture
 def control_and_url(metaserver: UvicornThread) -> Iterator[tuple[ControlThread, ConnectorConfig]]:
-    cfg = config(metaserver.url, uid("ctl"))
+    cfg = config(metaserver.url, instance_id=uid("ctl"))
     control = ControlThread(cfg)
     yield control, cfg
     control.close()
@@ -89,7 +94,7 @@ def control_and_url(metaserver: UvicornThread) -> Iterator[tuple[ControlThread, 
 def test_registration_waits_for_an_absent_metaserver_and_goodbye_deregisters(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cfg = config(url, uid("late"))
+    cfg = config(url, instance_id=uid("late"))
     control = ControlThread(cfg)
     server: UvicornThread | None = None
     try:
@@ -100,13 +105,13 @@ def test_registration_waits_for_an_absent_metaserver_and_goodbye_deregisters(tmp
         Collector(control).wait_for(Registered)
 
         def beat() -> float:
-            return meta(url, lambda c: c.get_instance(cfg.instance_id)).last_heartbeat
+            return sync_meta(url, lambda c: c.get_instance(cfg.instance_id)).last_heartbeat
 
         first = beat()
         wait_until(lambda: beat() > first, what="heartbeat")
         control.close()
         with pytest.raises(MetaNotFound):
-            meta(url, lambda c: c.get_instance(cfg.instance_id))
+            sync_meta(url, lambda c: c.get_instance(cfg.instance_id))
     finally:
         control.close()
         if server is not None:
@@ -118,15 +123,12 @@ def test_claim_waits_while_the_handoff_is_pending(
 ) -> None:
     control, cfg = control_and_url
     url = metaserver.url
-    prefill = uid("p")
-    meta(url, lambda c: c.register(InstanceRegistration(id=prefill, role=Role.PREFILL, url="http://p:1", model="tiny")))
-    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=prefill)))
+    h = pending_handoff(url)
     collector = Collector(control)
     control.submit([Claim(h.transfer_id)])
     time.sleep(0.3)
     assert not [r for r in control.drain() if isinstance(r, (Claimed, ClaimFailed))]  # still PENDING
-    loc = KVLocation(block_ids=[[3, 4]], num_tokens=40, block_size=32, transport=TransportKind.NIXL)
-    meta(url, lambda c: c.mark_ready(h.transfer_id, loc))
+    sync_meta(url, lambda c: c.mark_ready(h.transfer_id, LOCATION))
     claimed = collector.wait_for(Claimed)
     assert claimed.handoff.state is HandoffState.CLAIMED and claimed.handoff.decode_instance_id == cfg.instance_id
     assert claimed.handoff.location.block_ids == [[3, 4]]
@@ -137,10 +139,8 @@ def test_claim_of_an_aborted_handoff_fails_as_gone(
 ) -> None:
     control, _ = control_and_url
     url = metaserver.url
-    prefill = uid("p")
-    meta(url, lambda c: c.register(InstanceRegistration(id=prefill, role=Role.PREFILL, url="http://p:1", model="tiny")))
-    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=prefill)))
-    meta(url, lambda c: c.abort(h.transfer_id, "test"))
+    h = pending_handoff(url)
+    sync_meta(url, lambda c: c.abort(h.transfer_id, "test"))
     control.submit([Claim(h.transfer_id)])
     failed = Collector(control).wait_for(ClaimFailed)
     assert failed.code is Code.HANDOFF_TERMINAL
@@ -154,11 +154,9 @@ def test_claim_of_a_handoff_another_decode_holds_fails_at_once(
     well within `ready_wait_s`, so a connector that waited it out would report Claimed instead."""
     control, _ = control_and_url
     url = metaserver.url
-    prefill = uid("p")
-    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=prefill)))
-    loc = KVLocation(block_ids=[[3, 4]], num_tokens=40, block_size=32, transport=TransportKind.NIXL)
-    meta(url, lambda c: c.mark_ready(h.transfer_id, loc))
-    meta(url, lambda c: c.claim(h.transfer_id, uid("other-decode"), lease_s=0.5))
+    h = pending_handoff(url)
+    sync_meta(url, lambda c: c.mark_ready(h.transfer_id, LOCATION))
+    sync_meta(url, lambda c: c.claim(h.transfer_id, uid("other-decode"), lease_s=0.5))
     control.submit([Claim(h.transfer_id)])
     collector = Collector(control)
     failed = collector.wait_for(ClaimFailed)
@@ -177,8 +175,8 @@ def test_feed_reports_terminal_states_and_stays_alive(
     wait_until(lambda: control.feed_ok_at is not None, what="feed")
     first = control.feed_ok_at
     assert first is not None
-    h = meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=cfg.instance_id)))
-    meta(url, lambda c: c.abort(h.transfer_id, "client gone"))
+    h = sync_meta(url, lambda c: c.create_handoff(HandoffCreate(prefill_instance_id=cfg.instance_id)))
+    sync_meta(url, lambda c: c.abort(h.transfer_id, "client gone"))
     term = collector.wait_for(Terminal)
     assert (term.transfer_id, term.state, term.reason) == (h.transfer_id, "ABORTED", "client gone")
     wait_until(lambda: (control.feed_ok_at or 0) > first, what="the feed to keep polling")
@@ -186,7 +184,7 @@ def test_feed_reports_terminal_states_and_stays_alive(
 
 def test_stats_are_written_atomically_and_the_last_one_wins(metaserver: UvicornThread, tmp_path: Path) -> None:
     path = tmp_path / "stats" / "c.json"
-    control = ControlThread(config(metaserver.url, uid("st"), stats_file=str(path)))
+    control = ControlThread(config(metaserver.url, instance_id=uid("st"), stats_file=str(path)))
     try:
         for i in range(20):
             control.submit([WriteStats({"counters": {"recv_ok": i}})])

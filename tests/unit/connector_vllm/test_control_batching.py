@@ -8,9 +8,9 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -39,23 +39,14 @@ from pdgate.models import (
     HandoffState,
     KVLocation,
 )
-from tests.support.meta import store_url, uid
+from tests.support.meta import store_url, sync_meta, uid
 from tests.support.ports import wait_until
 from tests.support.redis import RedisServer
 from tests.support.servers import UvicornThread
 
-T = TypeVar("T")
 S = HandoffState
 LOCATION = KVLocation(block_ids=[[1, 2, 3]], num_tokens=48)
 N = 24
-
-
-def meta(url: str, fn: Callable[[MetaClient], Awaitable[T]]) -> T:
-    async def run() -> T:
-        async with MetaClient(url) as client:
-            return await fn(client)
-
-    return asyncio.run(run())
 
 
 def config(url: str, role: str, **over: Any) -> ConnectorConfig:
@@ -76,7 +67,7 @@ def handoffs(url: str, n: int, *, ready: bool = False, claimed_by: str | None = 
         if claimed_by:
             await c.batch([BatchClaim(transfer_id=t, decode_instance_id=claimed_by) for t in ids])
 
-    meta(url, run)
+    sync_meta(url, run)
     return ids
 
 
@@ -177,7 +168,7 @@ def test_every_kind_of_call_waiting_together_rides_in_one_request(server: Uvicor
             async def read(c: MetaClient) -> set[HandoffState]:
                 return {(await c.get_handoff(t)).state for t in doomed}
 
-            return meta(url, read)
+            return sync_meta(url, read)
 
         wait_until(lambda: states() == {S.ABORTED}, what="aborts")
         assert requests_seen(url)["/v1/handoffs/batch"] - before == 1
@@ -205,7 +196,7 @@ def test_an_unreachable_metaserver_is_retried_for_each_call_of_the_batch(redis_s
         second = UvicornThread(create_app(MetaSettings(store=store)), port=port).start()
         recorded = results.wait(ReadyRecorded, set(ids))
         assert all(r.kv_key for r in recorded.values())
-        states = meta(second.url, lambda c: asyncio.gather(*(c.get_handoff(t) for t in ids)))
+        states = sync_meta(second.url, lambda c: asyncio.gather(*(c.get_handoff(t) for t in ids)))
         assert {h.state for h in states if isinstance(h, Handoff)} == {S.READY}
     finally:
         control.close()

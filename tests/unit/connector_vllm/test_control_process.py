@@ -4,14 +4,11 @@ goes away with its parent's pipe; a dead child never raises into the engine thre
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterator
 
 import pytest
-from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.control_process import ControlProcess
 from pdgate.connector.messages import Claim, Claimed, Register, Registered, Result
 from pdgate.metaserver.app import create_app
@@ -22,40 +19,12 @@ from pdgate.models import (
     BatchCreate,
     BatchReady,
     HandoffState,
-    InstanceRegistration,
     KVLocation,
-    Role,
 )
-from tests.support.meta import uid
+from tests.support.meta import sync_meta, uid
 from tests.support.ports import wait_until
 from tests.support.servers import UvicornThread
-
-T = TypeVar("T")
-
-
-def meta(url: str, fn: Callable[[MetaClient], Awaitable[T]]) -> T:
-    async def run() -> T:
-        async with MetaClient(url) as client:
-            return await fn(client)
-
-    return asyncio.run(run())
-
-
-def config(url: str, role: str) -> ConnectorConfig:
-    return ConnectorConfig(
-        metaserver_url=url,
-        instance_id=uid(role[0]),
-        url="http://127.0.0.1:8100",
-        model="tiny",
-        role=role,
-        lease_s=3.0,
-        heartbeat_s=0.5,
-        feed_wait_s=0.5,
-    )
-
-
-def registration(cfg: ConnectorConfig) -> InstanceRegistration:
-    return InstanceRegistration(id=cfg.instance_id, role=Role(cfg.role), url=cfg.url, model=cfg.model)
+from tests.unit.connector_vllm.test_control import config, registration
 
 
 @pytest.fixture
@@ -82,11 +51,11 @@ def test_a_prefill_registers_reports_its_feed_and_says_goodbye(server: UvicornTh
         control.submit([Register(registration(cfg))])
         wait_results(control, kept, lambda rs: any(isinstance(r, Registered) for r in rs))
         wait_results(control, kept, lambda rs: control.feed_ok_at is not None)
-        assert meta(server.url, lambda c: c.get_instance(cfg.instance_id)).id == cfg.instance_id
+        assert sync_meta(server.url, lambda c: c.get_instance(cfg.instance_id)).id == cfg.instance_id
     finally:
         control.close()
     with pytest.raises(MetaNotFound):  # the child deregistered before it exited
-        meta(server.url, lambda c: c.get_instance(cfg.instance_id))
+        sync_meta(server.url, lambda c: c.get_instance(cfg.instance_id))
     assert control._proc.returncode == 0
 
 
@@ -98,7 +67,7 @@ def test_claims_are_answered_across_the_process_boundary(server: UvicornThread) 
         await c.batch([BatchCreate(prefill_instance_id="p0", transfer_id=t) for t in ids])
         await c.batch([BatchReady(transfer_id=t, location=location) for t in ids])
 
-    meta(server.url, prepare)
+    sync_meta(server.url, prepare)
     cfg = config(server.url, "decode")
     control = ControlProcess(cfg)
     try:
