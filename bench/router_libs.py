@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from bench.router_procs import PY, Procs, tree_cpu_seconds
+from bench.router_scripts import READ_BODY
 from tests.support.ports import free_port
 from tests.support.servers import wait_http
 
@@ -23,20 +24,17 @@ __all__ = ["SERVER_KINDS", "measure_libs", "server_cpu"]
 SERVER_KINDS = ("raw", "guarded", "lane", "starlette", "fastapi")
 
 
-LIB_SERVER = """
+LIB_SERVER = (
+    READ_BODY
+    + """
 import sys, orjson
 BODY = orjson.dumps({"id": "cmpl-1", "choices": [{"index": 0, "text": "hello", "finish_reason": "length"}],
                      "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]]}})
 kind, port = sys.argv[1], int(sys.argv[2])
 async def raw(scope, receive, send):
-    if scope["type"] != "http":
-        while True:
-            m = await receive()
-            if m["type"] == "lifespan.startup": await send({"type": "lifespan.startup.complete"})
-            elif m["type"] == "lifespan.shutdown": await send({"type": "lifespan.shutdown.complete"}); return
-    body, more = b"", True
-    while more:
-        m = await receive(); body += m.get("body", b""); more = m.get("more_body", False)
+    body = await read_body(scope, receive, send)
+    if body is None:
+        return
     orjson.loads(body)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": BODY})
@@ -63,6 +61,7 @@ if kind in ("guarded", "lane"):  # the router's own protocol, without and with i
 import uvicorn
 uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, http=http)
 """
+)
 
 
 async def client_cpu(kind: str, url: str, n: int, conc: int) -> float:

@@ -4,10 +4,26 @@ reads as the measurement, and these read as what is measured against."""
 
 from __future__ import annotations
 
-__all__ = ["CANNED", "TOY_PROXY"]
+__all__ = ["CANNED", "READ_BODY", "TOY_PROXY"]
+
+# What every raw ASGI server here starts with: the lifespan protocol answered, else the request body read whole.
+READ_BODY = """
+async def read_body(scope, receive, send):
+    if scope["type"] != "http":
+        while True:
+            m = await receive()
+            if m["type"] == "lifespan.startup": await send({"type": "lifespan.startup.complete"})
+            elif m["type"] == "lifespan.shutdown": await send({"type": "lifespan.shutdown.complete"}); return None
+    body, more = b"", True
+    while more:
+        m = await receive(); body += m.get("body", b""); more = m.get("more_body", False)
+    return body
+"""
 
 # Canned engines and metaserver in one raw ASGI process: isolates the router's own cost.
-CANNED = r"""
+CANNED = (
+    READ_BODY
+    + r"""
 import sys, time, orjson
 port = int(sys.argv[1]); url = f"http://127.0.0.1:{port}"
 KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p1", "remote_block_ids": [[1, 2, 3]],
@@ -27,14 +43,9 @@ INSTANCES = orjson.dumps({"instances": [inst("p1", "prefill"), inst("d1", "decod
 MODELS = orjson.dumps({"object": "list", "data": [{"id": "sim-model", "object": "model", "created": 0,
                                                    "owned_by": "canned", "max_model_len": 4096}]})
 async def app(scope, receive, send):
-    if scope["type"] != "http":
-        while True:
-            m = await receive()
-            if m["type"] == "lifespan.startup": await send({"type": "lifespan.startup.complete"})
-            elif m["type"] == "lifespan.shutdown": await send({"type": "lifespan.shutdown.complete"}); return
-    body, more = b"", True
-    while more:
-        m = await receive(); body += m.get("body", b""); more = m.get("more_body", False)
+    body = await read_body(scope, receive, send)
+    if body is None:
+        return
     path, status, out = scope["path"], 200, b"{}"
     if path == "/v1/handoffs":
         status = 201
@@ -66,6 +77,7 @@ async def app(scope, receive, send):
 import uvicorn
 uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 """
+)
 
 TOY_PROXY = """
 import itertools, sys, uuid, httpx
