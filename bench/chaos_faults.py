@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 from chaos_run import Ctx
-from chaos_stack import TOKEN, Proc, held_blocks, sim_stats, wait_ready
+from chaos_stack import TOKEN, Proc, held_blocks, metric_by_label, sim_stats, wait_ready
 
 __all__ = ["SCENARIOS"]
 
@@ -208,16 +208,7 @@ def _restart_sim(ctx: Ctx, role: str, iid: str, port: int) -> Proc:
 
 def _undisaggregated(router_url: str) -> dict[str, float] | None:
     """pdgate_router_undisaggregated_total by reason: requests the router served whole (None: no answer)."""
-    try:
-        text = httpx.get(router_url + "/metrics", timeout=2.0).text
-    except httpx.HTTPError:
-        return None
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("pdgate_router_undisaggregated_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in line else ""
-            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return metric_by_label(router_url, "pdgate_router_undisaggregated_total", "reason")
 
 
 def after_all_prefills(ctx: Ctx) -> None:

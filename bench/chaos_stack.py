@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.redis import RedisServer  # noqa: E402
 
-__all__ = ["BIN", "Proc", "Procs", "Stack", "Timing"]
+__all__ = ["BIN", "Proc", "Procs", "Stack", "Timing", "metric_by_label"]
 
 BIN = Path(sys.executable).parent
 TOKEN = "chaos-admin"
@@ -214,11 +214,7 @@ class Stack:
         t = self.timing
         assert self.redis is not None
         redis_url = self.redis.url.replace("127.0.0.1", self.where("redis")[1])
-        prefix, host = self.where("metaserver")
-        argv = [
-            *prefix, str(BIN / "pdgate-metaserver"),
-            "--host", host,
-            "--port", str(self.meta_port),
+        flags = [
             "--store", f"{redis_url}?prefix=chaos",
             "--instance-lease-s", str(t.instance_lease_s),
             "--pending-lease-s", str(t.pending_lease_s),
@@ -229,16 +225,11 @@ class Stack:
             "--log-level", "warning",
         ]  # fmt: skip
         env = {"PDGATE_ADMIN_TOKEN": TOKEN}  # secrets through the environment, never argv
-        return self.procs.start("metaserver", argv, url=self.meta_url, port=self.meta_port, env=env)
+        return self._serve("metaserver", "metaserver", "pdgate-metaserver", self.meta_port, flags, env)
 
     def start_router(self, port: int | None = None) -> Proc:
         t = self.timing
-        port = port or free_port()
-        prefix, host = self.where("router")
-        argv = [
-            *prefix, str(BIN / "pdgate-router"),
-            "--host", host,
-            "--port", str(port),
+        flags = [
             "--metaserver", self.meta_url,
             "--metaserver-timeout-s", str(t.metaserver_timeout_s),
             "--refresh-interval-s", str(t.refresh_interval_s),
@@ -251,17 +242,12 @@ class Stack:
             "--log-level", "warning",
         ]  # fmt: skip
         env = {"PDGATE_ROUTER_METASERVER_TOKEN": TOKEN}
-        return self.procs.start("router", argv, url=f"http://{host}:{port}", port=port, env=env)
+        return self._serve("router", "router", "pdgate-router", port or free_port(), flags, env)
 
     def start_sim(self, role: str, iid: str, port: int | None = None) -> Proc:
         t = self.timing
-        port = port or free_port()
-        prefix, host = self.where(iid)
-        argv = [
-            *prefix, str(BIN / "pdgate-sim"),
+        flags = [
             "--role", role,
-            "--host", host,
-            "--port", str(port),
             "--instance-id", iid,
             "--metaserver", self.meta_url,
             "--metaserver-timeout-s", str(t.metaserver_timeout_s),
@@ -273,7 +259,13 @@ class Stack:
             # stream on another instance (router/resume.py) instead of ending it with an error.
             "--token-ids",
         ]  # fmt: skip
-        return self.procs.start(f"sim-{iid}", argv, url=f"http://{host}:{port}", port=port, env=SIM_ENV)
+        return self._serve(f"sim-{iid}", iid, "pdgate-sim", port or free_port(), flags, SIM_ENV)
+
+    def _serve(self, name: str, place: str, binary: str, port: int, flags: list[str], env: dict[str, str]) -> Proc:
+        """One pdgate server where `place` puts it (this host, or a network namespace), on `port`."""
+        prefix, host = self.where(place)
+        argv = [*prefix, str(BIN / binary), "--host", host, "--port", str(port), *flags]
+        return self.procs.start(name, argv, url=f"http://{host}:{port}", port=port, env=env)
 
     @property
     def sims(self) -> list[Proc]:
@@ -283,18 +275,25 @@ class Stack:
 # -- what the stack reports ----------------------------------------------------------------------
 
 
-def handoff_gauge(meta_url: str) -> dict[str, float] | None:
-    """Live handoffs by state, from the metaserver's /metrics (None when it cannot answer)."""
+def metric_by_label(url: str, metric: str, label: str) -> dict[str, float] | None:
+    """One metric from `url`'s /metrics, summed per value of `label` ("" where a sample lacks it); None when
+    the server cannot answer, which a fault scenario must tell apart from an empty count."""
     try:
-        text = httpx.get(meta_url + "/metrics", timeout=2.0).text
+        text = httpx.get(url + "/metrics", timeout=2.0).text
     except httpx.HTTPError:
         return None
     out: dict[str, float] = {}
+    key = f'{label}="'
     for line in text.splitlines():
-        if line.startswith("pdgate_metaserver_handoffs{"):
-            state = line.split('state="', 1)[1].split('"', 1)[0]
-            out[state] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(metric + "{"):
+            value = line.split(key, 1)[1].split('"', 1)[0] if key in line else ""
+            out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def handoff_gauge(meta_url: str) -> dict[str, float] | None:
+    """Live handoffs by state, from the metaserver's /metrics (None when it cannot answer)."""
+    return metric_by_label(meta_url, "pdgate_metaserver_handoffs", "state")
 
 
 def sim_stats(url: str, *, log: bool = False) -> dict[str, Any] | None:
