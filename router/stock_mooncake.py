@@ -7,7 +7,7 @@ the way vLLM's own proxy does (`examples/online_serving/disaggregated_serving/mo
 mooncake_connector_proxy.py`): it asks the prefill's bootstrap server (`GET <bootstrap>/query`, the
 server each prefill's rank 0 runs on `VLLM_MOONCAKE_BOOTSTRAP_PORT`, default 8998) for the engine id of
 the prefill's DP rank, then sends both copies at the same time:
-- prefill: the prefill copy of the body (`bodies.SplicedBody.prefill`) with
+- prefill: the prefill copy of the body (`bodies.SplicedBody.prefill`) with `min_tokens: 1` and
   `{"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": T}`;
 - decode: the client's body with `{"do_remote_decode": false, "do_remote_prefill": true,
   "transfer_id": T, "remote_engine_id": E, "remote_bootstrap_addr": "http://<prefill host>:<port>"}`.
@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import orjson
 from pdgate.router.attempts import Dispatcher
-from pdgate.router.bodies import SplicedBody
+from pdgate.router.bodies import SplicedBody, with_fields
 from pdgate.router.errors import (
     UPSTREAM_FAILURES,
     NoCompatiblePair,
@@ -245,7 +245,10 @@ class StockMooncake:
     async def _prefill(self, req: ProxiedRequest, p: LiveInstance) -> None:
         where = Where(*p.where("prefill"))
         assert req.spliced is not None
-        payload = req.spliced.prefill(prefill_params(req.tid))
+        # min_tokens 1, as vllm-ascend's proxies send: a prefill whose one token is EOS ends STOPPED, not
+        # LENGTH_CAPPED, and vLLM's connector then frees its blocks unsent (`request_finished`) while the
+        # decode waits for them until VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (480 s).
+        payload = with_fields(req.spliced.prefill(prefill_params(req.tid)), {"min_tokens": 1})
         t = perf_counter()
         try:
             with self._pool.lease(p, req.facts.prompt_tokens, self._clock) as lease:

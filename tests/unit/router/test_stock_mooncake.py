@@ -139,7 +139,7 @@ async def test_prefill_and_decode_go_out_at_once_with_vllms_mooncake_params(meta
     for p, d in zip(prefills, decodes, strict=True):
         tid = p["kv_transfer_params"]["transfer_id"]
         assert p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
-        assert p["max_tokens"] == 1 and p["stream"] is False
+        assert p["max_tokens"] == 1 and p["min_tokens"] == 1 and p["stream"] is False  # no EOS stop: LENGTH_CAPPED
         assert d["max_tokens"] == 5
         assert d["kv_transfer_params"] == {
             "do_remote_decode": False,
