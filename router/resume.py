@@ -21,6 +21,7 @@ the resume point's text.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from time import perf_counter
 from typing import Any
 
@@ -88,14 +89,28 @@ class StreamTrack:
     def received(self) -> int:
         return sum(len(ids) for ids in self.generated.values())
 
-    async def __call__(self, msg: Message) -> None:
-        if msg["type"] == "http.response.start":
-            self._sse = msg["status"] == 200 and any(
-                k == b"content-type" and v.startswith(b"text/event-stream") for k, v in msg["headers"]
-            )
+    def __call__(self, msg: Message) -> Awaitable[None]:
+        """The send (a plain function that returns what the next send returns: no coroutine of its own
+        per token; Garbage is raised at the call)."""
         if msg["type"] != "http.response.body" or not self._sse:
-            await self._send(msg)
-            return
+            if msg["type"] == "http.response.start":
+                self._sse = msg["status"] == 200 and any(
+                    k == b"content-type" and v.startswith(b"text/event-stream") for k, v in msg["headers"]
+                )
+            return self._send(msg)
+        body = msg.get("body", b"")
+        if self.rest or not (body.endswith(b"\n\n") and 0 < body.find(b"\n") == len(body) - 2):
+            return self._relay(msg)
+        # One whole event of one line, as an engine writes each token: neither split nor joined, and the
+        # write goes on as it came when the event is unchanged. (memchr for the first newline: a search
+        # for the blank line costs several times more.) A Garbage event: nothing to send before it.
+        ev = self._event(body[:-2])
+        if ev is None:
+            return self._send(msg)
+        return self._send({**msg, "body": ev + b"\n\n", "more_body": msg.get("more_body", False)})
+
+    async def _relay(self, msg: Message) -> None:
+        """The general path: any number of events, an incomplete one kept back (`rest`)."""
         events, self.rest = split_events(self.rest + msg.get("body", b""))
         more = msg.get("more_body", False)
         bad = None
@@ -105,29 +120,55 @@ class StreamTrack:
                 if not ev:
                     continue
                 try:
-                    if ev.startswith(b"data: ") and ev != _DONE and not ev.startswith(b"data: {"):
-                        raise Garbage(ev[:64].decode("utf-8", "replace"))
-                    out.append(self._event(ev))
+                    new = self._event(ev)
                 except Garbage as exc:  # what came before it goes out; the rest is the engine's failure
                     bad, self.rest = str(exc), b""
                     break
+                out.append((ev if new is None else new) + b"\n\n")
             events = b"".join(out)
         if events or (not more and bad is None):
             await self._send({**msg, "body": events, "more_body": more or bad is not None})
         if bad is not None:
             raise Garbage(bad)
 
-    def _event(self, ev: bytes) -> bytes:
+    def _event(self, ev: bytes) -> bytes | None:
+        """One whole event as the client gets it (no blank line); None: as it came."""
         if not ev.startswith(b"data: {"):
-            return ev + b"\n\n"
+            if ev.startswith(b"data: ") and ev != _DONE:
+                raise Garbage(ev[:64].decode("utf-8", "replace"))
+            return None
         try:
             obj = orjson.loads(ev[6:])
         except orjson.JSONDecodeError as exc:
             raise Garbage(ev[:64].decode("utf-8", "replace")) from exc
-        if not isinstance(obj, dict):
-            return ev + b"\n\n"
-        changed = self._record(obj)
-        return b"data: " + orjson.dumps(obj) + b"\n\n" if changed else ev + b"\n\n"
+        if type(obj) is not dict:
+            return None
+        choices = obj.get("choices")
+        if self.head and type(choices) is list and len(choices) == 1 and "prompt_token_ids" not in obj:
+            changed = self._one(choices[0])  # vLLM's event after the first (n = 1)
+            if changed is not None:
+                return b"data: " + orjson.dumps(obj) if changed else None
+        return b"data: " + orjson.dumps(obj) if self._record(obj) else None
+
+    def _one(self, c: Any) -> bool | None:
+        """`_record` of an event whose only choice is `c` and that lists no prompt ids, the top level
+        left as it is; None when `c` is not of that common shape (`_record` then takes the event)."""
+        if type(c) is not dict or c.get("prompt_token_ids") is not None:
+            return None
+        index = c.get("index", 0)
+        if type(index) is not int:
+            return None
+        tokens = c.get("token_ids")
+        got = self.generated.setdefault(index, [])
+        if type(tokens) is list:
+            got.extend(tokens)
+        if c.get("finish_reason") is not None:
+            self.finished.add(index)
+        if self.asked_ids or ("token_ids" not in c and "prompt_token_ids" not in c):
+            return False
+        c.pop("token_ids", None)
+        c.pop("prompt_token_ids", None)
+        return True
 
     def _record(self, obj: dict[str, Any]) -> bool:
         """Record what the event carries; True when it was changed (ids taken out)."""
