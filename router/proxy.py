@@ -123,19 +123,6 @@ class Proxy:
             "claim_key": claim_key,
         }
         self._dispatch = Dispatcher(s, **engines)
-        self._mooncake = None
-        if s.kv_protocol == "mooncake":  # vLLM's MooncakeConnector: P and D at once, the pair is retried
-            decoder = Dispatcher(s.model_copy(update={"decode_retries": 0}), **engines)
-            self._mooncake = StockMooncake(
-                s,
-                decoder=decoder,
-                pool=pool,
-                upstream=upstream,
-                metrics=metrics,
-                prefill_policy=prefill_policy,
-                rng=rng,
-                clock=clock,
-            )
         self._whole = Whole(
             s,
             pool=pool,
@@ -148,6 +135,20 @@ class Proxy:
             cached_tokens=getattr(decode_policy, "cached_tokens", None),
         )
         self._dispatch.resume = self._whole.resume
+        self._mooncake = None
+        if s.kv_protocol == "mooncake":  # vLLM's MooncakeConnector: P and D at once, the pair is retried
+            decoder = Dispatcher(s.model_copy(update={"decode_retries": 0}), **engines)
+            decoder.resume = self._whole.resume
+            self._mooncake = StockMooncake(
+                s,
+                decoder=decoder,
+                pool=pool,
+                upstream=upstream,
+                metrics=metrics,
+                prefill_policy=prefill_policy,
+                rng=rng,
+                clock=clock,
+            )
         self._resumable = s.max_resumes > 0
         self._client_keys = ClientKeys(s.api_key)
         self._forward_auth = s.forward_client_auth
@@ -357,6 +358,8 @@ class Proxy:
     async def _pd(self, req: ProxiedRequest, model: str, send: Send) -> str:
         """Prefill, then decode, of one prompt; the decode's answer gets what the prefill's answer adds."""
         if self._mooncake is not None:
+            if self._resumable and req.facts.stream:  # strips the ids the client did not ask for; resumes
+                send = req.track = self._track(req, send)
             return await self._mooncake.pd(req, model, send)
         traced = self._tracing is not None  # without tracing, no phase context managers on the hot path
         if traced:

@@ -85,7 +85,8 @@ class MooncakeEngines:
         if host.startswith("p"):
             return httpx.Response(200, json={**ANSWER, "kv_transfer_params": None})  # vLLM's Mooncake prefill
         if body.get("stream"):
-            sse = b'data: {"choices": [{"index": 0, "text": " ok"}]}\n\ndata: [DONE]\n\n'
+            ids = b', "token_ids": [5]' if body.get("return_token_ids") else b""
+            sse = b'data: {"choices": [{"index": 0, "text": " ok"' + ids + b"}]}\n\ndata: [DONE]\n\n"
             return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
         return httpx.Response(200, json=ANSWER)
 
@@ -159,6 +160,17 @@ async def test_a_stream_is_relayed_from_the_decode(meta: MetaAPI) -> None:
     assert r.headers["content-type"].startswith("text/event-stream")
     assert r.text.endswith("data: [DONE]\n\n")
     assert engines.bodies("d")[0]["stream"] is True and engines.bodies("p")[0]["stream"] is False
+
+
+async def test_a_resumable_stream_keeps_to_what_the_client_asked(meta: MetaAPI) -> None:
+    """With resumes on, the router asks the decode for token ids (to resume a broken stream whole, as
+    on the default path) and takes them out again for a client that did not ask for them."""
+    engines = MooncakeEngines()
+    r = await _ask(meta, engines, {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}, max_resumes=2)
+    assert r.status_code == 200
+    assert engines.bodies("d")[0]["return_token_ids"] is True
+    assert " ok" in r.text
+    assert "token_ids" not in r.text
 
 
 async def test_a_failed_prefill_drops_its_decode_and_the_pair_is_retried_on_another_prefill(meta: MetaAPI) -> None:
