@@ -17,7 +17,7 @@ from pdgate.metaserver.app import create_app, render_problem, server_limits
 from pdgate.metaserver.settings import MetaSettings
 
 from pdgate.serving import guarded_protocol
-from tests.integration.router.test_router_bad_answers import Engine, Script
+from tests.integration.router.test_router_bad_answers import engines  # noqa: F401 (the fixture, for this folder)
 from tests.support.meta import store_url
 from tests.support.redis import RedisServer
 from tests.support.servers import UvicornThread
@@ -76,17 +76,3 @@ def serve(store_kind: str, redis_server: RedisServer) -> Iterator[Serve]:
 
 def registration(iid: str = "p0", url: str = "http://10.0.0.5:8100", **extra: Any) -> dict[str, Any]:
     return {"id": iid, "role": "prefill", "url": url, "model": "m", **extra}
-
-
-@pytest.fixture
-def engines() -> Iterator[Callable[[Script], Engine]]:
-    """Scripted fake engines (tests/integration/router/test_router_bad_answers.py), stopped after the test."""
-    made: list[Engine] = []
-
-    def make(script: Script) -> Engine:
-        made.append(Engine(script))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.stop()
