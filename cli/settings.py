@@ -12,14 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdgate.cli_config import find_config
+from pdgate.settings import reading_toml
 
 __all__ = ["ENV_PREFIX", "CliSettings", "load_settings"]
 
@@ -65,19 +61,4 @@ def load_settings(flags: dict[str, Any]) -> tuple[CliSettings, Path | None]:
         raise FileNotFoundError(f"config file {path} does not exist (named by --config or PDGATE_CLI_CONFIG)")
     if path is None:
         return CliSettings(**flags), None
-
-    class _FromFile(CliSettings):
-        model_config = SettingsConfigDict(toml_file=path)
-
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
-
-    return _FromFile(**flags), path
+    return reading_toml(CliSettings, path)(**flags), path

@@ -7,8 +7,9 @@ Why one module: the router, the metaserver, the simulator and the local launcher
 of this loop (the launcher even its own reading of the environment), and the copies drifted (which
 fields became `append` flags, how defaults were shown, how a boolean was read from the environment).
 Here: the flags (`add_settings_flags`, `settings_parser`), the reading (`parse_settings`: flags given
-on the command line over the environment over the defaults, all validated by the class), and the words
-a command prints when its settings do not validate (`invalid_settings`).
+on the command line over the environment over the defaults, all validated by the class; `reading_toml`
+puts a config file between the environment and the defaults), and the words a command prints when its
+settings do not validate (`invalid_settings`).
 
 A field's metavar is its name in capitals unless the field says otherwise
 (`Field(..., json_schema_extra={"metavar": "URL"})`). A `list[...]` field is a repeatable flag.
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
 
-__all__ = ["add_settings_flags", "given", "invalid_settings", "parse_settings", "settings_parser"]
+__all__ = ["add_settings_flags", "given", "invalid_settings", "parse_settings", "reading_toml", "settings_parser"]
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -101,6 +103,19 @@ def parse_settings(cls: type[S], parser: argparse.ArgumentParser, argv: Sequence
     """The settings: flags given on the command line override the environment, which overrides the
     defaults. Raises pydantic's ValidationError when they do not validate (`invalid_settings` words it)."""
     return cls(**vars(parser.parse_args(argv)))
+
+
+def reading_toml(cls: type[S], path: Path) -> type[S]:
+    """`cls` reading the TOML file at `path` too: below the flags given and the environment (an operator's
+    export or flag overrides what a file says), above the defaults. Nothing else is read (no .env)."""
+
+    def sources(
+        settings_cls: type[BaseSettings], **chain: PydanticBaseSettingsSource
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return chain["init_settings"], chain["env_settings"], TomlConfigSettingsSource(settings_cls, toml_file=path)
+
+    members = {"__module__": cls.__module__, "settings_customise_sources": staticmethod(sources)}
+    return cast("type[S]", type(cls.__name__, (cls,), members))
 
 
 def given(namespace: argparse.Namespace, *, leave_out: Sequence[str] = ()) -> dict[str, Any]:
