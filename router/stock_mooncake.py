@@ -60,7 +60,14 @@ from pdgate.errors import PDGateError
 from pdgate.logs import transfer_id as log_transfer_id
 from pdgate.upstream import Upstream
 
-__all__ = ["MooncakeBootstrap", "StockMooncake", "decode_params", "prefill_params"]
+__all__ = [
+    "MooncakeBootstrap",
+    "StockMooncake",
+    "bootstrap_addr",
+    "check_mooncake_request",
+    "decode_params",
+    "prefill_params",
+]
 
 log = logging.getLogger("pdgate.router.proxy")
 

@@ -24,7 +24,7 @@ What is asserted, on real vLLM:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -71,10 +71,10 @@ def mooncake_kv_config(role: str) -> dict[str, object]:
 class MooncakePair(NixlPair):
     """`NixlPair`'s engines and router, with vLLM's MooncakeConnector instead of NIXL."""
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, *, model_dir: Path, run_dir: Path, venv: Path, log: Callable[[str], None]) -> None:
         self.bootstrap_port = free_port()
-        router_args = [*ROUTER_ARGS, "--kv-protocol", "mooncake", "--mooncake-bootstrap-port", str(self.bootstrap_port)]
-        super().__init__(router_args=router_args, **kwargs)  # type: ignore[arg-type]
+        args = [*ROUTER_ARGS, "--kv-protocol", "mooncake", "--mooncake-bootstrap-port", str(self.bootstrap_port)]
+        super().__init__(model_dir=model_dir, run_dir=run_dir, venv=venv, router_args=args, log=log)
 
     def _launch(self, python: Path, role: str, cpu: str) -> Engine:
         shim = self.run_dir / "cpu-shim"
