@@ -24,7 +24,6 @@ No ledger record is made: the stock connector never reads it (as with stock NIXL
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from random import Random
@@ -238,12 +237,12 @@ class StockMooncake:
                 gate.shut = True  # nothing of this decode reaches the client, even if it answers now
                 raise _result_error(prefill)  # the decode would wait for KV that never comes
             outcome = await decode
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(prefill), self._p_timeout)
-            if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+            if prefill.done() and prefill.exception() is not None:
                 log.warning("mooncake prefill failed after its decode answered: %s", prefill.exception())
             return outcome
         finally:
+            # A prefill still running once its decode answered sent the decode nothing (it sends when its
+            # request has finished, and so has answered): it is cancelled with the rest, not waited for.
             for task in (prefill, decode):
                 if not task.done():
                     task.cancel()  # closes its engine connection: vLLM aborts the request and frees
