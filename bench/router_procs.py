@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.support.procs import end
+
 __all__ = [
     "CLK",
     "LOGS",
@@ -83,13 +85,7 @@ class Procs:
         return proc
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        end(reversed(self.procs), timeout=15)
 
 
 def start_profile(pid: int, seconds: int, raw_out: Path) -> subprocess.Popen[bytes]:

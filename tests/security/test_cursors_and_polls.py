@@ -73,13 +73,8 @@ async def test_polling_an_unknown_instance_leaves_no_feed() -> None:
 @pytest.fixture
 def frozen_redis() -> Iterator[RedisServer]:
     """A redis-server of this test's own, to be frozen with SIGSTOP (never the session's shared one)."""
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:  # closed even when the test left it frozen
         yield server
-    finally:
-        if server.pid is not None:
-            os.kill(server.pid, signal.SIGCONT)
-        server.close()
 
 
 async def test_blocking_read_on_a_frozen_redis_is_bounded(frozen_redis: RedisServer) -> None:

@@ -17,13 +17,8 @@ from tests.support.redis import RedisServer
 
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:  # closed even when the test left it frozen
         yield server
-    finally:
-        if server.pid is not None and server.running:
-            os.kill(server.pid, signal.SIGCONT)
-        server.close()
 
 
 async def test_health_is_503_with_reason_while_redis_is_frozen_or_gone(own_redis: RedisServer) -> None:

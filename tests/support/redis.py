@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from tests.support.ports import free_port
+from tests.support.procs import end
 
 __all__ = ["REDIS_SERVER", "RedisServer"]
 
@@ -82,12 +83,7 @@ class RedisServer:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        end([proc])  # a frozen (SIGSTOP) server too
 
     def restart(self) -> RedisServer:
         self.stop()
