@@ -7,6 +7,7 @@ minute in all (`-m 'not store_ha'` leaves them out).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import closing
 
 import pytest
 
@@ -22,18 +23,12 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def sentinel_group() -> Iterator[SentinelGroup]:
     """A fresh master, replica and three Sentinels (each test may kill or stop members)."""
-    group = SentinelGroup().start()
-    try:
+    with closing(SentinelGroup().start()) as group:
         yield group
-    finally:
-        group.close()
 
 
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisClusterServers]:
     """One three-master cluster for every test here (each test uses its own key prefix)."""
-    cluster = RedisClusterServers().start()
-    try:
+    with closing(RedisClusterServers().start()) as cluster:
         yield cluster
-    finally:
-        cluster.close()

@@ -9,11 +9,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
+from typing import Self
 
-from tests.store_ha.servers import BOUND_S, REDIS_CLI, SERVICE
+from tests.store_ha.servers import REDIS_CLI, SERVICE, Group, wait_for, wait_replica_in_sync, wait_sentinels_formed
 from tests.support.ports import free_port
+from tests.support.procs import end
 
 __all__ = ["SecureSentinelGroup"]
 
@@ -38,7 +39,7 @@ def _certs(d: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
-class SecureSentinelGroup:
+class SecureSentinelGroup(Group):
     """Master + replica (password DATA_PASSWORD) and three Sentinels (password SENTINEL_PASSWORD), TLS only."""
 
     def __init__(self) -> None:
@@ -60,43 +61,27 @@ class SecureSentinelGroup:
         cmd += ["--no-auth-warning", "-a", password, *args]
         return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30).stdout.strip()
 
-    def _start(self, name: str, conf: str, port: int, password: str, *, sentinel: bool = False) -> None:
+    def _start_server(self, name: str, conf: str, port: int, password: str, *, sentinel: bool = False) -> None:
         d = self.root / name
         d.mkdir()
         path = d / "redis.conf"
         path.write_text(f"port 0\ntls-port {port}\nbind 127.0.0.1\ndir {d}\nlogfile {d / 'log'}\n{self._tls()}{conf}")
         cmd = [REDIS_SERVER, str(path)] + (["--sentinel"] if sentinel else [])
         self._procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        self._wait(f"{name} answers over TLS", lambda: self.cli(port, password, "ping") == "PONG")
+        wait_for(f"{name} answers over TLS", lambda: self.cli(port, password, "ping") == "PONG")
 
-    @staticmethod
-    def _wait(what: str, ok: object, timeout: float = BOUND_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if ok():  # type: ignore[operator]
-                    return
-            except subprocess.SubprocessError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"{what} within {timeout} s")
+    def data_cli(self, port: int, *args: str) -> str:
+        return self.cli(port, DATA_PASSWORD, *args)
 
-    def start(self) -> SecureSentinelGroup:
-        """Start everything; on any failure, stop what did start."""
-        try:
-            return self._start_all()
-        except BaseException:
-            self.close()
-            raise
+    def sentinel_cli(self, port: int, *args: str) -> str:
+        return self.cli(port, SENTINEL_PASSWORD, *args)
 
-    def _start_all(self) -> SecureSentinelGroup:
+    def _start(self) -> Self:
         data = f"save ''\nappendonly no\nrequirepass {DATA_PASSWORD}\nmasterauth {DATA_PASSWORD}\n"
-        self._start("master", data, self.master_port, DATA_PASSWORD)
-        self._start("replica", data + f"replicaof 127.0.0.1 {self.master_port}\n", self.replica_port, DATA_PASSWORD)
-        self._wait(
-            "replica in sync",
-            lambda: "master_link_status:up" in self.cli(self.replica_port, DATA_PASSWORD, "info", "replication"),
-        )
+        self._start_server("master", data, self.master_port, DATA_PASSWORD)
+        replica = data + f"replicaof 127.0.0.1 {self.master_port}\n"
+        self._start_server("replica", replica, self.replica_port, DATA_PASSWORD)
+        wait_replica_in_sync(self.data_cli, self.replica_port)
         for i, port in enumerate(self.sentinel_ports):
             conf = (
                 f"requirepass {SENTINEL_PASSWORD}\n"
@@ -105,17 +90,9 @@ class SecureSentinelGroup:
                 f"sentinel sentinel-pass {SENTINEL_PASSWORD}\n"
                 f"sentinel down-after-milliseconds {SERVICE} 1000\n"
             )
-            self._start(f"sentinel-{i}", conf, port, SENTINEL_PASSWORD, sentinel=True)
-        for port in self.sentinel_ports:
-            self._wait(
-                "Sentinels found the replica and each other",
-                lambda p=port: self._field(p, "num-other-sentinels") == "2" and self._field(p, "num-slaves") == "1",
-            )
+            self._start_server(f"sentinel-{i}", conf, port, SENTINEL_PASSWORD, sentinel=True)
+        wait_sentinels_formed(self.sentinel_cli, self.sentinel_ports)
         return self
-
-    def _field(self, port: int, name: str) -> str:
-        lines = self.cli(port, SENTINEL_PASSWORD, "sentinel", "master", SERVICE).splitlines()
-        return dict(zip(lines[::2], lines[1::2], strict=False)).get(name, "")
 
     def url(self, prefix: str) -> str:
         hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
@@ -125,11 +102,5 @@ class SecureSentinelGroup:
         )
 
     def close(self) -> None:
-        for proc in self._procs:
-            proc.terminate()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        end(self._procs)
         self._dir.cleanup()

@@ -14,13 +14,28 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Self
 
-from tests.support.ports import free_port
+from tests.support.ports import free_port, wait_until
+from tests.support.procs import end
 from tests.support.redis import RedisServer
 
-__all__ = ["BOUND_S", "RedisClusterServers", "SentinelGroup", "crash", "redis_cli"]
+__all__ = [
+    "BOUND_S",
+    "Cli",
+    "Group",
+    "RedisClusterServers",
+    "SentinelGroup",
+    "crash",
+    "redis_cli",
+    "sentinel_field",
+    "wait_for",
+    "wait_replica_in_sync",
+    "wait_sentinels_formed",
+]
 
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 SERVICE = "pdgate-master"
@@ -69,19 +84,56 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _wait(what: str, ok: object, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+Cli = Callable[..., str]  # (port, *args): one redis-cli command's stdout, as `redis_cli` (plain) or over TLS
+
+
+def wait_for(what: str, check: Callable[[], bool]) -> None:
+    """Poll `check` until it holds, up to BOUND_S (what is still starting may refuse a command meanwhile)."""
+    wait_until(check, timeout=BOUND_S, interval=0.05, what=what)
+
+
+def sentinel_field(cli: Cli, port: int, name: str) -> str:
+    """One field of the Sentinel on `port`'s view of SERVICE ("" when it has none yet)."""
+    lines = cli(port, "sentinel", "master", SERVICE).splitlines()
+    return dict(zip(lines[::2], lines[1::2], strict=False)).get(name, "")
+
+
+def wait_replica_in_sync(cli: Cli, replica_port: int) -> None:
+    """Until the replica's link to its master is up: a failover before that would promote an empty replica."""
+    wait_for("replica in sync", lambda: "master_link_status:up" in cli(replica_port, "info", "replication"))
+
+
+def wait_sentinels_formed(cli: Cli, sentinel_ports: list[int]) -> None:
+    """Until every Sentinel knows the replica and the two other Sentinels: only then can a quorum of 2 act."""
+
+    def formed(port: int) -> bool:
+        return (
+            sentinel_field(cli, port, "num-other-sentinels") == "2" and sentinel_field(cli, port, "num-slaves") == "1"
+        )
+
+    for port in sentinel_ports:
+        wait_for("Sentinels found the replica and each other", partial(formed, port))
+
+
+class Group:
+    """Servers started together: `start()` runs the subclass's `_start()` and, on any failure, closes what
+    did start (a fixture whose set-up raises is never torn down)."""
+
+    def start(self) -> Self:
         try:
-            if ok():  # type: ignore[operator]
-                return
-        except (subprocess.SubprocessError, OSError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{what} within {timeout} s")
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
 
-class SentinelGroup:
+class SentinelGroup(Group):
     """A master, one replica and three Sentinels (quorum 2) watching it as `SERVICE`.
 
     Detection is fast (`down-after-milliseconds` 1000; lower makes Sentinels on a loaded two-core test
@@ -95,23 +147,11 @@ class SentinelGroup:
         self._sentinels: list[subprocess.Popen[bytes]] = []
         self._dirs: list[Path] = []
 
-    def start(self) -> SentinelGroup:
-        """Start everything; on any failure, stop what did start (a fixture that raises is never closed)."""
-        try:
-            return self._start()
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self) -> SentinelGroup:
+    def _start(self) -> Self:
         self.master.start(BOUND_S)
         self.replica.extra_args += ["--replicaof", "127.0.0.1", str(self.master.port)]
         self.replica.start(BOUND_S)
-        _wait(
-            "replica in sync",
-            lambda: "master_link_status:up" in redis_cli(self.replica.port, "info", "replication"),
-            BOUND_S,
-        )
+        wait_replica_in_sync(redis_cli, self.replica.port)
         for port in self.sentinel_ports:
             d = Path(self.master._dir.name) / f"sentinel-{port}"
             d.mkdir()
@@ -126,14 +166,7 @@ class SentinelGroup:
             cmd = [shutil.which("redis-server") or "/usr/bin/redis-server", str(conf), "--sentinel"]
             self._sentinels.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self._dirs.append(d)
-        for port in self.sentinel_ports:  # every Sentinel knows the replica and the two other Sentinels
-            _wait(
-                "sentinels discovered each other and the replica",
-                lambda p=port: (
-                    _sentinel_field(p, "num-other-sentinels") == "2" and _sentinel_field(p, "num-slaves") == "1"
-                ),
-                BOUND_S,
-            )
+        wait_sentinels_formed(redis_cli, self.sentinel_ports)
         return self
 
     @property
@@ -154,40 +187,21 @@ class SentinelGroup:
         return "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else ""
 
     def close(self) -> None:
-        for proc in self._sentinels:
-            proc.terminate()
-        for proc in self._sentinels:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        end(self._sentinels)
         self.replica.close()
         self.master.close()
-
-
-def _sentinel_field(port: int, name: str) -> str:
-    lines = redis_cli(port, "sentinel", "master", SERVICE).splitlines()
-    return dict(zip(lines[::2], lines[1::2], strict=False)).get(name, "")
 
 
 _CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
 
 
-class RedisClusterServers:
+class RedisClusterServers(Group):
     """Three masters, no replicas, the 16384 slots split evenly by `redis-cli --cluster create`."""
 
     def __init__(self, size: int = 3) -> None:
         self.servers = [RedisServer(cluster_port(), extra_args=list(_CLUSTER_ARGS)) for _ in range(size)]
 
-    def start(self) -> RedisClusterServers:
-        """Start and join the three; on any failure, stop what did start."""
-        try:
-            return self._start()
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self) -> RedisClusterServers:
+    def _start(self) -> Self:
         for server in self.servers:
             server.start(BOUND_S)
         addrs = [f"127.0.0.1:{s.port}" for s in self.servers]
@@ -198,7 +212,10 @@ class RedisClusterServers:
             timeout=30,
         )
         for s in self.servers:
-            _wait("cluster_state:ok", lambda s=s: "cluster_state:ok" in redis_cli(s.port, "cluster", "info"), BOUND_S)
+            wait_for(
+                "cluster_state:ok",
+                partial(lambda port: "cluster_state:ok" in redis_cli(port, "cluster", "info"), s.port),
+            )
         return self
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 
 import pytest
 from pdgate.metaserver.errors import StoreUnavailable
@@ -15,17 +16,15 @@ from pdgate.metaserver.store.redis import RedisStore
 from pdgate.errors import Code
 from pdgate.models import HandoffCreate, HandoffState
 from tests.store_ha.secure import DATA_PASSWORD, SENTINEL_PASSWORD, SecureSentinelGroup
+from tests.store_ha.servers import wait_for
 
 pytestmark = pytest.mark.store_ha
 
 
 @pytest.fixture(scope="module")
 def secure_group() -> Iterator[SecureSentinelGroup]:
-    group = SecureSentinelGroup().start()
-    try:
+    with closing(SecureSentinelGroup().start()) as group:
         yield group
-    finally:
-        group.close()
 
 
 async def test_the_ledger_runs_over_tls_with_both_passwords(secure_group: SecureSentinelGroup) -> None:
@@ -44,9 +43,7 @@ async def test_the_ledger_runs_over_tls_with_both_passwords(secure_group: Secure
         assert isinstance(store, RedisStore)
         key = store.keys.handoff("s1")
         assert secure_group.cli(secure_group.master_port, DATA_PASSWORD, "exists", key) == "1"
-        secure_group._wait(
-            "replicated", lambda: secure_group.cli(secure_group.replica_port, DATA_PASSWORD, "exists", key) == "1"
-        )
+        wait_for("replicated", lambda: secure_group.data_cli(secure_group.replica_port, "exists", key) == "1")
     finally:
         await store.close()
 
