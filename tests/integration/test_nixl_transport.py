@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,16 +117,25 @@ def start_peer(ucx_env: dict[str, str]) -> Iterator[Callable[..., Peer]]:
         peer.kill()
 
 
+@contextmanager
+def decode_side(pull_timeout_s: float) -> Iterator[tuple[NixlTransport, list[np.ndarray]]]:
+    """Decode side in this process, with a DIFFERENT layout (one dense buffer per region); closed after.
+    UCX reads its environment (UCX_TLS) when the transport is made: set it first."""
+    bufs = [np.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in REGION_NAMES]
+    transport = NixlTransport(pull_timeout_s=pull_timeout_s)
+    try:
+        transport.register(
+            [KVRegion.dense(n, b.ctypes.data, BLOCK_LEN, NUM_BLOCKS) for n, b in zip(REGION_NAMES, bufs, strict=True)]
+        )
+        yield transport, bufs
+    finally:
+        transport.close()
+
+
 @pytest.fixture
 def decode(ucx_env: dict[str, str]) -> Iterator[tuple[NixlTransport, list[np.ndarray]]]:
-    """Decode side in this process, with a DIFFERENT layout (one dense buffer per region)."""
-    bufs = [np.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in REGION_NAMES]
-    transport = NixlTransport(pull_timeout_s=5.0)
-    transport.register(
-        [KVRegion.dense(n, b.ctypes.data, BLOCK_LEN, NUM_BLOCKS) for n, b in zip(REGION_NAMES, bufs, strict=True)]
-    )
-    yield transport, bufs
-    transport.close()
+    with decode_side(pull_timeout_s=5.0) as side:
+        yield side
 
 
 def wait_for(transport: NixlTransport, tid: str, bound_s: float) -> tuple[PullResult, float]:
@@ -216,12 +226,7 @@ def test_peer_killed_mid_transfer_fails_before_the_deadline(start_peer, ucx_env,
     # With UCX_TLS=tcp a stopped peer holds the READ open; killing it must end the pull with
     # PeerUnreachable long before the 8 s deadline.
     monkeypatch.setenv("UCX_TLS", "tcp")
-    bufs = [np.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in REGION_NAMES]
-    transport = NixlTransport(pull_timeout_s=8.0)
-    try:
-        transport.register(
-            [KVRegion.dense(n, b.ctypes.data, BLOCK_LEN, NUM_BLOCKS) for n, b in zip(REGION_NAMES, bufs, strict=True)]
-        )
+    with decode_side(pull_timeout_s=8.0) as (transport, _):
         peer = start_peer(seed=17, UCX_TLS="tcp")
         os.kill(peer.pid, signal.SIGSTOP)
         transport.start_pull(PullRequest("mid", 6, peer.address, list(range(64)), list(range(64))))
@@ -230,8 +235,6 @@ def test_peer_killed_mid_transfer_fails_before_the_deadline(start_peer, ucx_env,
         peer.kill()
         res, _ = wait_for(transport, "mid", 8.0)
         assert not res.ok and isinstance(res.error, PeerUnreachable), res.error  # not the 8 s PullTimeout
-    finally:
-        transport.close()
 
 
 def test_peer_dead_before_first_contact_is_unreachable(start_peer, decode) -> None:
@@ -247,12 +250,7 @@ def test_stalled_peer_times_out_then_a_fresh_peer_works(start_peer, ucx_env, mon
     # Over UCX's TCP transport a READ is emulated and needs the target to make progress, so a
     # SIGSTOPped prefill stalls the pull until our deadline fires.
     monkeypatch.setenv("UCX_TLS", "tcp")
-    bufs = [np.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in REGION_NAMES]
-    transport = NixlTransport(pull_timeout_s=1.0)
-    try:
-        transport.register(
-            [KVRegion.dense(n, b.ctypes.data, BLOCK_LEN, NUM_BLOCKS) for n, b in zip(REGION_NAMES, bufs, strict=True)]
-        )
+    with decode_side(pull_timeout_s=1.0) as (transport, bufs):
         stalled = start_peer(seed=14, UCX_TLS="tcp")
         os.kill(stalled.pid, signal.SIGSTOP)
         transport.start_pull(PullRequest("stall", 4, stalled.address, list(range(64)), list(range(64))))
@@ -269,8 +267,6 @@ def test_stalled_peer_times_out_then_a_fresh_peer_works(start_peer, ucx_env, mon
             blocks = local.reshape(NUM_BLOCKS, BLOCK_LEN)
             for s, d in zip(src, dst, strict=True):
                 np.testing.assert_array_equal(blocks[d], prefill_block(fresh.buf, r, int(s), BLOCK_LEN))
-    finally:
-        transport.close()
 
 
 def test_bad_requests_are_rejected_synchronously(start_peer, decode) -> None:
