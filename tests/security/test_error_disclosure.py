@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import httpx
@@ -21,6 +22,7 @@ import pytest
 from pdgate.urls import static_instance_id
 from tests.integration.router.conftest import Deployment
 from tests.integration.router.test_router_bad_answers import Engine, Script, head
+from tests.integration.router.test_router_bad_answers import router as pd_router
 from tests.security.hostile_engine import MODEL, Decode, prefill
 from tests.support.ports import wait_until
 
@@ -34,18 +36,7 @@ def failing(req: dict[str, Any]) -> bytes:
     return head("503 Service Unavailable", "content-type: text/plain", f"content-length: {len(body)}") + body
 
 
-def router(prefills: list[Engine], decodes: list[Engine], **settings: Any) -> Deployment:
-    return Deployment(
-        prefill=[e.url for e in prefills],
-        decode=[e.url for e in decodes],
-        model=MODEL,
-        admin_token=TOKEN,
-        **{
-            "whole_on_failure": False,
-            "max_resumes": 0,
-            **settings,
-        },  # the PD path's own errors (router/whole.py serves them whole by default)
-    )
+router = partial(pd_router, admin_token=TOKEN)  # scripted engines, the PD path alone
 
 
 def admin_names(d: Deployment) -> dict[str, str]:

@@ -10,6 +10,7 @@ cloud metadata address), which a decode then pulls from without asking the ledge
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import openai
@@ -19,26 +20,15 @@ from pdgate.claim_seal import claim_key
 from pdgate.contract import KVTransferParams
 from pdgate.models import KVLocation
 from pdgate.urls import static_instance_id
-from tests.integration.router.conftest import Deployment
 from tests.integration.router.test_router_bad_answers import Engine, Script
+from tests.integration.router.test_router_bad_answers import router as pd_router
 from tests.security.hostile_engine import FIRST_ID, LOCATION, MODEL, Decode, prefill
 
 TOKEN = "first-token-trust-admin-token"
 METADATA = "169.254.169.254"
 
 
-def router(prefills: list[Engine], decodes: list[Engine]) -> Deployment:
-    return Deployment(
-        prefill=[e.url for e in prefills],
-        decode=[e.url for e in decodes],
-        model=MODEL,
-        admin_token=TOKEN,
-        prefill_policy="round_robin",
-        decode_policy="round_robin",
-        breaker_failures=1000,
-        whole_on_failure=False,  # the PD path's own errors (router/whole.py serves them whole by default)
-        max_resumes=0,
-    )
+router = partial(pd_router, admin_token=TOKEN)  # scripted engines, the PD path alone
 
 
 def other_prompt(answer: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ streamed to the client before anything refused them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import openai
@@ -19,6 +20,7 @@ import pytest
 from pdgate.urls import static_instance_id
 from tests.integration.router.conftest import Deployment
 from tests.integration.router.test_router_bad_answers import Engine, Script
+from tests.integration.router.test_router_bad_answers import router as pd_router
 from tests.security.hostile_engine import MODEL, Decode, Lie, prefill
 
 TOKEN = "prefill-blame-admin-token"
@@ -51,18 +53,7 @@ BAD_FIRST_TOKENS: dict[str, Lie] = {
 }
 
 
-def router(prefills: list[Engine], decodes: list[Engine], **settings: Any) -> Deployment:
-    return Deployment(
-        prefill=[e.url for e in prefills],
-        decode=[e.url for e in decodes],
-        model=MODEL,
-        admin_token=TOKEN,
-        prefill_policy="round_robin",
-        decode_policy="round_robin",
-        whole_on_failure=False,  # the PD path's own errors (router/whole.py serves them whole by default)
-        max_resumes=0,
-        **settings,
-    )
+router = partial(pd_router, admin_token=TOKEN)  # scripted engines, the PD path alone
 
 
 def breakers(d: Deployment) -> dict[str, str]:
