@@ -356,13 +356,14 @@ class RedisStore(Store):
         if engine is None and location.engine_id is None:
             return await self._move("ready", transfer_id, now, value=value)
         if self.keys.sharded:
-            # A Redis Cluster: the registry (`{PREFIX}:i:<id>`) is in another slot than the ledger shard, so
-            # move.lua cannot read it; check with two reads first (a check, then the move: not one atomic
-            # step, as before the rule moved into the script), then move unchecked.
+            # A sharded ledger (Redis Cluster, buckets > 1): the registry (`{PREFIX}:i:<id>`) is in another
+            # slot than the record's shard `{PREFIX:N}`, so move.lua may not read it; check with two reads
+            # first (a check, then the move: not one atomic step), then move unchecked.
             await self._check_ready_by_reads(transfer_id, location, engine, now)
             return await self._move("ready", transfer_id, now, value=value)
-        # One Redis (plain or Sentinel): the registry shares the shard's hash tag `{PREFIX}` (keys.py), so
-        # move.lua checks in the move's own step, no round trip added. ARGV[7..9]: _lib.lua's check_ready.
+        # One shard (one Redis, plain or Sentinel; a Cluster with buckets=1): the registry shares its hash
+        # tag `{PREFIX}` (keys.py), so move.lua checks in the move's own step, no round trip added.
+        # ARGV[7..9]: _lib.lua's check_ready.
         engine_id = ("1", location.engine_id) if location.engine_id is not None else ("0", "")
         return await self._move("ready", transfer_id, now, value=value, ready_check=(engine or "", *engine_id))
 

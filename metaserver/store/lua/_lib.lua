@@ -159,9 +159,10 @@ end
 -- The twin of ledger.check_ready (the rule is written there; same order, same outcomes): a READY only by
 -- the handoff's own prefill. `engine` the caller's engine token's instance ('' = full access);
 -- `has_engine_id` '1' when the location states `engine_id`. nil, or the {'not_its_prefill', ...} reply.
--- One Redis only: the prefill's registry hash is read in this atomic step without being in KEYS, which
--- holds because it shares the single ledger shard's hash tag `{PREFIX}` (keys.py). On a Cluster it is in
--- another slot, so store/redis.py checks with reads and never sends these arguments there.
+-- One shard only (CFG.buckets == 1): the prefill's registry hash is read in this atomic step without
+-- being in KEYS, which holds because it shares the single ledger shard's hash tag `{PREFIX}` (keys.py).
+-- With shards (a Cluster) it is in another slot, so store/redis.py checks with reads and never sends
+-- these arguments.
 local function check_ready(key, now, engine, has_engine_id, engine_id)
   local prefill = redis.call('HGET', key, 'prefill_instance_id')
   if engine ~= '' and engine ~= prefill then
