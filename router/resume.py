@@ -110,22 +110,31 @@ class StreamTrack:
         return self._send({**msg, "body": ev + b"\n\n", "more_body": msg.get("more_body", False)})
 
     async def _relay(self, msg: Message) -> None:
-        """The general path: any number of events, an incomplete one kept back (`rest`)."""
+        """The general path: any number of events, an incomplete one kept back (`rest`). Events sent on
+        as they came when none changed (no join), as when the engine's writes were read together."""
         events, self.rest = split_events(self.rest + msg.get("body", b""))
         more = msg.get("more_body", False)
         bad = None
         if events:
+            parts = events.split(b"\n\n")
+            same = not parts[-1]  # every event ends with its blank line (not so after a stray newline)
+            if same:
+                parts.pop()
             out = []
-            for ev in events.split(b"\n\n"):
-                if not ev:
+            for ev in parts:
+                if not ev:  # an empty event: left out
+                    same = False
                     continue
                 try:
                     new = self._event(ev)
                 except Garbage as exc:  # what came before it goes out; the rest is the engine's failure
-                    bad, self.rest = str(exc), b""
+                    bad, self.rest, same = str(exc), b"", False
                     break
-                out.append((ev if new is None else new) + b"\n\n")
-            events = b"".join(out)
+                if new is not None:
+                    ev, same = new, False
+                out.append(ev)
+            if not same:
+                events = b"\n\n".join(out) + b"\n\n" if out else b""
         if events or (not more and bad is None):
             await self._send({**msg, "body": events, "more_body": more or bad is not None})
         if bad is not None:

@@ -1,7 +1,7 @@
-"""resume.StreamTrack's fast path (one whole one-line event per write, one choice) against its general
-path (every write split into events, every event through `_record`): for many generated streams the
-client gets the same bytes and the track records the same state. And what both must do: the client
-never sees ids it did not ask for, and the track knows exactly the ids the client received."""
+"""resume.StreamTrack's fast paths (a write of one whole one-line event: not split; a one-choice event:
+not walked by `_record`; events unchanged: not joined) against the track without them (`General`): for
+many generated streams the client gets the same bytes and the track records the same state. And what
+both must do: the client never sees ids it did not ask for, and the track knows every id the client got."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
+from pdgate.router.answers import split_events
 from pdgate.router.resume import StreamTrack
 from pdgate.router.streaming import Garbage
 
@@ -59,7 +60,8 @@ def stream(rng: random.Random, chat: bool, n: int) -> list[bytes]:
         usage = {"prompt_tokens": 3, "completion_tokens": steps, "total_tokens": 3 + steps}
         events.append({**head, "choices": [], "usage": usage})
     out = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events]
-    odd = [b": keep-alive\n\n", b"event: x\ndata: {}\n\n", b"data: [1, 2]\n\n", b"data: {}\n\n", b"\n\n"]
+    odd = [b": keep-alive\n\n", b": ping\n\n\n", b"event: x\ndata: {}\n\n"]
+    odd += [b"data: [1, 2]\n\n", b"data: {}\n\n", b"\n\n"]
     if rng.random() < 0.3:
         out.insert(rng.randrange(1, len(out) + 1), rng.choice(odd))
     out.append(b"data: [DONE]\n\n")
@@ -70,8 +72,11 @@ def stream(rng: random.Random, chat: bool, n: int) -> list[bytes]:
 
 def writes(rng: random.Random, events: list[bytes]) -> list[bytes]:
     """The events as an engine's writes: mostly one per write, some together, some cut anywhere."""
-    if rng.random() < 0.5:
+    if rng.random() < 0.4:
         return events
+    if rng.random() < 0.5:  # whole events read together
+        bounds = sorted({0, len(events), *(rng.randrange(1, len(events) + 1) for _ in range(3))})
+        return [b"".join(events[a:b]) for a, b in itertools.pairwise(bounds)]
     data, cuts = b"".join(events), set()
     for _ in range(rng.randrange(1, 6)):
         cuts.add(rng.randrange(1, len(data)))
@@ -80,13 +85,29 @@ def writes(rng: random.Random, events: list[bytes]) -> list[bytes]:
 
 
 class General(StreamTrack):
-    """The general path only: every write split into events (`_relay`), every event through `_record`."""
+    """The oracle: the track before its fast paths, written out here. Every write split into events and
+    joined again, every event through `_record`."""
 
     async def __call__(self, msg: Message) -> None:
-        if msg["type"] == "http.response.body" and self._sse:
-            await self._relay(msg)
-        else:
+        if msg["type"] != "http.response.body" or not self._sse:
             await super().__call__(msg)
+            return
+        events, self.rest = split_events(self.rest + msg.get("body", b""))
+        more, bad, out = msg.get("more_body", False), None, []
+        for ev in events.split(b"\n\n") if events else ():
+            if not ev:
+                continue
+            try:
+                new = self._event(ev)
+            except Garbage as exc:
+                bad, self.rest = str(exc), b""
+                break
+            out.append((ev if new is None else new) + b"\n\n")
+        events = b"".join(out)
+        if events or (not more and bad is None):
+            await self._send({**msg, "body": events, "more_body": more or bad is not None})
+        if bad is not None:
+            raise Garbage(bad)
 
     def _one(self, c: Any) -> bool | None:
         return None
