@@ -222,14 +222,22 @@ def test_pull_from_killed_peer_fails_cleanly_within_bound(start_peer, decode) ->
         # PeerUnreachable, not PullTimeout: the death was detected, not waited out (no timing asserted)
 
 
+def pull_from_a_stopped_peer(start_peer: Callable[..., Peer], transport: NixlTransport, tid: str, seed: int) -> Peer:
+    """A 64-block pull from a TCP peer frozen with SIGSTOP: over UCX's TCP transport a READ is emulated and
+    needs the target to make progress, so the pull hangs until the peer dies or the deadline fires (the
+    test sets UCX_TLS=tcp before it makes `transport`)."""
+    peer = start_peer(seed=seed, UCX_TLS="tcp")
+    os.kill(peer.pid, signal.SIGSTOP)
+    transport.start_pull(PullRequest(tid, seed, peer.address, list(range(64)), list(range(64))))
+    return peer
+
+
 def test_peer_killed_mid_transfer_fails_before_the_deadline(start_peer, ucx_env, monkeypatch) -> None:
-    # With UCX_TLS=tcp a stopped peer holds the READ open; killing it must end the pull with
-    # PeerUnreachable long before the 8 s deadline.
+    # A stopped peer holds the READ open; killing it must end the pull with PeerUnreachable long before
+    # the 8 s deadline.
     monkeypatch.setenv("UCX_TLS", "tcp")
     with decode_side(pull_timeout_s=8.0) as (transport, _):
-        peer = start_peer(seed=17, UCX_TLS="tcp")
-        os.kill(peer.pid, signal.SIGSTOP)
-        transport.start_pull(PullRequest("mid", 6, peer.address, list(range(64)), list(range(64))))
+        peer = pull_from_a_stopped_peer(start_peer, transport, "mid", seed=17)
         time.sleep(0.3)
         assert transport.poll() == []  # still stuck, as intended
         peer.kill()
@@ -247,13 +255,10 @@ def test_peer_dead_before_first_contact_is_unreachable(start_peer, decode) -> No
 
 
 def test_stalled_peer_times_out_then_a_fresh_peer_works(start_peer, ucx_env, monkeypatch) -> None:
-    # Over UCX's TCP transport a READ is emulated and needs the target to make progress, so a
-    # SIGSTOPped prefill stalls the pull until our deadline fires.
+    # A SIGSTOPped prefill stalls the pull until our deadline fires.
     monkeypatch.setenv("UCX_TLS", "tcp")
     with decode_side(pull_timeout_s=1.0) as (transport, bufs):
-        stalled = start_peer(seed=14, UCX_TLS="tcp")
-        os.kill(stalled.pid, signal.SIGSTOP)
-        transport.start_pull(PullRequest("stall", 4, stalled.address, list(range(64)), list(range(64))))
+        pull_from_a_stopped_peer(start_peer, transport, "stall", seed=14)
         res, took = wait_for(transport, "stall", 5.0)
         assert not res.ok and isinstance(res.error, PullTimeout), res.error
         assert took >= 0.9  # the deadline, not before it
