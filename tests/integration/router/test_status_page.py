@@ -193,8 +193,11 @@ def test_handoffs_from_a_remote_metaserver() -> None:
         for i in range(2):
             body = {"prefill_instance_id": "p-remote", "transfer_id": f"remote-{i}"}
             assert HTTP.post(meta.url + "/v1/handoffs", json=body, headers=auth).status_code == 201
+        want = {"PENDING": 2, "READY": 0, "CLAIMED": 0}
         with Deployment(metaserver=meta.url, metaserver_token=META_TOKEN, admin_token=META_TOKEN) as d:
-            data = HTTP.get(d.url + "/status/data").json()
-        assert data["handoffs"] == {"PENDING": 2, "READY": 0, "CLAIMED": 0}
+            # The page's counts are the last reading of the metaserver's gauges, which its sweeper refreshes:
+            # on a loaded host the first reading may predate them (CI saw all zeros once).
+            wait_until(lambda: HTTP.get(d.url + "/status/data").json()["handoffs"] == want, timeout=20,
+                       what="the remote metaserver's two PENDING handoffs on the page")  # fmt: skip
     finally:
         meta.stop()
