@@ -77,6 +77,8 @@ class StreamTrack:
         self.head: dict[str, Any] = {}  # id, created, model of the client's stream
         self.rest = b""  # an incomplete event, not delivered
         self._sse = True  # the answer is a stream (an error answer passes untouched)
+        self._tpl: _Template | None = None  # the bytes this stream's token events share (`_Template`)
+        self._learn = 3  # events a template may still be learned from (none fits a stream with logprobs)
 
     def can_resume(self) -> bool:
         """Whether the rest can be computed elsewhere: the router knows the prompt's ids."""
@@ -146,6 +148,12 @@ class StreamTrack:
             if ev.startswith(b"data: ") and ev != _DONE:
                 raise Garbage(ev[:64].decode("utf-8", "replace"))
             return None
+        tpl = self._tpl
+        if tpl is not None and (m := tpl.match(ev)) is not None:  # what `_one` would do, without a parse
+            got = self.generated.setdefault(tpl.index, [])
+            if m[1] is not None:
+                got.extend(m[1])
+            return None if tpl.out is None else tpl.out[0] + m[0] + tpl.out[1]
         try:
             obj = orjson.loads(ev[6:])
         except orjson.JSONDecodeError as exc:
@@ -154,6 +162,9 @@ class StreamTrack:
             return None
         choices = obj.get("choices")
         if self.head and type(choices) is list and len(choices) == 1 and "prompt_token_ids" not in obj:
+            if self._learn:
+                self._learn -= 1
+                self._tpl = _Template.learn(obj, ev, self.asked_ids) or self._tpl
             changed = self._one(choices[0])  # vLLM's event after the first (n = 1)
             if changed is not None:
                 return b"data: " + orjson.dumps(obj) if changed else None
@@ -209,6 +220,86 @@ class StreamTrack:
                         del c[key]
                         changed = True
         return changed
+
+
+_TEXT, _IDS = "\x00text\x00", "\x00ids\x00"
+_TEXT_JSON, _IDS_JSON = orjson.dumps(_TEXT)[1:-1], orjson.dumps(_IDS)
+
+
+class _Template:
+    """The bytes a stream's token events share, learned from one of them: `pre` TEXT `mid` IDS `post`
+    (`mid` None: no ids), where TEXT is the choice's text (or chat delta's content) and IDS its
+    `token_ids`, and `out` the same around TEXT with the ids taken out (None: the event goes out as it
+    came). An event that is `pre` + a valid JSON string's inside + `mid` + one JSON list + `post` is
+    valid JSON of exactly the learned shape, so what `_one` would record and send is known without a
+    parse: the string is checked by parsing it alone, and where the event is re-encoded, its text must
+    be what orjson writes (so the bytes equal `orjson.dumps` of the parsed event's)."""
+
+    __slots__ = ("index", "mid", "out", "post", "pre")
+
+    def __init__(self, index: int, parts: list[bytes], out: list[bytes] | None) -> None:
+        self.index = index
+        self.pre, self.post = parts[0], parts[-1]
+        self.mid = parts[1] if len(parts) == 3 else None
+        self.out = out
+
+    @classmethod
+    def learn(cls, obj: dict[str, Any], ev: bytes, asked: bool) -> _Template | None:
+        """The template of `ev` (parsed: `obj`, one choice, no prompt ids at its top); None when its
+        choice is not a plain token (finished, prompt ids, logprobs...) or its bytes are not orjson's."""
+        c = obj["choices"][0]
+        if type(c) is not dict or c.get("prompt_token_ids") is not None or c.get("finish_reason") is not None:
+            return None
+        index, delta, tokens = c.get("index", 0), c.get("delta"), c.get("token_ids", [])
+        if type(index) is not int or type(tokens) is not list:
+            return None
+        t = dict(c)
+        if type(c.get("text")) is str:
+            t["text"] = _TEXT
+        elif type(delta) is dict and len(delta) == 1 and type(delta.get("content")) is str:
+            t["delta"] = {"content": _TEXT}
+        else:
+            return None
+        if "token_ids" in c:
+            t["token_ids"] = _IDS
+        raw = b"data: " + orjson.dumps({**obj, "choices": [t]})
+        pre, _, rest = raw.partition(_TEXT_JSON)
+        parts = [pre, *rest.split(_IDS_JSON)]
+        out = None
+        if not asked and ("token_ids" in c or "prompt_token_ids" in c):
+            t.pop("token_ids", None)
+            t.pop("prompt_token_ids", None)
+            out = (b"data: " + orjson.dumps({**obj, "choices": [t]})).split(_TEXT_JSON)
+        if raw.count(_TEXT_JSON) != 1 or len(parts) != 2 + ("token_ids" in c) or (out and len(out) != 2):
+            return None
+        tpl = cls(index, parts, out)
+        return tpl if tpl.match(ev) is not None else None
+
+    def match(self, ev: bytes) -> tuple[bytes, list[Any] | None] | None:
+        """(the text's bytes, the token ids) of an event of this shape; None for any other event."""
+        pre, mid, post = self.pre, self.mid, self.post
+        if not (ev.startswith(pre) and ev.endswith(post)) or len(ev) < len(pre) + len(post):
+            return None
+        tokens = None
+        end = len(ev) - len(post)
+        if mid is not None:
+            k = ev.find(mid, len(pre))
+            try:
+                tokens = orjson.loads(ev[k + len(mid) : end]) if k >= 0 else None
+            except orjson.JSONDecodeError:
+                return None
+            if type(tokens) is not list:
+                return None
+            end = k
+        text = ev[len(pre) : end]
+        quoted = b'"' + text + b'"'
+        try:
+            value = orjson.loads(quoted)
+        except orjson.JSONDecodeError:
+            return None
+        if self.out is not None and orjson.dumps(value) != quoted:
+            return None
+        return text, tokens
 
 
 def continuation_body(body: dict[str, Any], track: StreamTrack, index: int) -> dict[str, Any]:
