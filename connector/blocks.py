@@ -1,6 +1,7 @@
 """Block bookkeeping for a pull: how many prompt tokens to load, which remote block fills which local
 block, and which prefill TP rank each decode TP rank reads from (the TP rule itself is
-`pdgate.contract`'s, which the router applies too). Pure functions, no vLLM, no I/O.
+`pdgate.contract`'s, which the router applies too); with sharded KV at unequal TP, which bytes of which
+prefill rank's blocks (`hetero_reads`). Pure functions, no vLLM, no I/O.
 
 How many tokens the decode loads (the off-by-one, decided here once):
 
@@ -30,15 +31,26 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pdgate.connector.errors import BlockPlanError, TPLayoutError
+from pdgate.connector.transport.base import KVRegion
 
-from pdgate.contract import source_rank, tp_mismatch
+from pdgate.contract import head_reads, hetero_tp_fits, rank_heads, source_rank, tp_mismatch
 from pdgate.models import TransportKind
 
-__all__ = ["BlockPlan", "blocks_for_tokens", "plan_pull", "prompt_digest", "tokens_to_load", "tp_sources"]
+__all__ = [
+    "BlockPlan",
+    "SubBlockRead",
+    "blocks_for_tokens",
+    "hetero_reads",
+    "plan_pull",
+    "prompt_digest",
+    "tokens_to_load",
+    "tp_sources",
+]
 
 
 @dataclass(frozen=True)
@@ -108,3 +120,91 @@ def tp_sources(
     if refused is not None:
         raise TPLayoutError(refused.describe())
     return tuple(source_rank(r, prefill_tp, decode_tp) for r in range(decode_tp))
+
+
+class SubBlockRead(NamedTuple):
+    """`nbytes` at address `src_addr` of prefill TP rank `prefill_rank` go to `dst_addr` of this decode rank."""
+
+    prefill_rank: int
+    src_addr: int
+    dst_addr: int
+    nbytes: int
+
+
+def hetero_reads(
+    decode_rank: int,
+    prefill_tp: int,
+    decode_tp: int,
+    kv_heads: int,
+    plan: BlockPlan,
+    prefill_regions: Mapping[int, Sequence[KVRegion]],
+    local_regions: Sequence[KVRegion],
+) -> list[SubBlockRead]:
+    """The byte ranges decode rank `decode_rank` pulls for `plan` when the KV is sharded over unequal TPs.
+
+    Per region (the same layers on every rank, matched by position and name) and per block pair, each run of
+    heads `pdgate.contract.head_reads` assigns to a prefill rank becomes one range; a block keeps its heads
+    outermost, so a rank's block is `heads x head_bytes` and a head is one contiguous run. Reads are grouped
+    by prefill rank (one peer's ranges together, as a transport submits them) and merged where both sides
+    continue each other (whole blocks of consecutive ids, or one rank's heads spanning blocks).
+    `prefill_regions`: each prefill rank's registered regions, from the address it advertised.
+    """
+    if not hetero_tp_fits(prefill_tp, decode_tp, kv_heads):
+        raise TPLayoutError(
+            f"tp {prefill_tp} -> {decode_tp} with {kv_heads} KV heads cannot be re-cut into whole heads"
+        )
+    mine = len(rank_heads(decode_rank, kv_heads, decode_tp))
+    reads = head_reads(decode_rank, prefill_tp, decode_tp, kv_heads, 1)  # offsets in heads, scaled per region
+    head_bytes = [_head_bytes(r, mine, "this decode rank") for r in local_regions]
+    by_rank: dict[int, list[SubBlockRead]] = {}
+    for hr in reads:
+        regions = _peer_regions(hr.prefill_rank, prefill_regions, local_regions, head_bytes, kv_heads, prefill_tp)
+        out = by_rank.setdefault(hr.prefill_rank, [])
+        for src_region, dst_region, hb in zip(regions, local_regions, head_bytes, strict=True):
+            for s, d in zip(plan.remote_block_ids, plan.local_block_ids, strict=True):
+                src = src_region.block_addr(s) + hr.src_offset * hb
+                dst = dst_region.block_addr(d) + hr.dst_offset * hb
+                _append(out, SubBlockRead(hr.prefill_rank, src, dst, hr.nbytes * hb))
+    return [read for rank in sorted(by_rank) for read in by_rank[rank]]
+
+
+def _head_bytes(region: KVRegion, heads: int, whose: str) -> int:
+    if region.block_len % heads:
+        raise TPLayoutError(
+            f"{whose}'s region {region.name!r} has {region.block_len} B blocks, not {heads} whole heads"
+        )
+    return region.block_len // heads
+
+
+def _peer_regions(
+    rank: int,
+    prefill_regions: Mapping[int, Sequence[KVRegion]],
+    local: Sequence[KVRegion],
+    head_bytes: Sequence[int],
+    kv_heads: int,
+    prefill_tp: int,
+) -> Sequence[KVRegion]:
+    """Prefill rank `rank`'s regions, checked to be ours with its own head count per block."""
+    regions = prefill_regions.get(rank)
+    if not regions:
+        raise TPLayoutError(f"the prefill advertised no KV regions for tp rank {rank}")
+    if len(regions) != len(local):
+        raise TPLayoutError(f"prefill tp rank {rank} registered {len(regions)} KV regions, this decode {len(local)}")
+    held = len(rank_heads(rank, kv_heads, prefill_tp))
+    for theirs, ours, hb in zip(regions, local, head_bytes, strict=True):
+        if theirs.name != ours.name or theirs.block_len != held * hb:
+            raise TPLayoutError(
+                f"prefill tp rank {rank}'s region {theirs.name!r} has {theirs.block_len} B blocks; "
+                f"{ours.name!r} of {held} heads of {hb} B was expected"
+            )
+    return regions
+
+
+def _append(out: list[SubBlockRead], read: SubBlockRead) -> None:
+    """Add `read`, merged into the last one when it continues it on both sides."""
+    if out:
+        last = out[-1]
+        if last.src_addr + last.nbytes == read.src_addr and last.dst_addr + last.nbytes == read.dst_addr:
+            out[-1] = last._replace(nbytes=last.nbytes + read.nbytes)
+            return
+    out.append(read)

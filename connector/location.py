@@ -6,6 +6,8 @@ and a decode engine: `location_for` writes the `KVLocation` a prefill marks READ
 `pdgate.contract` (the one the router pairs with) to the location and this engine, then checks
 what only the location can tell (every source rank advertised, enough blocks), and refuses with a
 `LocationError` whose code and sentence say why. Pure: `EngineFacts` in, `KVLocation` / `RecvPlan` out.
+`prefill_regions` reads each prefill rank's KV regions out of the location, what a decode at another TP
+plans its sub-block reads with (`blocks.hetero_reads`).
 The scheduler half (`scheduler.py`) owns the state around them.
 """
 
@@ -18,12 +20,21 @@ from typing import Any
 from pdgate.connector.blocks import blocks_for_tokens, plan_pull, tp_sources
 from pdgate.connector.errors import BlockPlanError, ConfigError, LocationError, TPLayoutError
 from pdgate.connector.metadata import RecvPlan, address_from_model, address_to_model
+from pdgate.connector.transport.base import KVRegion, regions_from_address
+from pdgate.connector.transport.errors import InvalidPull
 
 from pdgate.contract import KVFacts, mismatch
 from pdgate.errors import Code
 from pdgate.models import Handoff, KVLocation, TransportAddress, TransportKind
 
-__all__ = ["EngineFacts", "addresses_from_workers", "location_for", "plan_for", "plan_from_location"]
+__all__ = [
+    "EngineFacts",
+    "addresses_from_workers",
+    "location_for",
+    "plan_for",
+    "plan_from_location",
+    "prefill_regions",
+]
 
 
 @dataclass(frozen=True)
@@ -161,3 +172,15 @@ def plan_for(
         raise LocationError(exc.message, code=exc.code) from None
     sources = tuple(address_from_model(by_rank[r]) for r in ranks)
     return RecvPlan(req_id, transfer_id, kv_key, plan.remote_block_ids, plan.local_block_ids, sources)
+
+
+def prefill_regions(loc: KVLocation) -> dict[int, list[KVRegion]]:
+    """Each prefill TP rank's registered KV regions, from the address it advertised in `loc` (its
+    `Transport.local_address()`); `LocationError` when one carries none or a malformed list."""
+    out: dict[int, list[KVRegion]] = {}
+    for a in loc.transport_addresses:
+        try:
+            out[a.tp_rank] = regions_from_address(address_from_model(a))
+        except InvalidPull as exc:
+            raise LocationError(f"the prefill's tp rank {a.tp_rank} address: {exc.message}") from None
+    return out

@@ -34,7 +34,8 @@ def kv_layout_tag(
     *, layout: str, dtype: str, num_kv_heads: int, head_size: int, block_size: int, num_layers: int
 ) -> str:
     """The layout string P and D must share byte for byte: blocks are copied as opaque bytes, so every
-    dimension of a block (and the attention layout inside it) has to agree."""
+    dimension of a block (and the attention layout inside it) has to agree. `num_kv_heads` is per TP rank;
+    at unequal TP the tags differ in it alone, and `pdgate.pairing.layout_kv_heads` reads it back."""
     return f"{layout}/{dtype}/L{num_layers}/H{num_kv_heads}/D{head_size}/B{block_size}"
 
 

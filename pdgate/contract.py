@@ -35,6 +35,7 @@ from pdgate import claim_seal
 from pdgate.errors import Code, PDGateError
 from pdgate.models import MAX_KV_KEY, KVLocation, is_valid_id
 from pdgate.pairing import (
+    SUB_BLOCK_TRANSPORTS,
     TALKS_TO,
     TP_GE_TRANSPORTS,
     HeadRead,
@@ -43,14 +44,17 @@ from pdgate.pairing import (
     Mismatch,
     head_reads,
     hetero_tp_fits,
+    layout_kv_heads,
     mismatch,
     rank_heads,
     source_rank,
+    total_kv_heads,
     tp_mismatch,
     transports_talk,
 )
 
 __all__ = [
+    "SUB_BLOCK_TRANSPORTS",
     "TALKS_TO",
     "TP_GE_TRANSPORTS",
     "HeadRead",
@@ -63,10 +67,12 @@ __all__ = [
     "decode_request",
     "head_reads",
     "hetero_tp_fits",
+    "layout_kv_heads",
     "mismatch",
     "prefill_request",
     "rank_heads",
     "source_rank",
+    "total_kv_heads",
     "tp_mismatch",
     "transports_talk",
     "with_claim",

@@ -14,7 +14,10 @@ tensor-parallel (TP) shapes line up:
   one-sided read (NIXL) allows.
 * Transports in `TP_GE_TRANSPORTS` (llm_datadist) link each decode rank to a prefill rank of its own, so
   with them the prefill's TP must also be at least the decode's.
-* Sharded KV with unequal TP would need the heads re-cut across ranks, which no transport here does.
+* Sharded (GQA) KV with unequal TP: one TP a multiple of the other and the KV heads split whole over both
+  (`hetero_tp_fits`), over a transport in `SUB_BLOCK_TRANSPORTS`: each decode rank reads each of its heads,
+  a byte range of a block, from a prefill rank holding it (`head_reads`). The KV head count comes from the
+  `kv_layout` tags (`layout_kv_heads`): they differ only in the heads per rank, which tells the total.
 
 A field one side does not state (None) matches anything: a static instance tells the router little. The
 router applies the rule to pick a pair; the decode applies it again to the location it is about to pull
@@ -31,6 +34,7 @@ from typing import Any, NamedTuple, Protocol
 from pdgate.models import TransportKind
 
 __all__ = [
+    "SUB_BLOCK_TRANSPORTS",
     "TALKS_TO",
     "TP_GE_TRANSPORTS",
     "HeadRead",
@@ -39,9 +43,11 @@ __all__ = [
     "Mismatch",
     "head_reads",
     "hetero_tp_fits",
+    "layout_kv_heads",
     "mismatch",
     "rank_heads",
     "source_rank",
+    "total_kv_heads",
     "tp_mismatch",
     "transports_talk",
 ]
@@ -60,6 +66,14 @@ def transports_talk(prefill: TransportKind, decode: TransportKind) -> bool:
 
 # Transports whose decode ranks each link to one prefill rank of their own: they need P tp >= D tp.
 TP_GE_TRANSPORTS: frozenset[TransportKind] = frozenset({TransportKind.LLMDATADIST})
+
+# Transports that execute the sub-block reads of sharded unequal TP: the pull's `PullRequest.ranges`
+# (connector/transport/base.py; the adapter class says so with `sub_block = True`, which a test checks
+# against this set). The NIXL and Mooncake engines can read any byte range, but their adapters and the
+# transfer thread still pull whole blocks from one peer, so none is listed yet: a pair admitted before
+# its reads run would fail every request the router sends it. llm_datadist's `pull_blocks` copies whole
+# blocks of equal size only (no offsets in its CacheManager API), so it stays out.
+SUB_BLOCK_TRANSPORTS: frozenset[TransportKind] = frozenset()
 
 
 class KVShape(Protocol):
@@ -107,6 +121,7 @@ class Mismatch(NamedTuple):
     prefill: Any
     decode: Any
     transport: TransportKind | None = None  # set when the transport is what forbids the TP pair
+    reason: str | None = None  # why sharded KV cannot be re-cut over the two TPs (`tp_mismatch`)
 
     def describe(self, prefill: str = "the prefill", decode: str = "the decode") -> str:
         """One sentence naming both sides (instance ids in the router, roles in the connector)."""
@@ -118,6 +133,8 @@ class Mismatch(NamedTuple):
         if self.field == "transport":
             return f"{decode} uses transport {_name(d)}, {prefill} uses {_name(p)}"
         if self.field == "tp_size":
+            if self.reason is not None:
+                return f"{decode} has tp {d}, {prefill} has tp {p} and its KV is not replicated: {self.reason}"
             if self.transport is not None:
                 return f"{decode} has tp {d} > {prefill}'s tp {p} ({self.transport.value} needs P tp >= D tp)"
             return f"{decode} has tp {d}, {prefill} has tp {p} and its KV is not replicated"
@@ -143,7 +160,7 @@ def mismatch(p: KVShape, d: KVShape) -> Mismatch | None:
     if a is not None and b is not None and a != b:
         return Mismatch("kv_dtype", a, b)
     a, b = p.kv_layout, d.kv_layout
-    if a is not None and b is not None and a != b:
+    if a is not None and b is not None and a != b and not _differ_in_heads_only(a, b, p.tp_size, d.tp_size):
         return Mismatch("kv_layout", a, b)
     a, b = p.transport, d.transport
     if a is not None and b is not None and not transports_talk(a, b):
@@ -151,19 +168,36 @@ def mismatch(p: KVShape, d: KVShape) -> Mismatch | None:
     a, b = p.tp_size, d.tp_size
     if a is None or b is None or a == b:
         return None
-    return tp_mismatch(a, b, kv_replicated=p.kv_replicated, transport=p.transport or d.transport)
+    heads = None if p.kv_replicated else total_kv_heads(p.kv_layout, a, d.kv_layout, b)
+    return tp_mismatch(a, b, kv_replicated=p.kv_replicated, transport=p.transport or d.transport, kv_heads=heads)
 
 
 def tp_mismatch(
-    prefill_tp: int, decode_tp: int, *, kv_replicated: bool, transport: TransportKind | None
+    prefill_tp: int,
+    decode_tp: int,
+    *,
+    kv_replicated: bool,
+    transport: TransportKind | None,
+    kv_heads: int | None = None,
 ) -> Mismatch | None:
-    """The TP part of the rule (see the module docstring): None when every decode rank has a source."""
+    """The TP part of the rule (see the module docstring): None when every decode rank has a source.
+
+    `kv_heads`: the model's total KV head count (`total_kv_heads`), needed for sharded KV with unequal TP."""
     if prefill_tp == decode_tp:
         return None
-    if not kv_replicated:
+    if kv_replicated:
+        if prefill_tp < decode_tp and transport in TP_GE_TRANSPORTS:
+            return Mismatch("tp_size", prefill_tp, decode_tp, transport=transport)
+        return None
+    if kv_heads is None:
         return Mismatch("tp_size", prefill_tp, decode_tp)
-    if prefill_tp < decode_tp and transport in TP_GE_TRANSPORTS:
-        return Mismatch("tp_size", prefill_tp, decode_tp, transport=transport)
+    if not hetero_tp_fits(prefill_tp, decode_tp, kv_heads):
+        why = f"its {kv_heads} KV heads cannot be re-cut whole (one TP must be a multiple of the other)"
+        return Mismatch("tp_size", prefill_tp, decode_tp, reason=why)
+    if transport not in SUB_BLOCK_TRANSPORTS:
+        name = "an unstated transport" if transport is None else transport.value
+        why = f"re-cutting its KV heads needs sub-block reads, which {name} does not run here"
+        return Mismatch("tp_size", prefill_tp, decode_tp, transport=transport, reason=why)
     return None
 
 
@@ -174,8 +208,8 @@ def source_rank(decode_rank: int, prefill_tp: int, decode_tp: int) -> int:
 
 # ---- Heterogeneous TP over sharded (GQA) KV: which rank holds which heads, what a decode rank reads ----------
 #
-# Not yet accepted by `tp_mismatch` (the connector's pull still reads whole blocks from one rank); this is the
-# layout math a sharded unequal-TP pull is built on, held here beside the rule that will admit it.
+# `tp_mismatch` admits such a pair over `SUB_BLOCK_TRANSPORTS`; `connector.blocks.hetero_reads` turns the
+# per-block `head_reads` below into the byte ranges a decode rank pulls.
 #
 # vLLM shards KV heads over TP ranks in order: with H KV heads and tp ranks, rank r holds heads
 # [r*H/tp, (r+1)*H/tp) when tp divides H, and when H < tp (tp a multiple of H) each head is replicated on tp/H
@@ -241,3 +275,57 @@ def head_reads(decode_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int,
         else:
             reads.append(HeadRead(p, src, i * head_bytes, head_bytes))
     return reads
+
+
+# ---- The KV head count, read from the `kv_layout` tags --------------------------------------------------------
+#
+# The connector's tag (`pdgate.connector.registration.kv_layout_tag`, `layout/dtype/L../H<n>/D../B..`) names
+# the KV heads *per rank*: vLLM gives each of tp ranks max(1, H // tp) of a model's H heads. Two ranks of one
+# model at unequal TP thus have tags that differ in `H<n>` only, and together they tell H (`total_kv_heads`).
+
+
+def layout_kv_heads(tag: str | None) -> tuple[str, int] | None:
+    """(the tag with its head count blanked, the KV heads per rank), or None for a tag without exactly one
+    `/H<n>/` part (a layout string the connector did not write: compared whole, as before)."""
+    if tag is None:
+        return None
+    parts = tag.split("/")
+    found = [i for i, part in enumerate(parts) if part[:1] == "H" and part[1:].isdigit() and 0 < i < len(parts) - 1]
+    if len(found) != 1:
+        return None
+    i = found[0]
+    heads = int(parts[i][1:])
+    if heads < 1:
+        return None
+    return "/".join([*parts[:i], "H", *parts[i + 1 :]]), heads
+
+
+def _differ_in_heads_only(p: str, d: str, p_tp: int | None, d_tp: int | None) -> bool:
+    """Whether two unequal tags are one model's at unequal TP (see above), not two layouts."""
+    if p_tp is None or d_tp is None or p_tp == d_tp:
+        return False
+    pp, dd = layout_kv_heads(p), layout_kv_heads(d)
+    return pp is not None and dd is not None and pp[0] == dd[0]
+
+
+def total_kv_heads(p_layout: str | None, p_tp: int, d_layout: str | None, d_tp: int) -> int | None:
+    """The model's KV head count H from both sides' tags and TPs, or None when they cannot tell it.
+
+    A side knows H exactly when its ranks hold more than one head or its TP is 1 (H = heads * tp); with one
+    head per rank on both sides at TP > 1 the heads may be replicated, and H stays unknown. The H found must
+    also give each side the heads per rank its tag states."""
+    pp, dd = layout_kv_heads(p_layout), layout_kv_heads(d_layout)
+    if pp is None or dd is None or pp[0] != dd[0]:
+        return None
+    sides = ((pp[1], p_tp), (dd[1], d_tp))
+    exact = {h * tp for h, tp in sides if h > 1 or tp == 1}
+    if len(exact) != 1:
+        return None
+    heads = exact.pop()
+    for h, tp in sides:
+        try:
+            if len(rank_heads(0, heads, tp)) != h:
+                return None
+        except ValueError:
+            return None
+    return heads

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pdgate.connector.transport.errors import InvalidPull, RegistrationError, TransportClosed, TransportError
+from pdgate.connector.transport.ranges import check_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,9 @@ class PullRequest:
     key; engines that key caches by integer use it as is, never a hash of a string.
     ``timeout_s`` overrides the transport's default deadline for this pull. ``regions``: the indexes
     of the registered regions to pull (None: all of them); a layer-wise load pulls one layer's
-    regions per request (``pdgate.connector.layerwise``).
+    regions per request (``pdgate.connector.layerwise``). ``ranges``: copy exactly these byte ranges (peer
+    address -> ours) instead of whole blocks, for KV re-cut over unequal TP (``ranges.py``); the block ids then
+    only name the blocks for logs. Only a transport with ``sub_block`` accepts it.
     """
 
     transfer_id: str
@@ -173,6 +176,7 @@ class PullRequest:
     local_block_ids: Sequence[int]
     timeout_s: float | None = None
     regions: Sequence[int] | None = None
+    ranges: Sequence[ByteRange] | None = None
 
     def __post_init__(self) -> None:
         # Freeze the id lists so a caller mutating its list after start_pull cannot race us.
@@ -180,6 +184,8 @@ class PullRequest:
         object.__setattr__(self, "local_block_ids", tuple(self.local_block_ids))
         if self.regions is not None:
             object.__setattr__(self, "regions", tuple(self.regions))
+        if self.ranges is not None:
+            object.__setattr__(self, "ranges", tuple(self.ranges))
 
     def region_indexes(self, count: int) -> tuple[int, ...]:
         """The indexes of the regions this pull reads, of `count` registered (checked by `check_pull_against`)."""
@@ -397,6 +403,8 @@ class Transport(abc.ABC):
     #: Whether :meth:`start_pull` honours ``PullRequest.regions`` (a pull of some regions only, which a
     #: layer-wise load needs); the others pull a request's whole cache at once.
     layerwise: ClassVar[bool] = False
+    #: Whether :meth:`start_pull` honours ``PullRequest.ranges`` (``pdgate.pairing.SUB_BLOCK_TRANSPORTS``).
+    sub_block: ClassVar[bool] = False
     _regions: tuple[KVRegion, ...] = ()  # registered, in order; empty until register() succeeded
     _closed: bool = False
 
@@ -473,7 +481,12 @@ class Transport(abc.ABC):
             raise InvalidPull("start_pull() before register()")
         self._check_kind(req.remote, self.kind)
         remote = regions_from_address(req.remote)
-        check_pull_against(req, self._regions, remote)
+        if req.ranges is None:
+            check_pull_against(req, self._regions, remote)
+        elif not self.sub_block:
+            raise InvalidPull(f"{self._label()} cannot pull byte ranges (sub-block reads)")
+        else:
+            check_ranges(req, merge_extents(self._regions), merge_extents(remote))
         return remote
 
     @staticmethod

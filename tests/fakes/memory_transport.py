@@ -4,7 +4,8 @@ It is a real implementation of `pdgate.connector.transport.base.Transport` (regi
 close), used by the connector's worker-half tests to move real KV bytes between two tensors without NIXL
 or a second process. Peers find each other through a process-wide registry keyed by name, the way a real
 transport finds a peer through its address. Bytes move with `ctypes.memmove` on `poll()`, after
-`complete_after_polls` polls, so tests can observe a pull while it is in flight.
+`complete_after_polls` polls, so tests can observe a pull while it is in flight. It honours
+`PullRequest.ranges` (`sub_block`), the byte ranges of a pull re-cutting KV heads over unequal TP.
 
 Knobs for failure tests (all explicit, nothing random):
 * `fail_next(error)`: the next pull fails with that `TransportError` when it would have completed.
@@ -53,6 +54,7 @@ class _Pending:
 class MemoryTransport(Transport):
     kind = "memory"
     layerwise = True
+    sub_block = True
 
     # name -> live transport; the "network" of this process.
     _world: ClassVar[dict[str, MemoryTransport]] = {}
@@ -138,11 +140,16 @@ class MemoryTransport(Transport):
                 tid, PeerUnreachable(f"memory peer {p.peer!r} is gone"), elapsed_s=now - p.started
             )
         nbytes = 0
-        for i in p.req.region_indexes(len(self._regions)):
-            local, remote = self._regions[i], peer._regions[i]
-            for src, dst in zip(p.req.remote_block_ids, p.req.local_block_ids, strict=True):
-                ctypes.memmove(local.block_addr(dst), remote.block_addr(src), local.block_len)
-                nbytes += local.block_len
+        if p.req.ranges is not None:  # a sub-block pull: exactly these bytes
+            for r in p.req.ranges:
+                ctypes.memmove(r.dst_addr, r.src_addr, r.nbytes)
+                nbytes += r.nbytes
+        else:
+            for i in p.req.region_indexes(len(self._regions)):
+                local, remote = self._regions[i], peer._regions[i]
+                for src, dst in zip(p.req.remote_block_ids, p.req.local_block_ids, strict=True):
+                    ctypes.memmove(local.block_addr(dst), remote.block_addr(src), local.block_len)
+                    nbytes += local.block_len
         peer._served.append(tid)
         return PullResult.success(tid, nbytes=nbytes, elapsed_s=now - p.started)
 
