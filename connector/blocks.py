@@ -112,7 +112,8 @@ def tp_sources(
 
     Equal TP: rank r reads rank r. With KV replicated on every rank (MLA) any TP pair works, decode rank
     r reading prefill rank r * P_tp // D_tp, except that a transport in `TP_GE_TRANSPORTS` needs
-    P tp >= D tp. Sharded KV with unequal TP is refused with the reason (`TPLayoutError`).
+    P tp >= D tp. Sharded KV with unequal TP is refused with the reason (`TPLayoutError`): a decode rank
+    then reads several prefill ranks' parts of blocks (`hetero_reads`), not one rank's blocks.
     """
     if prefill_tp < 1 or decode_tp < 1:
         raise TPLayoutError(f"tensor-parallel sizes must be >= 1 (prefill {prefill_tp}, decode {decode_tp})")

@@ -69,10 +69,11 @@ TP_GE_TRANSPORTS: frozenset[TransportKind] = frozenset({TransportKind.LLMDATADIS
 
 # Transports that execute the sub-block reads of sharded unequal TP: the pull's `PullRequest.ranges`
 # (connector/transport/base.py; the adapter class says so with `sub_block = True`, which a test checks
-# against this set). The NIXL and Mooncake engines can read any byte range, but their adapters and the
-# transfer thread still pull whole blocks from one peer, so none is listed yet: a pair admitted before
-# its reads run would fail every request the router sends it. llm_datadist's `pull_blocks` copies whole
-# blocks of equal size only (no offsets in its CacheManager API), so it stays out.
+# against this set). The NIXL and Mooncake engines can read any byte range, but their adapters, the transfer
+# thread (one peer per job), `RecvPlan` (one source per decode rank) and `connector.blocks.tp_sources` still
+# pull whole blocks from one peer, so none is listed yet: a pair admitted before its reads run would fail
+# every request the router sends it. llm_datadist's `pull_blocks` copies whole blocks of equal size only
+# (no offsets in its CacheManager API), so it stays out.
 SUB_BLOCK_TRANSPORTS: frozenset[TransportKind] = frozenset()
 
 
