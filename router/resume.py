@@ -302,8 +302,8 @@ class _Template:
             value = orjson.loads(quoted)
         except orjson.JSONDecodeError:
             return None
-        if self.out is not None and orjson.dumps(value) != quoted:
-            return None
+        if self.out is not None and b"\\" in text and orjson.dumps(value) != quoted:
+            return None  # no escape in it: orjson writes the text as it is (a raw control character: no JSON)
         return text, tokens
 
 
