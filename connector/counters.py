@@ -26,6 +26,11 @@ COUNTERS: dict[str, str] = {
     "engine under the router's claim)",
     "recv_ok": "decode requests whose KV was pulled and confirmed",
     "recv_failed": "decode requests whose KV load failed (reported as load errors)",
+    "recv_layerwise": "decode KV loads pulled layer by layer (`layerwise_min_tokens`), per TP rank",
+    "layer_waits": "waits of vLLM's forward for one layer of a layer-wise load (`wait_for_layer_load`), per TP "
+    "rank: the model's layers times `recv_layerwise` when healthy",
+    "layer_waits_out_of_order": "layer waits for a layer below one the same load waited for before; zero when "
+    "healthy (the forward runs the layers in order)",
     "tokens_loaded": "prompt tokens loaded from prefills instead of computed",
     "blocks_pulled": "KV blocks pulled, summed over TP ranks",
     "bytes_pulled": "KV bytes pulled, summed over TP ranks",

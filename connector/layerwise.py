@@ -3,14 +3,24 @@
 vLLM (v1, CPU and GPU, eager and compiled) calls the connector's `wait_for_layer_load(layer)` before each
 layer's attention and `save_kv_layer` after it. A synchronous load (`RecvPlan.sync`) runs in the step that
 computes the request's last prompt token, so the worker need not wait for the whole pull in
-`start_load_kv`: it submits one pull per layer, in layer order (`PullRequest.regions`: that layer's
-regions), and `wait_for_layer_load(i)` waits only for layer i. The forward of layer 0 starts once layer 0
-landed; the other layers' reads run behind the compute of the layers before them.
+`start_load_kv`: it waits for the last block only (below), submits one pull per layer, in layer order
+(`PullRequest.regions`: that layer's regions), and `wait_for_layer_load(i)` waits only for layer i. The
+forward of layer 0 starts once layer 0 landed; the other layers' reads run behind the compute of the layers
+before them.
 
 Why a threshold (`layerwise_min_tokens`): each layer is a pull of its own (one more submission, one more
 completion to poll per layer), which a short prompt does not earn back; SGLang's layer pipeline was 18 %
 slower at 256 tokens and 48-68 % faster from 1K tokens. `docs/TRANSFER.md` ("Layer-wise") has what was
 measured here.
+
+The last block goes first, whole (`TAIL`), and `start_load_kv` waits for it: vLLM writes a layer's KV of the
+tokens the step computes (`unified_kv_cache_update`, vLLM 0.32) before that layer's attention calls
+`wait_for_layer_load`, and a synchronous load's step computes the token right after the loaded ones, which
+lands in the last loaded block whenever that block is partial (the router's decode prompt ends with the
+prefill's first token, whose KV the prefill never wrote). A read of that block landing after the write put
+the prefill's stale slot over the token's fresh KV: `tests/e2e/test_15_layerwise.py` saw the tokens differ
+from the single instance's from the fourth on, only when layer 0's read was still in flight as the forward
+reached it. Only the other blocks, which the step does not write, go layer by layer.
 
 A layer that fails: its `wait_for_layer_load` returns all the same (the forward cannot be stopped midway),
 the other layers' reads still end (a read cannot be cancelled, and nothing may write into the blocks once
@@ -19,7 +29,9 @@ layer's typed error as the pull's outcome: exactly what a failed whole-request s
 
 This module holds the pieces both threads share: which regions make each layer (`layer_groups`), the
 per-layer event the transfer thread hands the model-runner thread (`LayerDone`), and the transfer thread's
-tally of one job's layer pulls (`LayerTally`).
+tally of one job's layer pulls (`LayerTally`); and what the scheduler half counts of a layer-wise load
+(`layer_counts`): the proof, on the stats file and `/metrics`, that a load really went layer by layer in
+vLLM's forward (the end-to-end test reads it).
 """
 
 from __future__ import annotations
@@ -30,7 +42,11 @@ from dataclasses import dataclass
 from pdgate.connector.transport.base import KVRegion, PullResult
 from pdgate.connector.transport.errors import TransportError
 
-__all__ = ["LayerDone", "LayerTally", "layer_groups", "part_key", "use_layerwise"]
+__all__ = ["TAIL", "LayerDone", "LayerTally", "layer_counts", "layer_groups", "part_key", "use_layerwise"]
+
+
+# The part of a layer-wise load pulled before the forward: its last block, every layer (module doc).
+TAIL = -1
 
 
 def layer_groups(layer_names: Iterable[str], regions: Sequence[KVRegion]) -> dict[str, tuple[int, ...]]:
@@ -58,6 +74,14 @@ def use_layerwise(min_tokens: float | None, num_blocks: int, block_size: int | N
     return num_blocks * block_size >= min_tokens
 
 
+def layer_counts(order: Sequence[int]) -> dict[str, int]:
+    """The counters (`counters.COUNTERS`) one worker's layer-wise load adds, from the layers the forward
+    waited for, in wait order: a healthy load waits once per layer, never for a layer below one it already
+    waited for (vLLM runs the layers in order)."""
+    behind = sum(1 for i, layer in enumerate(order) if i and layer < max(order[:i]))
+    return {"recv_layerwise": 1, "layer_waits": len(order), "layer_waits_out_of_order": behind}
+
+
 def part_key(key: str, layer: int) -> str:
     """The transport's id for one layer's pull of the job keyed `key`."""
     return f"{key}@L{layer}"
@@ -75,7 +99,8 @@ class LayerDone:
 
 class LayerTally:
     """The transfer thread's count of one layer-wise job's pulls, and the result they make together: the
-    bytes and the longest time of all, or the error of the lowest failed layer."""
+    bytes and the longest time of all, or the error of the lowest failed layer (`TAIL` lowest of all).
+    `layers` counts `TAIL` as one."""
 
     def __init__(self, key: str, layers: int) -> None:
         self._key = key

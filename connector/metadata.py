@@ -100,6 +100,7 @@ class PullOutcome:
     elapsed_s: float = 0.0
     reported: bool = False  # the worker reported the request finished itself (a trusted pull)
     waited_s: float = 0.0  # a synchronous load: how long the worker's step waited for it (submit -> end)
+    layer_order: tuple[int, ...] | None = None  # a layer-wise load: the layers the forward waited for, in order
 
 
 # Keys of a transport address that map onto `TransportAddress` fields; the whole dict also travels

@@ -60,6 +60,7 @@ from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.decode_load import blocks_to_fill, may_load_sync, read_decode_params, same_prompt
 from pdgate.connector.decode_recv import Loads, Recv, RecvState
 from pdgate.connector.errors import LocationError
+from pdgate.connector.layerwise import layer_counts
 from pdgate.connector.location import EngineFacts, plan_for, plan_from_location
 from pdgate.connector.logs import about
 from pdgate.connector.messages import Claim, Claimed, ClaimFailed, DoneResult
@@ -321,6 +322,9 @@ class DecodeSide:
     def on_worker_output(self, outcomes: Sequence[PullOutcome], *, now: float) -> None:
         """Per-rank pull outcomes (aggregated over the workers by vLLM, possibly over several steps)."""
         for oc in outcomes:
+            if oc.layer_order is not None:
+                for name, n in layer_counts(oc.layer_order).items():
+                    self._out.bump(name, n)
             rec = self._loads.get(oc.req_id)
             if rec is None or rec.transfer_id != oc.transfer_id or rec.state is not RecvState.PULLING:
                 continue  # a late outcome for a request already failed (deadline) or finished

@@ -12,11 +12,12 @@ import ctypes
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdgate.connector.layerwise import LayerDone, LayerTally, part_key
+from pdgate.connector.layerwise import TAIL, LayerDone, LayerTally, part_key
 from pdgate.connector.logs import about
 from pdgate.connector.metadata import PullOutcome
 from pdgate.connector.transport.base import KVRegion, PullRequest, PullResult, Transport
@@ -181,31 +182,41 @@ class TransferThread:
     def _submit_layers(
         self, transport: Transport, job: PullJob, key: str, req: PullRequest, inflight: dict[str, PullJob]
     ) -> None:
-        """One pull per layer, in layer order; a transport that cannot pull some regions only
-        (`Transport.layerwise`) pulls the whole job at once, and every layer ends with it."""
+        """The last block first, every layer (`TAIL`: the step writes into it, `layerwise.py`), until it
+        ended (the transport's deadline ends it), then one pull per layer of the other blocks, in layer
+        order. A transport that cannot pull some regions only (`Transport.layerwise`), or a one-block load,
+        is pulled whole at once, and every layer ends with it."""
         assert job.layers is not None
         n = len(job.layers)
-        self._tallies[key] = LayerTally(key, n)
-        parts = (
-            [(part_key(key, i), (i,), regions) for i, regions in enumerate(job.layers)]
-            if transport.layerwise
-            else [(part_key(key, 0), tuple(range(n)), None)]
-        )
+        self._tallies[key] = LayerTally(key, n + 1)
+        parts: list[tuple[str, tuple[int, ...], PullRequest]]
+        if transport.layerwise and len(req.local_block_ids) > 1:
+            head = replace(req, remote_block_ids=req.remote_block_ids[:-1], local_block_ids=req.local_block_ids[:-1])
+            tail = replace(req, remote_block_ids=req.remote_block_ids[-1:], local_block_ids=req.local_block_ids[-1:])
+            parts = [(part_key(key, TAIL), (TAIL,), tail)]
+            parts += [(part_key(key, i), (i,), replace(head, regions=r)) for i, r in enumerate(job.layers)]
+        else:
+            parts = [(part_key(key, 0), (TAIL, *range(n)), req)]
         for pkey, layers, _ in parts:
             self._parts[pkey] = (key, layers)
             inflight[pkey] = job
-        for pkey, layers, regions in parts:
+        for pkey, layers, part in parts:
             if self._fail_layer in layers:
                 err = EngineError(f"TEST ONLY (test_fail_layer): the read of layer {self._fail_layer} failed")
                 self._finish(PullResult.failure(pkey, err), inflight)
                 continue
             try:
-                transport.start_pull(replace(req, transfer_id=pkey, regions=regions))
+                transport.start_pull(replace(part, transfer_id=pkey))
             except TransportError as exc:
                 self._finish(PullResult.failure(pkey, exc), inflight)
             # Poll between posts: posting costs (NIXL ~0.6 ms a pull), and layer 0 must not wait for the others'.
             for result in transport.poll():
                 self._finish(result, inflight)
+            # The forward waits for the last block alone: the layers' posts (no progress thread) would delay it.
+            while layers == (TAIL,) and pkey in self._parts:
+                time.sleep(_POLL_MIN_S)
+                for result in transport.poll():
+                    self._finish(result, inflight)
 
     def _finish(self, result: PullResult, inflight: dict[str, PullJob]) -> None:
         part = self._parts.pop(result.transfer_id, None)

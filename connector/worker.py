@@ -22,8 +22,8 @@ Per step (`StepMetadata` from the scheduler half):
   frees     -> reported as finished sending (every worker reports it; vLLM frees when all did).
 
 A synchronous pull of at least `layerwise_min_tokens` goes layer by layer (`layerwise.py`): `start_load_kv`
-submits it and returns, `wait_for_layer_load` waits for one layer each, and the step's end (`wait_for_save`,
-`get_finished`) waits for the rest, so no read outlives the step that reports its blocks.
+submits it and waits for its last block only, `wait_for_layer_load` waits for one layer each, and the step's
+end (`wait_for_save`, `get_finished`) waits for the rest, so no read outlives the step that reports its blocks.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.errors import ConfigError
-from pdgate.connector.layerwise import layer_groups, use_layerwise
+from pdgate.connector.layerwise import TAIL, layer_groups, use_layerwise
 from pdgate.connector.metadata import PullOutcome, RecvDone, StepMetadata
 from pdgate.connector.transfer_thread import Holding, PullJob, TransferThread
 from pdgate.connector.transport.base import KVRegion, Transport
@@ -133,6 +133,7 @@ class _Layered:
     started: float
     landed: set[int] = field(default_factory=set)
     seen_at: float | None = None
+    tail_s: float = 0.0  # how long `start_load_kv` waited for the last block (`layerwise.TAIL`)
 
 
 class WorkerHalf:
@@ -272,6 +273,11 @@ class WorkerHalf:
                 self._thread.inbox.put(Holding(len(self._holding)))
         if self._sync_started:
             self._await_sync()
+        if self._layered:  # the last block, which the step writes into, lands before the forward
+            t0 = time.perf_counter()
+            self._await_layer(TAIL)
+            for entry in self._layered.values():
+                entry.tail_s = time.perf_counter() - t0
 
     def _await_sync(self) -> None:
         """Block until every synchronous pull of this step ended. The transport ends each pull by its
@@ -290,13 +296,22 @@ class WorkerHalf:
         """Block until layer `layer_name` of every layer-wise pull of this step ended (landed or failed: a
         failed one only fails its request, at the step's end); its time blocked goes to `layer_waits`."""
         layer = self._layer_of.get(layer_name)
-        thread = self._thread
-        if layer is None or thread is None or not self._layered:
+        if layer is None or self._thread is None or not self._layered:
             return
         t0 = time.perf_counter()
+        self._await_layer(layer)
+        waited = (layer, time.perf_counter() - t0)
+        self.layer_waits.append(waited)
+        self._step_waits.append(waited)
+
+    def _await_layer(self, layer: int) -> None:
+        """Until part `layer` (a layer's index, or `TAIL`) of every layer-wise pull of this step ended, or
+        the transfer thread stopped (the step's end then reports the pulls lost)."""
+        thread = self._thread
+        assert thread is not None
         while any(layer not in entry.landed for entry in self._layered.values()):
             if not thread.alive():
-                break  # the step's end reports the pulls lost
+                break
             try:
                 done = thread.layers.get(timeout=0.5)
             except queue.Empty:
@@ -305,9 +320,6 @@ class WorkerHalf:
             if entry is not None and self._inflight.get(done.req_id) == done.transfer_id:
                 entry.landed.add(done.layer)
                 entry.seen_at = self._wall()
-        waited = (layer, time.perf_counter() - t0)
-        self.layer_waits.append(waited)
-        self._step_waits.append(waited)
 
     def finish_layered(self) -> None:
         """The step's end: wait until every layer-wise pull of the step ended, as `_await_sync` does for a
@@ -325,21 +337,24 @@ class WorkerHalf:
             except queue.Empty:
                 break
 
-    def _log_layered(self, oc: PullOutcome) -> None:
+    def _log_layered(self, oc: PullOutcome, tail_s: float) -> PullOutcome:
         """One line per layer-wise load: how long the forward blocked on each layer (in wait order) against
-        how long the transport took, the overlap `docs/TRANSFER.md` reports."""
+        how long the transport took, the overlap `docs/TRANSFER.md` reports; the outcome carries the wait
+        order on to the scheduler half's counters (`layerwise.layer_counts`)."""
         waits, self._step_waits = self._step_waits, []
         logger.info(
-            "transfer %s: %s loaded layer by layer (%s): %d layers, transport %.2f ms, forward blocked %.2f ms "
-            "(per layer, in wait order: %s)",
+            "transfer %s: %s loaded layer by layer (%s): %d layers, transport %.2f ms, last block first %.2f ms, "
+            "forward blocked %.2f ms (per layer, in wait order: %s)",
             oc.transfer_id,
             oc.req_id,
             "ok" if oc.ok else f"failed: {oc.code.value if oc.code else '?'}",
             len(self._layers),
             oc.elapsed_s * 1e3,
+            tail_s * 1e3,
             sum(w for _, w in waits) * 1e3,
             " ".join(f"{layer}:{w * 1e3:.3f}" for layer, w in waits),
         )
+        return replace(oc, layer_order=tuple(layer for layer, _ in waits))
 
     def _sync_outcome_lost(self, req_id: str, why: str) -> None:
         transfer_id = self._inflight.pop(req_id, "")
@@ -408,8 +423,9 @@ class WorkerHalf:
                     started = layered.started
                     # Every layer seen landing in the forward's waits: the pull ended by then (the claim's bound
                     # is about when the read ended, not when the step's end looked).
-                    ended_at = layered.seen_at if len(layered.landed) == len(self._layers) else None
-                    self._log_layered(oc)
+                    every = layered.landed.issuperset(range(len(self._layers)))
+                    ended_at = layered.seen_at if every else None
+                    oc = self._log_layered(oc, layered.tail_s)
                 if started is not None and trusted is not None:
                     oc = self._report_sync(oc, time.perf_counter() - started, *trusted, ended_at=ended_at)
                 elif trusted is not None:

@@ -118,12 +118,14 @@ def test_start_load_kv_returns_at_once_and_each_layer_waits_only_for_itself(gate
     order; the load is never reported as finished receiving (vLLM expects no report of a synchronous load)."""
     gated.start()
     assert not gated.landed(LAYERS[0]) or not gated.landed(LAYERS[1])
+    # ...but the last block, which vLLM writes the step's token into before the layer's wait, landed first
+    assert same(gated.d_kv[LAYERS[1]][11:12], gated.p_kv[LAYERS[1]][4:5])
     gated.d.wait_for_layer_load(LAYERS[0])
     assert gated.landed(LAYERS[0]) and not gated.landed(LAYERS[1])
     threading.Timer(0.05, gated.d_transport.release.set).start()
     gated.d.wait_for_layer_load(LAYERS[1])
     assert gated.landed(LAYERS[1])
-    assert gated.d_transport.started == [(0,), (1,)]
+    assert gated.d_transport.started == [None, (0,), (1,)]  # the last block (every layer) first
     (l0, _), (l1, w1) = list(gated.d.layer_waits)
     assert (l0, l1) == (0, 1)
     assert w1 >= 0.04  # it blocked on the held layer, not on layer 0's wait
