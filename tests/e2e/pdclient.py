@@ -30,6 +30,7 @@ __all__ = [
     "delta",
     "engine_counters",
     "get_handoff",
+    "live_handoffs",
     "metric",
     "observe",
     "openai_client",
@@ -271,6 +272,18 @@ def get_handoff(metaserver_url: str, transfer_id: str, token: str | None = None)
     if resp.status_code != 200:
         raise AssertionError(f"GET /v1/handoffs/{transfer_id} answered {resp.status_code}: {resp.text}")
     return Handoff.model_validate(resp.json())
+
+
+def live_handoffs(metaserver_url: str, token: str | None = None) -> list[dict[str, Any]]:
+    """The ledger's live handoffs (PENDING, READY, CLAIMED), as `pdgate handoffs` lists them; `token`: the
+    metaserver's admin token."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        resp = client.get(f"{metaserver_url}/v1/handoffs", params={"limit": 1000}, headers=headers)
+    if resp.status_code != 200:
+        raise AssertionError(f"GET /v1/handoffs answered {resp.status_code}: {resp.text}")
+    found: list[dict[str, Any]] = resp.json()["handoffs"]
+    return found
 
 
 def wait_for(check: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.1) -> None:

@@ -1,0 +1,131 @@
+"""Layer-wise loading on real vLLM (issue #23): vLLM's own scheduler and model runner drive the connector's
+hooks, behind pdgate-router, over NIXL.
+
+A 1P1D stack whose decode loads layer by layer from `MIN_TOKENS` tokens on (`layerwise_min_tokens`). Each
+request goes to an idle decode, so its KV is a synchronous load (`sync_load_when_idle`), the only kind that
+goes layer by layer. Prompts above the threshold, non-streamed and streamed, must give the single
+instance's greedy tokens, and must have been loaded layer by layer: the decode's connector counts each
+layer-wise load (`recv_layerwise`) and each wait of vLLM's forward for one of its layers (`layer_waits`,
+one per model layer, none out of order), and its log line for the transfer lists the layers in the order
+the forward waited for them. A prompt below the threshold is loaded whole (counted by `recv_ok`, not by
+`recv_layerwise`) and is equal too. Afterwards the ledger holds no live handoff and the prefill no block.
+
+Why this stack works where the dropped two-server test (commit 30d7aaf) did not: see docs/TRANSFER.md
+("Layer-wise", end-to-end evidence).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+
+import pytest
+from pdgate.deploy.local.stack import InstanceHandle, LocalStack
+from pdgate.deploy.local.tiny_model import ModelShape
+
+from pdgate.models import HandoffState
+from tests.e2e.conftest import Baseline, Stacks
+from tests.e2e.pdclient import (
+    complete,
+    delta,
+    get_handoff,
+    live_handoffs,
+    observe,
+    openai_client,
+    prompt_ids,
+    settled,
+    wait_for,
+)
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32  # the stack's block size
+MIN_TOKENS = 128  # 4 blocks: a load of at least this many tokens (in whole blocks) goes layer by layer
+LONG = ((200, False), (333, True), (480, False), (700, True))  # (prompt tokens, streamed)
+SHORT = 90  # 3 blocks (96 tokens, the last one partial): loaded whole
+LAYERS = ModelShape.num_layers
+LINE = re.compile(r"loaded layer by layer \((?P<how>[^)]*)\): (?P<n>\d+) layers.*in wait order: (?P<waits>[^)]*)\)")
+
+
+@pytest.fixture(scope="module")
+def layerwise_stack(stacks: Stacks) -> Iterator[LocalStack]:
+    stacks.stop_main()  # free the cores and memory: this module needs a decode configured its own way
+    stack = stacks.start("layerwise", decode_extra={"layerwise_min_tokens": MIN_TOKENS})
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def layer_lines(decode: InstanceHandle, transfer_id: str) -> list[re.Match[str]]:
+    """The decode's one log line per layer-wise load of `transfer_id` (`WorkerHalf._log_layered`)."""
+    text = decode.log_path.read_text(errors="replace")
+    return [m for line in text.splitlines() if transfer_id in line and (m := LINE.search(line))]
+
+
+def test_layer_wise_loads_give_the_single_instances_tokens(layerwise_stack: LocalStack, baseline: Baseline) -> None:
+    stack = layerwise_stack
+    [prefill] = stack.by_role("prefill")
+    [decode] = stack.by_role("decode")
+    client = openai_client(stack.openai_base_url)
+    d0, p0 = settled(decode), settled(prefill)
+    tids = []
+    for i, (length, stream) in enumerate(LONG):
+        prompt = prompt_ids(length, seed=1500 + i)  # a new prompt each: the decode's prefix cache has none of it
+        want = baseline.complete(prompt)
+        got = complete(client, prompt, stream=stream)
+        assert got.same_output(want), f"{length}-token prompt, stream={stream}: {got} != {want}"
+        tids.append(got.headers["x-request-id"])
+    wait_for(lambda: delta(observe(decode), d0)["recv_ok"] >= len(LONG), timeout=30, what="the decode to count")
+    d = delta(settled(decode), d0)
+    n = len(LONG)
+    # Each load went layer by layer in vLLM's forward: one wait per model layer, in layer order.
+    assert d["recv_ok"] == n and d["recv_sync"] == n and d["recv_failed"] == 0, d
+    assert d["recv_layerwise"] == n, d
+    assert d["layer_waits"] == n * LAYERS and d["layer_waits_out_of_order"] == 0, d
+    # Every block of each prompt, the last (partial) one included, as test_02 counts them.
+    assert d["blocks_pulled"] == sum(math.ceil(length / BLOCK) for length, _ in LONG), d
+    assert d["tokens_external_kv_transfer"] >= sum(length - 1 for length, _ in LONG), d
+    for tid in tids:
+        [line] = layer_lines(decode, tid)
+        assert line["how"] == "ok" and int(line["n"]) == LAYERS, line.group(0)
+        order = [int(w.split(":")[0]) for w in line["waits"].split()]
+        assert order == list(range(LAYERS)), line.group(0)
+    assert delta(settled(prefill), p0)["sends_held"] == n
+    meta, token = stack.metaserver_url, stack.admin_token
+    wait_for(
+        lambda: all(get_handoff(meta, t, token).state.terminal for t in tids), timeout=60, what="every handoff to end"
+    )
+    assert {get_handoff(meta, t, token).state for t in tids} == {HandoffState.DONE}
+
+
+def test_a_prompt_below_the_threshold_is_loaded_whole(layerwise_stack: LocalStack, baseline: Baseline) -> None:
+    [decode] = layerwise_stack.by_role("decode")
+    prompt = prompt_ids(SHORT, seed=1510)
+    want = baseline.complete(prompt)
+    d0 = settled(decode)
+    got = complete(openai_client(layerwise_stack.openai_base_url), prompt)
+    assert got.same_output(want), f"{got} != {want}"
+    wait_for(lambda: delta(observe(decode), d0)["recv_ok"] >= 1, timeout=30, what="the decode to count the pull")
+    d = delta(settled(decode), d0)
+    assert d["recv_ok"] == 1 and d["blocks_pulled"] == math.ceil(SHORT / BLOCK), d
+    assert d["recv_layerwise"] == 0 and d["layer_waits"] == 0, d
+    assert layer_lines(decode, got.headers["x-request-id"]) == []
+
+
+def test_nothing_is_held_afterwards(layerwise_stack: LocalStack) -> None:
+    stack = layerwise_stack
+    [prefill] = stack.by_role("prefill")
+    [decode] = stack.by_role("decode")
+    wait_for(
+        lambda: not live_handoffs(stack.metaserver_url, stack.admin_token),
+        timeout=60,
+        what="no live handoff in the ledger",
+    )
+    wait_for(lambda: observe(prefill).get("holding", 0) == 0, timeout=60, what="the prefill to free every block")
+    wait_for(lambda: observe(decode)["running"] == 0, timeout=60, what="the decode to go idle")
+    p = settled(prefill)
+    assert p["sends_held"] == p["sends_freed_done"], p
+    assert p["sends_freed_expired"] == 0 and p["sends_freed_local_deadline"] == 0, p
+    assert settled(decode)["done_refused"] == 0
