@@ -9,6 +9,7 @@ layer-wise load (`recv_layerwise`) and each wait of vLLM's forward for one of it
 one per model layer, none out of order), and its log line for the transfer lists the layers in the order
 the forward waited for them. A prompt below the threshold is loaded whole (counted by `recv_ok`, not by
 `recv_layerwise`) and is equal too. Afterwards the ledger holds no live handoff and the prefill no block.
+Last, the decode is swapped for one whose read of layer 1 fails: the load fails typed, nothing is held.
 
 Why this stack works where the dropped two-server test (commit 30d7aaf) did not: see docs/TRANSFER.md
 ("Layer-wise", end-to-end evidence).
@@ -129,3 +130,40 @@ def test_nothing_is_held_afterwards(layerwise_stack: LocalStack) -> None:
     assert p["sends_held"] == p["sends_freed_done"], p
     assert p["sends_freed_expired"] == 0 and p["sends_freed_local_deadline"] == 0, p
     assert settled(decode)["done_refused"] == 0
+
+
+def test_a_read_failed_at_layer_1_fails_the_load_typed_and_holds_nothing(
+    layerwise_stack: LocalStack, baseline: Baseline
+) -> None:
+    """Last (it swaps the decode): a decode whose read of layer 1 fails (`test_fail_layer`, TEST ONLY). vLLM
+    fails the request (`kv_load_failure_policy: fail`, its default), the connector names the transport's
+    typed error, the handoff is aborted so the prefill frees, and the router answers the request whole."""
+    stack = layerwise_stack
+    [prefill] = stack.by_role("prefill")
+    [good] = stack.by_role("decode")
+    stack.remove_instance(good)
+    bad = stack.add_instance("decode", extra={"test_fail_layer": 1})
+    stack.wait_router_ready()
+    prompt = prompt_ids(300, seed=1520)
+    want = baseline.complete(prompt)
+    d0, p0 = settled(bad), settled(prefill)
+    got = complete(openai_client(stack.openai_base_url), prompt)
+    assert got.same_output(want), f"{got} != {want}"
+    assert got.headers.get("x-pdgate-path") == "whole", got.headers  # the router's answer after the failed load
+    tid = got.headers["x-request-id"]
+    wait_for(lambda: delta(observe(bad), d0)["recv_failed"] >= 1, timeout=30, what="the decode to count the failure")
+    d = delta(settled(bad), d0)
+    assert d["recv_layerwise"] == 1 and d["layer_waits"] == LAYERS, d  # it failed inside a layer-wise load
+    assert d["recv_failed"] == 1 and d["pulls_failed"] == 1 and d["recv_ok"] == 0, d
+    assert d["finished_error"] == 1 and d["invalid_blocks"] == math.ceil(300 / BLOCK), d  # every block of the load
+    [line] = layer_lines(bad, tid)
+    assert line["how"] == "failed: transport_engine_error", line.group(0)
+    meta, token = stack.metaserver_url, stack.admin_token
+    wait_for(lambda: get_handoff(meta, tid, token).state.terminal, timeout=60, what="the handoff to end")
+    record = get_handoff(meta, tid, token)
+    assert record.state is HandoffState.ABORTED, record
+    wait_for(lambda: not live_handoffs(meta, token), timeout=60, what="no live handoff in the ledger")
+    wait_for(lambda: observe(prefill).get("holding", 0) == 0, timeout=60, what="the prefill to free every block")
+    p = delta(settled(prefill), p0)
+    assert p["sends_freed_aborted"] >= 1 and p["sends_freed_expired"] == 0, p
+    assert p["sends_held"] == p["sends_freed_aborted"] + p["sends_freed_done"], p
