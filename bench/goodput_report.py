@@ -185,6 +185,8 @@ def _where_section(result: dict[str, Any]) -> list[str]:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
+    from goodput_targets import targets_section  # it reads `best` from here
+
     host = result["host"]
     out = [
         "# Performance: goodput of PD disaggregation against colocated replicas",
@@ -211,6 +213,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         *_slo_section(result),
         "",
         *_max_section(result),
+        "",
+        *targets_section(result),
         "",
         *_where_section(result),
         "",

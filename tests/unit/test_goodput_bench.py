@@ -120,3 +120,26 @@ def test_the_report_gives_ratios_to_colocated_and_says_what_failed() -> None:
     doc = render_markdown(result)
     assert "| W2 | 50 | 9.0 | 200 | 27.0 | 3.00 |" in doc
     assert "- nixl: RuntimeError: x" in doc
+    # The targets are read off the same numbers: W2's conditional is not run here, the burst's PD is.
+    assert "| W2 (short chat): conditional >= 0.95x colocated | not run | - |" in doc
+
+
+def test_the_targets_say_met_or_not_from_the_numbers() -> None:
+    from goodput_targets import targets_section
+
+    def run(goodput: float, *, tpot: float = 5.0, failed: int = 0) -> dict[str, Any]:
+        p = point(1.0, goodput)
+        p.update(throughput=goodput * 10, cut_or_failed=failed, sent=10, tpot_ms={"p50": tpot}, ttft_ms={"p50": 90.0})
+        p["where"] = {"transfer_ms": 12.0, "decode_first_step_ms": 30.0, "prefill_ms": 80.0}
+        return {"workloads": {w: {"points": [dict(p)]} for w in ("W1", "W2", "W3", "burst")}}
+
+    result = {
+        "slo": {"W1": {"ttft_ms": 200.0, "tpot_ms": 6.0}},
+        "setups": {"colocated": run(2.0), "pd": run(1.0, tpot=14.0), "conditional": run(2.0, failed=1)},
+    }
+    rows = "\n".join(targets_section(result))
+    assert "| W1 (long prompts): PD >= 1.5x colocated | 1.00 / 2.00 req/s = 0.50x | **no** |" in rows
+    assert "| W2 (short chat): conditional >= 0.95x colocated | 2.00 / 2.00 req/s = 1.00x | yes |" in rows
+    assert "| W3 (mixed): conditional >= the better of colocated and PD | 2.00 vs 2.00 req/s | yes |" in rows
+    assert "1 cut or failed of 10 | **no** |" in rows  # the burst's throughput ties, but a request failed
+    assert "its TPOT p50 is 14.0 ms (colocated 5.0 ms" in rows and "(12 ms pulled)" in rows
