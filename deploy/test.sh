@@ -51,5 +51,17 @@ mkdir -p build/typecheck/pdgate
 for d in router metaserver connector deploy sim cli; do ln -sfn "$ROOT/$d" "build/typecheck/pdgate/$d"; done
 for f in pdgate/*.py; do ln -sfn "$ROOT/$f" "build/typecheck/$f"; done
 "$VENV/bin/mypy" -p pdgate
-log "pytest"
-exec "$VENV/bin/python" -m pytest "$@"
+if (($#)); then
+  log "pytest $*"
+  exec "$VENV/bin/python" -m pytest "$@"
+fi
+# Everything but real vLLM runs in two pytest-xdist workers, a test file per worker at a time (its module
+# fixtures, servers and result files stay with it): most of those tests wait on sockets and processes, so
+# two share the two cores. Then the real-vLLM tests alone: their engines are pinned one per core.
+# Both groups run whatever the first one found, and the exit status is the first failure's.
+rc=0
+log "pytest -m 'not e2e' (2 workers)"
+"$VENV/bin/python" -m pytest -m "not e2e" -n 2 --dist loadfile || rc=$?
+log "pytest -m e2e"
+"$VENV/bin/python" -m pytest -m e2e || { e=$?; ((rc)) || rc=$e; }
+exit "$rc"
