@@ -7,6 +7,10 @@ non-streamed and streamed, greedy, with token-id prompts. The router's `pdgate_r
 must count both paths under the rules that apply (short_prompt, long_prompt); the decode's connector
 must have pulled KV for the long prompts only, so a decider that labels a request "pd" and still runs it
 whole (or the reverse) fails here too. `bench/goodput.py --quick` runs the same check before its sweep.
+
+Then a conversation's second turn (issue #22 item 4): its prompt is the first turn's prompt, answer and a
+new message, and the decode already holds the first turn's blocks in its prefix cache, so the transfer
+covers only the blocks beyond them, and the answer is still the single instance's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ pytestmark = pytest.mark.e2e
 
 MIN_PD_TOKENS = 256
 SHORT, LONG = 64, 600
+BLOCK = 32  # the stack's block size
 DECISIONS = "pdgate_router_decisions_total"
 
 
@@ -31,7 +36,7 @@ def decisions(router_url: str) -> dict[tuple[str, str], float]:
     return {(lab["path"], lab["reason"]): v for n, lab, v in scrape(router_url) if n == DECISIONS}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def conditional_stack(stacks: Stacks) -> Iterator[LocalStack]:
     stack = stacks.start(
         "goodput-quick",
@@ -68,3 +73,26 @@ def test_decider_takes_each_path_with_the_single_instances_output(
     # pulled the whole prompt; the second (the same prompt) only what the decode's prefix cache lacked.
     assert pulled.get("recv_ok") == 2 and pulled.get("recv_failed", 0.0) == 0, pulled
     assert LONG // 32 <= pulled.get("blocks_pulled", 0.0) < 2 * (LONG // 32), pulled
+
+
+def test_a_second_turn_pulls_only_the_blocks_the_decode_lacks(
+    conditional_stack: LocalStack, baseline: Baseline
+) -> None:
+    stack = conditional_stack
+    [decode] = stack.by_role("decode")
+    client = openai_client(stack.openai_base_url)
+    first = prompt_ids(LONG, seed=1300)
+    turn1 = complete(client, first)
+    assert turn1.same_output(baseline.complete(first)), "turn 1"
+    second = first + list(turn1.token_ids) + prompt_ids(300, seed=1301)  # the new message: 300 tokens
+    want = baseline.complete(second)
+    before = settled(decode)
+    turn2 = complete(client, second)
+    pulled = delta(settled(decode), before)
+    assert turn2.same_output(want), f"turn 2: {turn2} != {want}"
+    assert turn2.headers.get("x-pdgate-path", "pd") == "pd"  # long, and no KV events say what D caches
+    assert pulled.get("recv_ok") == 1 and pulled.get("recv_failed", 0.0) == 0, pulled
+    # At most the blocks past the first prompt's full blocks (the decode cached those in turn 1), never the
+    # whole prompt's 29.
+    full, new = -(-len(second) // BLOCK), -(-(len(second) - len(first) // BLOCK * BLOCK) // BLOCK)
+    assert 1 <= pulled.get("blocks_pulled", 0.0) <= new < full, (pulled, new, full)
