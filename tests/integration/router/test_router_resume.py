@@ -235,3 +235,27 @@ def test_logprobs_go_on_after_the_resume(dep: Deployment) -> None:
         [t["token"] for t in e["top_logprobs"]] for e in chat_want
     ]
     assert resumes(dep) > before
+
+
+def test_a_stream_resumed_after_the_prefills_first_token_counts_that_token_as_output() -> None:
+    """The goodput burst's bug: the first token came from the prefill, the only decode then said nothing
+    past the first-byte bound, and the stream went on whole; the answer was right but its usage counted the
+    first token as prompt (completion_tokens one short: 217 of 256 requests read as cut)."""
+    with Deployment(decode_timeout_s=30.0, first_byte_floor_s=0.5) as d:
+        d.add_many([("prefill", ("--token-ids",)), ("decode", ("--token-ids",))])
+        d.wait_available(*(s.id for s in d.sims))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+        client = d.openai()
+        for _ in range(40):  # the spread of first chunks the router learns (MIN_SAMPLES = 32)
+            list(client.completions.create(**body, stream=True))
+        want = one_engine(d.by_role("prefill")[0], body)
+        taken = metric(d.url, "pdgate_router_first_token_from_prefill_total", {"taken": "true"})
+        d.by_role("decode")[0].script(decode_delay=30.0)
+        before = resumes(d)
+        chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want["choices"][0]["text"]
+        assert metric(d.url, "pdgate_router_first_token_from_prefill_total", {"taken": "true"}) == taken + 1
+        assert resumes(d) == before + 1
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens) == (want["usage"]["prompt_tokens"], 6)
