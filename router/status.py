@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -97,6 +98,9 @@ class StatusPage:
         self.readings: deque[Reading] = deque(maxlen=KEEP)
         self._handoffs: dict[str, int] = {}
         self._handoffs_at = float("-inf")
+        # Built once: httpx builds a TLS context (the CA bundle read and parsed) for every client, which
+        # every STEP_S cost the router as much CPU as a few dozen requests (issue #25).
+        self._tls: ssl.SSLContext | None = None
         self._task: asyncio.Task[None] | None = None
 
     # -- readings ---------------------------------------------------------------------------
@@ -123,7 +127,9 @@ class StatusPage:
                 counts = await svc.store.count_handoffs_by_state()
                 self._handoffs = {s.value: n for s, n in counts.items()}
             elif self._meta_metrics is not None:
-                async with httpx.AsyncClient(timeout=2.0) as client:
+                if self._tls is None:
+                    self._tls = httpx.create_ssl_context()
+                async with httpx.AsyncClient(timeout=2.0, verify=self._tls) as client:
                     resp = await client.get(self._meta_metrics, headers=self._meta_headers)
                 found: dict[str, int] = {}
                 for fam in text_string_to_metric_families(resp.text):
