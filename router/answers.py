@@ -157,13 +157,18 @@ def _patch_events(events: bytes, facts: PrefillFacts, prompt_ids: bool) -> tuple
 class PatchingSend:
     """The client's `send`, behind which a decode's 200 answer gets what the prefill's answer adds."""
 
-    def __init__(self, send: Send, facts: PrefillFacts, chat: bool, *, drop_prompt_ids: bool = False) -> None:
+    def __init__(
+        self, send: Send, facts: PrefillFacts, chat: bool, *, drop_prompt_ids: bool = False, stream: bool = False
+    ) -> None:
+        """`stream`: the client's stream already started (the prefill's first token went out), so what
+        comes is SSE even when no decode ever sends its status line (a stream resumed whole before the
+        decode's first byte still gets its usage patched)."""
         self._send = send
         self._facts = facts
         self._chat = chat
         self._prompt_ids = drop_prompt_ids  # the decode's first prompt ids are still to be taken out
         self._start: Message | None = None
-        self._stream = False
+        self._stream = stream
         self._rest = b""
 
     async def __call__(self, msg: Message) -> None:

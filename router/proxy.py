@@ -379,7 +379,9 @@ class Proxy:
             if ft is not None:
                 send = await self._send_first_token(send, req, ft)
                 facts = PrefillFacts(facts.transferred, facts.prompt_logprobs, first_token=True)
-        send = PatchingSend(send, facts, chat, drop_prompt_ids=facts.first_token and req.asked_ids)
+        send = PatchingSend(
+            send, facts, chat, drop_prompt_ids=facts.first_token and req.asked_ids, stream=ft is not None
+        )
         if self._resumable and req.facts.stream:  # the engine's events are tracked before they are patched
             track = req.track = self._track(req, send)
             send = track
@@ -387,7 +389,6 @@ class Proxy:
                 track.prompt_ids = [*ft.prompt_token_ids, ft.token_id]
                 track.head = {"id": ft.answer_id, "created": ft.created, "model": ft.model}
                 track.budget = None if track.budget is None else track.budget - 1
-                track.given = 1
         if not traced:
             return await self._dispatch.decode(req, send)
         with self._phase(req, "decode"):

@@ -77,9 +77,6 @@ class StreamTrack:
         self.asked_ids = asked_ids
         self.budget = budget
         self.prompt_ids: list[int] | None = None
-        # Output tokens the client got that end `prompt_ids`: the prefill's first token when the decode went
-        # on after it (proxy `_send_first_token`). A continuation's usage counts them as output, not prompt.
-        self.given = 0
         self.generated: dict[int, list[int]] = {}
         self.finished: set[int] = set()
         self.head: dict[str, Any] = {}  # id, created, model of the client's stream
@@ -341,8 +338,8 @@ class Continuation:
         self._track = track
         self._index = index
         self.last = last
-        self._before = track.received() + track.given
-        self._prompt = len(track.prompt_ids or ()) - track.given
+        self._before = track.received()
+        self._prompt = len(track.prompt_ids or ())
         self._rest = b""
         self.first_at: float | None = None  # when its first events came (the gap's end, for the log)
 
