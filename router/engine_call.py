@@ -55,10 +55,12 @@ async def open_answer(
     """Send `payload` and judge the answer (module doc); raises the engine's typed failure. `first_byte`:
     a stream's first chunk must come within its timeout (`stall`), and its latency is recorded there."""
     resp: UpstreamResponse | None = None
+    queued = stream and first_byte is not None
     try:
         t = perf_counter()
-        if stream and first_byte is not None:
-            timeout = min(timeout, first_byte.timeout())
+        if queued:
+            assert first_byte is not None
+            timeout = min(timeout, first_byte.enter(where.internal))
         resp = await upstream.request("POST", url, list(headers), payload, timeout=timeout)
         v = verdict(resp.status)
         if v != Verdict.OK:
@@ -87,6 +89,10 @@ async def open_answer(
         if not isinstance(exc, Exception):
             raise
         raise translate(exc, UPSTREAM_FAILURES["decode"], where) from exc
+    finally:
+        if queued:
+            assert first_byte is not None
+            first_byte.leave(where.internal)
 
 
 def check_json_answer(data: bytes, where: Where) -> None:
