@@ -66,7 +66,8 @@ def _why_pd(result: dict[str, Any]) -> list[str]:
     slo = result["slo"].get("W1", {})
     return [
         "",
-        f"Why PD falls short of 1.5x colocated on W1 here: at {pd['rate']:.2f} req/s its TPOT p50 is {pd['tpot_ms']['p50']:.1f} ms "
+        f"Why PD falls short of 1.5x colocated on W1 here: at {pd['rate']:.2f} req/s its TPOT p50 is "
+        f"{pd['tpot_ms']['p50']:.1f} ms "
         f"(colocated {co['tpot_ms']['p50']:.1f} ms at {co['rate']:.2f} req/s; SLO {slo.get('tpot_ms', 0):.1f} ms) "
         f"and its TTFT p50 {pd['ttft_ms']['p50']:.0f} ms (SLO {slo.get('ttft_ms', 0):.0f} ms). One decode "
         f"engine on one core carries every stream, and each new request's KV load "
