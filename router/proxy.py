@@ -389,6 +389,7 @@ class Proxy:
                 track.prompt_ids = [*ft.prompt_token_ids, ft.token_id]
                 track.head = {"id": ft.answer_id, "created": ft.created, "model": ft.model}
                 track.budget = None if track.budget is None else track.budget - 1
+                track.given = 1
         if not traced:
             return await self._dispatch.decode(req, send)
         with self._phase(req, "decode"):

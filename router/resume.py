@@ -77,6 +77,9 @@ class StreamTrack:
         self.asked_ids = asked_ids
         self.budget = budget
         self.prompt_ids: list[int] | None = None
+        # Tokens of the answer the client got before this track's first event: the prefill's first token when
+        # the decode went on after it (it ends `prompt_ids`). Only for saying where a stream resumed.
+        self.given = 0
         self.generated: dict[int, list[int]] = {}
         self.finished: set[int] = set()
         self.head: dict[str, Any] = {}  # id, created, model of the client's stream

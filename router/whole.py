@@ -265,7 +265,7 @@ class Whole:
             log.warning(
                 "%s after %d tokens: resuming %d choice(s) (%s)",
                 error.code.value,
-                track.received(),
+                track.received() + track.given,  # the answer's tokens the client got, the prefill's first too
                 len(pending),
                 detail(error),
             )
