@@ -46,6 +46,7 @@ class MooncakeEngines:
     engine_ids: dict[str, str] = field(default_factory=lambda: {"p1": "eng-p1", "p2": "eng-p2"})
     failing_prefills: set[str] = field(default_factory=set)
     failing_bootstraps: set[str] = field(default_factory=set)
+    lying_bootstraps: dict[str, bytes] = field(default_factory=dict)  # host -> the /query body it answers
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     queries: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)  # transfer ids of decode requests the router dropped
@@ -62,6 +63,8 @@ class MooncakeEngines:
             self.queries.append(f"{host}:{request.url.port}")
             if host in self.failing_bootstraps:
                 return httpx.Response(500, text="down")
+            if host in self.lying_bootstraps:
+                return httpx.Response(200, content=self.lying_bootstraps[host])
             return httpx.Response(200, json={"0": {"engine_id": self.engine_ids[host], "worker_addr": {}}})
         body = orjson.loads(request.content)
         self.calls.append((host, body))
@@ -202,6 +205,21 @@ async def test_an_unreachable_bootstrap_server_fails_that_prefill_only(meta: Met
     r = await _ask(meta, engines, {"model": "m", "prompt": "hi", "max_tokens": 5})
     assert r.status_code == 502 and r.json()["error"]["code"] == "pd_prefill_failed"
     assert "bootstrap" in r.json()["error"]["message"]
+    assert not engines.calls
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"not json", b"[]", b'{"0": "eng"}', b'{"0": {"engine_id": 7}}', b'{"0": {"engine_id": ""}}', b'{"1": {}}'],
+)
+async def test_a_bootstrap_server_that_lies_fails_its_prefill_typed_and_nothing_is_sent(
+    meta: MetaAPI, answer: bytes
+) -> None:
+    """A /query answer without a usable engine id for the prefill's DP rank (garbage, another shape, a
+    non-string or empty id, another rank only) is that prefill's failure: typed, and no engine work."""
+    engines = MooncakeEngines(lying_bootstraps={"p1": answer, "p2": answer})
+    r = await _ask(meta, engines, {"model": "m", "prompt": "hi", "max_tokens": 5})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "pd_prefill_failed"
     assert not engines.calls
 
 
