@@ -78,7 +78,10 @@ def layer_counts(order: Sequence[int]) -> dict[str, int]:
     """The counters (`counters.COUNTERS`) one worker's layer-wise load adds, from the layers the forward
     waited for, in wait order: a healthy load waits once per layer, never for a layer below one it already
     waited for (vLLM runs the layers in order)."""
-    behind = sum(1 for i, layer in enumerate(order) if i and layer < max(order[:i]))
+    behind, highest = 0, -1
+    for layer in order:  # one pass: a wait below the highest layer already waited for is out of order
+        behind += layer < highest
+        highest = max(highest, layer)
     return {"recv_layerwise": 1, "layer_waits": len(order), "layer_waits_out_of_order": behind}
 
 

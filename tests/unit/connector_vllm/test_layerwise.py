@@ -269,3 +269,11 @@ def test_real_transports_pull_one_layer_per_pull(kind: str) -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_layer_counts_name_a_wait_below_one_already_waited_for() -> None:
+    from pdgate.connector.layerwise import layer_counts
+
+    assert layer_counts([0, 1, 2, 3]) == {"recv_layerwise": 1, "layer_waits": 4, "layer_waits_out_of_order": 0}
+    assert layer_counts([0, 2, 1, 3, 0]) == {"recv_layerwise": 1, "layer_waits": 5, "layer_waits_out_of_order": 2}
+    assert layer_counts([]) == {"recv_layerwise": 1, "layer_waits": 0, "layer_waits_out_of_order": 0}
