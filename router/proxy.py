@@ -110,19 +110,20 @@ class Proxy:
         self._m = metrics
         self._cards = cards
         self._tracing = tracing
-        engines: dict[str, Any] = {
-            "pool": pool,
-            "meta": meta,
-            "upstream": upstream,
-            "metrics": metrics,
-            "prefill_policy": prefill_policy,
-            "decode_policy": decode_policy,
-            "engine_metaserver": engine_metaserver,
-            "rng": rng,
-            "clock": clock,
-            "claim_key": claim_key,
-        }
-        self._dispatch = Dispatcher(s, **engines)
+        dispatcher = partial(
+            Dispatcher,
+            pool=pool,
+            meta=meta,
+            upstream=upstream,
+            metrics=metrics,
+            prefill_policy=prefill_policy,
+            decode_policy=decode_policy,
+            engine_metaserver=engine_metaserver,
+            rng=rng,
+            clock=clock,
+            claim_key=claim_key,
+        )
+        self._dispatch = dispatcher(s)
         self._whole = Whole(
             s,
             pool=pool,
@@ -137,7 +138,7 @@ class Proxy:
         self._dispatch.resume = self._whole.resume
         self._mooncake = None
         if s.kv_protocol == "mooncake":  # vLLM's MooncakeConnector: P and D at once, the pair is retried
-            decoder = Dispatcher(s.model_copy(update={"decode_retries": 0}), **engines)
+            decoder = dispatcher(s.model_copy(update={"decode_retries": 0}))
             decoder.resume = self._whole.resume
             self._mooncake = StockMooncake(
                 s,
