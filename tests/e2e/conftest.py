@@ -24,7 +24,7 @@ from pdgate.deploy.local.stack import LocalStack, SingleInstance, StackConfig, e
 from pdgate.deploy.local.vllm_env import VllmEnv, find_vllm_env
 from pdgate.deploy.local.vllm_instance import ServeFlags
 
-from tests.e2e.pdclient import MAX_TOKENS, Answer, chat, complete, openai_client
+from tests.e2e.pdclient import MAX_TOKENS, Answer, chat, chat_messages, complete, openai_client
 
 
 def _log(msg: str) -> None:
@@ -109,6 +109,28 @@ class Baseline:
             self._ready()
             self._cache[key] = chat(self.client, messages, max_tokens=max_tokens)
         return self._cache[key]
+
+
+def answers_equal_the_single_instances(
+    client: OpenAI, baseline: Baseline, completions: list[tuple[list[int], bool]], chat_seed: int
+) -> tuple[int, int]:
+    """Each (prompt ids, stream) completion and a 40-word chat, not streamed and streamed, answer the single
+    instance's tokens, with the prompt counted whole; returns (requests sent, prompt tokens sent). The stock
+    connectors' e2e tests (test_10, test_14) then check how the KV of exactly those requests moved."""
+    sent = prompt_tokens = 0
+    for prompt, stream in completions:
+        got, want = complete(client, prompt, stream=stream), baseline.complete(prompt)
+        assert got.prompt_tokens == len(prompt)
+        assert len(got.token_ids) == MAX_TOKENS
+        assert got.token_ids == want.token_ids, f"{len(prompt)} tokens (stream={stream}) differ from one vLLM"
+        sent, prompt_tokens = sent + 1, prompt_tokens + len(prompt)
+    for stream in (False, True):
+        messages = chat_messages(40, seed=chat_seed + int(stream))
+        got, want = chat(client, messages, stream=stream), baseline.chat(messages)
+        assert got.token_ids == want.token_ids, f"chat (stream={stream}) differs from the single instance"
+        assert want.prompt_tokens is not None
+        sent, prompt_tokens = sent + 1, prompt_tokens + want.prompt_tokens
+    return sent, prompt_tokens
 
 
 class Stacks:

@@ -25,13 +25,9 @@ from pathlib import Path
 import pytest
 from pdgate.deploy.local.vllm_env import VllmEnv
 
-from tests.e2e.conftest import Baseline, Stacks
+from tests.e2e.conftest import Baseline, Stacks, answers_equal_the_single_instances
 from tests.e2e.nixl_pair import NixlPair
 from tests.e2e.pdclient import (
-    MAX_TOKENS,
-    chat,
-    chat_messages,
-    complete,
     delta,
     engine_counters,
     metric,
@@ -73,26 +69,8 @@ def test_router_over_stock_nixl_gives_the_single_instance_tokens(nixl_pair: Nixl
     client = openai_client(nixl_pair.openai_base_url)
     decode = nixl_pair.engine("decode").url
     x0, c0 = _xfers(decode), engine_counters(decode)
-    sent = 0
-    prompt_tokens = 0
-    for i, length in enumerate(LENGTHS):
-        prompt = prompt_ids(length, seed=1000 + i)  # fresh: no prefix-cache hit on either engine
-        stream = i % 2 == 1
-        got = complete(client, prompt, stream=stream)
-        want = baseline.complete(prompt)
-        assert got.prompt_tokens == length
-        assert len(got.token_ids) == MAX_TOKENS
-        assert got.token_ids == want.token_ids, f"{length} tokens (stream={stream}) differ from the single instance"
-        sent += 1
-        prompt_tokens += length
-    for stream in (False, True):
-        messages = chat_messages(40, seed=1100 + int(stream))
-        got = chat(client, messages, stream=stream)
-        want = baseline.chat(messages)
-        assert got.token_ids == want.token_ids, f"chat (stream={stream}) differs from the single instance"
-        assert want.prompt_tokens is not None
-        sent += 1
-        prompt_tokens += want.prompt_tokens
+    fresh = [(prompt_ids(length, seed=1000 + i), i % 2 == 1) for i, length in enumerate(LENGTHS)]  # no cache hit
+    sent, prompt_tokens = answers_equal_the_single_instances(client, baseline, fresh, chat_seed=1100)
 
     assert _xfers(decode) - x0 == sent, "the decode should have read every request's KV over NIXL"
     failed = sum(v for n, _, v in scrape(decode) if n == "vllm:nixl_num_failed_transfers_total")

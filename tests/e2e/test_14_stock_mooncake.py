@@ -33,13 +33,9 @@ from pdgate.deploy.local.stack import start_engine
 from pdgate.deploy.local.vllm_env import VllmEnv, repo_root
 from pdgate.deploy.local.vllm_instance import VllmInstanceSpec
 
-from tests.e2e.conftest import Baseline, Stacks
+from tests.e2e.conftest import Baseline, Stacks, answers_equal_the_single_instances
 from tests.e2e.nixl_pair import ROUTER_ARGS, Engine, NixlPair
 from tests.e2e.pdclient import (
-    MAX_TOKENS,
-    chat,
-    chat_messages,
-    complete,
     delta,
     engine_counters,
     openai_client,
@@ -115,25 +111,12 @@ def test_router_over_stock_mooncake_gives_the_single_instance_tokens(
     client = openai_client(mooncake_pair.openai_base_url)
     decode = mooncake_pair.engine("decode").url
     c0 = engine_counters(decode)
-    sent = prompt_tokens = 0
-    for i, length in enumerate(LENGTHS):
-        for stream in (False, True):
-            prompt = prompt_ids(length, seed=1400 + 2 * i + int(stream))  # fresh: no prefix-cache hit anywhere
-            got = complete(client, prompt, stream=stream)
-            want = baseline.complete(prompt)
-            assert got.prompt_tokens == length
-            assert len(got.token_ids) == MAX_TOKENS
-            assert got.token_ids == want.token_ids, f"{length} tokens (stream={stream}) differ from the single instance"
-            sent += 1
-            prompt_tokens += length
-    for stream in (False, True):
-        messages = chat_messages(40, seed=1500 + int(stream))
-        got = chat(client, messages, stream=stream)
-        want = baseline.chat(messages)
-        assert got.token_ids == want.token_ids, f"chat (stream={stream}) differs from the single instance"
-        assert want.prompt_tokens is not None
-        sent += 1
-        prompt_tokens += want.prompt_tokens
+    fresh = [  # no prefix-cache hit anywhere
+        (prompt_ids(length, seed=1400 + 2 * i + int(stream)), stream)
+        for i, length in enumerate(LENGTHS)
+        for stream in (False, True)
+    ]
+    sent, prompt_tokens = answers_equal_the_single_instances(client, baseline, fresh, chat_seed=1500)
 
     d = delta(engine_counters(decode), c0)
     print(f"[e2e] stock-mooncake decode prompt tokens by source: {d}")
