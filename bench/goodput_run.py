@@ -40,7 +40,7 @@ def _bench_main() -> Any:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser()  # type: ignore[no-untyped-call]  # vLLM's parser is untyped
+    parser = FlexibleArgumentParser()  # type: ignore[no-untyped-call, unused-ignore]  # vLLM's parser is untyped
     add_cli_args(parser)
     return parser, main
 

@@ -85,7 +85,7 @@ def _build_tokenizer(shape: type[ModelShape]) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(list(_corpus(20000, shape.seed)), trainer=trainer)
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves this constructor untyped
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]  # transformers leaves this constructor untyped
         tokenizer_object=tok,
         bos_token=SPECIAL_TOKENS[0],
         eos_token=SPECIAL_TOKENS[1],
@@ -102,7 +102,7 @@ def _build_weights(config: Any, seed: int) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers leaves this constructor untyped
+        skeleton = LlamaForCausalLM(config)  # type: ignore[no-untyped-call, unused-ignore]  # transformers leaves this constructor untyped
     gen = torch.Generator().manual_seed(seed)
     state: dict[str, Any] = {}
     for name, param in sorted(skeleton.named_parameters()):

@@ -29,7 +29,7 @@ def main() -> int:
     _metadata.version = _version  # type: ignore[assignment]  # the shim: same call, looser name
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    result = vllm_main()  # type: ignore[no-untyped-call]  # vLLM's CLI entry is untyped
+    result = vllm_main()  # type: ignore[no-untyped-call, unused-ignore]  # vLLM's CLI entry is untyped
     return int(result or 0)
 
 

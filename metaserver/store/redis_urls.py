@@ -169,7 +169,7 @@ def connect(target: RedisTarget, *, socket_timeout: float | None, max_connection
             target.url, **common, retry_on_error=[RedisConnectionError], max_connections=max_connections
         )
     if target.mode == "sentinel":
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves Sentinel unannotated
+        sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # annotated from redis-py 8
             list(target.nodes),
             # No retries against a Sentinel: the client already goes round all of them, and redis-py's
             # default retries with backoff held a call for ~25 s when every Sentinel refused it.

@@ -136,6 +136,6 @@ class Wakeups:
                     return
         finally:
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # annotated from redis-py 8
             with contextlib.suppress(Exception):
                 await client.aclose(close_connection_pool=True)

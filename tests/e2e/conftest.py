@@ -24,7 +24,7 @@ from pdgate.deploy.local.stack import LocalStack, SingleInstance, StackConfig, e
 from pdgate.deploy.local.vllm_env import VllmEnv, find_vllm_env
 from pdgate.deploy.local.vllm_instance import ServeFlags
 
-from tests.e2e.pdclient import MAX_TOKENS, Answer, chat, chat_messages, complete, openai_client
+from tests.e2e.pdclient import MAX_TOKENS, Answer, Ranked, chat, chat_messages, complete, openai_client, ranked
 
 
 def _log(msg: str) -> None:
@@ -89,6 +89,7 @@ class Baseline:
         self.instance = instance
         self.client = openai_client(instance.openai_base_url)
         self._cache: dict[object, Answer] = {}
+        self._ranked: dict[tuple[tuple[int, ...], int], Ranked] = {}
         self._waited = False
 
     def _ready(self) -> None:
@@ -102,6 +103,14 @@ class Baseline:
             self._ready()
             self._cache[key] = complete(self.client, prompt, max_tokens=max_tokens)
         return self._cache[key]
+
+    def ranked(self, prompt: list[int], max_tokens: int) -> Ranked:
+        """The greedy answer with its top-3 logprobs at each position (near-tie checks)."""
+        key = (tuple(prompt), max_tokens)
+        if key not in self._ranked:
+            self._ready()
+            self._ranked[key] = ranked(self.client, prompt, max_tokens=max_tokens, candidates=3)
+        return self._ranked[key]
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int = MAX_TOKENS) -> Answer:
         key = ("chat", tuple((m["role"], m["content"]) for m in messages), max_tokens)

@@ -35,6 +35,7 @@ __all__ = [
     "observe",
     "openai_client",
     "prompt_ids",
+    "ranked",
     "scrape",
     "wait_for",
 ]
@@ -128,6 +129,35 @@ def complete(client: OpenAI, prompt: Sequence[int], *, stream: bool = False, max
             finish = choice.finish_reason or finish
     prompt_tokens, cached = _usage_fields(usage)
     return Answer(tuple(ids), "".join(text), prompt_tokens, cached, finish, headers)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A greedy answer with, at each position, the top candidates' logprobs by token id."""
+
+    token_ids: tuple[int, ...]
+    top: tuple[dict[int, float], ...]
+
+
+def ranked(client: OpenAI, prompt: Sequence[int], *, max_tokens: int, candidates: int = 2) -> Ranked:
+    """/v1/completions, not streamed, with the top `candidates` logprobs keyed by token id
+    (`return_tokens_as_token_ids`: token texts of a random model collide)."""
+    resp = client.completions.create(
+        model=MODEL_NAME,
+        prompt=list(prompt),
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=candidates,
+        extra_body={**_EXTRA, "return_tokens_as_token_ids": True},
+    )
+    choice = resp.choices[0]
+    if choice.logprobs is None or choice.logprobs.top_logprobs is None:
+        raise AssertionError(f"the response carries no top logprobs: {choice!r}")
+    top = tuple(
+        {int(k.removeprefix("token_id:")): float(v) for k, v in (pos or {}).items()}
+        for pos in choice.logprobs.top_logprobs
+    )
+    return Ranked(tuple(_token_ids(choice)), top)
 
 
 def chat(

@@ -5,11 +5,15 @@ oracle (`baseline`). `CLIENTS` greedy streams of `LONG` tokens run at once; a de
 server and its EngineCore) while it generates for some of them. The router resumes each broken stream on an
 instance left (router/resume.py: prompt ids + the ids the client received, the tokens left). What must
 hold: every client gets the single instance's full greedy answer, token for token, with 0 errors, and the
-router counts the resumes. "The single instance's answer" is, after each resume point k, what the single
-instance answers for the continuation the router sent (prompt + the k ids received, LONG - k tokens): the
-resumed tokens come from a prefill over those ids, and in bfloat16 a prefill's logits may differ from the
-uninterrupted decode's in the last bits, so a near-tie can flip there (CI saw it once at token 101). A lost,
-repeated or reordered token at the resume point fails this check as it failed the plain one. 8 clients:
+router counts the resumes. "The single instance's answer" is its greedy answer up to bfloat16 near-ties
+(`check_equal_up_to_near_ties`): the resumed tokens come from a prefill over prompt + the ids received,
+and a decode batched with other streams computes its logits in other shapes than the lone instance, so in
+bfloat16 two candidates within rounding of each other can swap (CI saw it at token 101 at a resume point,
+and at token 1002, 999 steps after one). A position where the stream leaves the single instance's answer
+passes only if the single instance itself ranked the stream's token within NEAR_TIE of its first;
+the check then goes on from the single instance's answer to the prompt plus the stream up to there, so
+every later token is held to the same rule. A lost, repeated or reordered token is not a near-tie of the
+single instance and fails, as it failed the plain equality. 8 clients:
 the 2-core CI host runs three engines unpinned (test_08's note); a
 GPU host may raise `PDGATE_E2E_RESUME_CLIENTS` to 32.
 """
@@ -59,14 +63,35 @@ def resume_points(router_log: Path) -> dict[str, list[int]]:
     return points
 
 
-def expected(baseline: Baseline, prompt: list[int], got: tuple[int, ...], at: list[int]) -> tuple[int, ...]:
-    """The single instance's answer, segment by segment: from each resume point k on, its greedy answer to
-    prompt + got[:k] (the continuation the router asked for), up to the next resume point."""
-    want: list[int] = []
-    for j, k in enumerate([0, *at]):
-        end = ([*at, LONG])[j]
-        want[k:] = baseline.complete(prompt + list(got[:k]), max_tokens=LONG - k).token_ids[: end - k]
-    return tuple(want)
+# Two logprobs of one answer agree within test_drop_in's LOGPROB_TOL (0.05) between PD and the single
+# instance; a swap needs the stream's token at least level with the first, so the single instance's own gap
+# is at most twice that.
+NEAR_TIE = 0.1
+MAX_NEAR_TIES = 3  # per stream: more is not rounding
+
+
+def check_equal_up_to_near_ties(baseline: Baseline, prompt: list[int], got: tuple[int, ...]) -> list[int]:
+    """The positions where `got` took another of the single instance's top candidates at a near-tie; AssertionError at
+    a position that is not one. From each such position on, the reference is the single instance's greedy
+    answer to prompt + got up to and including it."""
+    ties: list[int] = []
+    k = 0
+    while k < LONG:
+        ref = baseline.ranked(prompt + list(got[:k]), LONG - k)  # top 3: a tie may be three-way
+        assert len(ref.token_ids) == LONG - k
+        off = next((j for j, (a, b) in enumerate(zip(got[k:], ref.token_ids, strict=True)) if a != b), None)
+        if off is None:
+            return ties
+        at, top = k + off, ref.top[off]
+        best, lp = top.get(ref.token_ids[off]), top.get(got[k + off])
+        assert best is not None and lp is not None and best - lp <= NEAR_TIE, (
+            f"token {at}: the stream has {got[at]}, the single instance {ref.token_ids[off]} "
+            f"(its top candidates {top}): not a near-tie"
+        )
+        ties.append(at)
+        assert len(ties) <= MAX_NEAR_TIES, f"near-ties at {ties}: more than rounding explains"
+        k = at + 1
+    return ties
 
 
 def _stream(client: openai.OpenAI, seed: int) -> Answer | str:
@@ -107,10 +132,10 @@ def test_sigkill_decode_mid_stream_every_client_gets_the_single_instances_answer
         assert isinstance(got, Answer)
         assert len(got.token_ids) == LONG and got.prompt_tokens == 120, (i, len(got.token_ids), got.prompt_tokens)
         at = sorted(points.get(got.headers.get("x-request-id", ""), []))
-        want = wants[i].token_ids if not at else expected(baseline, prompt_ids(120, seed=1100 + i), got.token_ids, at)
-        if at and want != wants[i].token_ids:
-            _log(f"client {i}: resumed at {at}; the continuation's prefill flipped a near-tie (bfloat16)")
-        assert got.token_ids == want, f"client {i} (resumed at {at}): the stream differs from the single instance's"
+        if got.token_ids == wants[i].token_ids:
+            continue
+        ties = check_equal_up_to_near_ties(baseline, prompt_ids(120, seed=1100 + i), got.token_ids)
+        _log(f"client {i}: resumed at {at}; bfloat16 near-ties of the single instance taken at {ties}")
     resumed = metric(stack.url, "pdgate_router_resumes_total")
     _log(f"{resumed:.0f} streams resumed, 0 errors of {CLIENTS}")
     assert resumed >= 1  # the kill landed on streams in flight, and they were resumed, not failed
