@@ -7,6 +7,9 @@ Phases, in one run and in sequence, so that no PD pair shares the machine with a
    same fresh prompts go to both in alternating order. Both are stopped after.
 2. vLLM's stock NixlConnector 1P1D behind pdgate-router, as shipped (`tests/e2e/nixl_pair.py`);
 3. the same pair hand-tuned as docs/NIXL.md describes (taskset + renice).
+Phase 1 runs once per `--variants` entry (default: nixl): pdgate's engines over NIXL or Mooncake (tcp),
+request-wise or layer-wise (`layerwise_min_tokens` 0: every synchronous load goes layer by layer), each
+with its own single instance, so each variant's PD-single difference is read within its own phase.
 Every pair gets pdgate-local's pinning policy (each engine's OMP threads on its own core, cores taken
 in order); the tuned pair adds its tuning on top. What each process ended with (CPU sets of its threads,
 nice) is read back from /proc and printed per configuration.
@@ -32,6 +35,7 @@ Target (issue 13): pdgate PD median TTFT <= single + transfer + 5 ms. Printed pe
 
     .venv-vllm/bin/python bench/e2e.py [--lengths 128 512 2048] [--reps 12] [--no-nixl] [--out bench/results/e2e.json]
     .venv-vllm/bin/python bench/e2e.py --no-nixl --connector-extra '{"sync_load_when_idle": false}'  # the async path
+    .venv-vllm/bin/python bench/e2e.py --variants nixl mooncake nixl-layerwise mooncake-layerwise
     .venv-vllm/bin/python bench/e2e.py --load 256     # vllm bench serve at 256 concurrent (bench/e2e_load.py)
 """
 
@@ -64,6 +68,13 @@ from tests.e2e.nixl_pair import AS_SHIPPED, TUNED, NixlPair, Tuning, describe_pi
 
 BLOCK = 32
 PHASES = ("prefill", "handoff", "decode_ttft", "overhead", "e2e")
+# pdgate's phase 1 variants: name -> (transport, kv_connector_extra_config keys on top of --connector-extra)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "nixl": ("nixl", {}),
+    "mooncake": ("mooncake", {}),
+    "nixl-layerwise": ("nixl", {"layerwise_min_tokens": 0}),
+    "mooncake-layerwise": ("mooncake", {"layerwise_min_tokens": 0}),
+}
 NIXL_XFER = "vllm:nixl_xfer_time_seconds"
 
 
@@ -183,18 +194,22 @@ def warm(client: httpx.Client, urls: list[str], n: int, max_tokens: int) -> None
             stream_once(client, url, prompt_ids(64, seed=-1 - i), max_tokens)
 
 
-def run_pdgate_phase(args: argparse.Namespace, run_dir: Path, flags: ServeFlags, lengths: list[int]) -> dict[str, Any]:
+def run_pdgate_phase(
+    args: argparse.Namespace, run_dir: Path, flags: ServeFlags, lengths: list[int], variant: str = "nixl"
+) -> dict[str, Any]:
     """Phase 1: the single instance and pdgate 1P1D, same prompts, alternating order."""
+    transport, extra = VARIANTS[variant]
     single = SingleInstance(
-        model_dir=args.model_dir, run_dir=run_dir / "single", venv=args.venv, cpu="1", flags=flags, log=_say
+        model_dir=args.model_dir, run_dir=run_dir / f"single-{variant}", venv=args.venv, cpu="1", flags=flags, log=_say
     )
     stack = LocalStack(
         StackConfig(
             model_dir=args.model_dir,
-            run_dir=run_dir / "pd",
+            run_dir=run_dir / f"pd-{variant}",
             venv=args.venv,
             port=args.port,
-            connector_extra=json.loads(args.connector_extra),
+            transport=transport,
+            connector_extra={**json.loads(args.connector_extra), **extra},
         ),
         log=_say,
     )
@@ -248,11 +263,11 @@ def run_pdgate_phase(args: argparse.Namespace, run_dir: Path, flags: ServeFlags,
                 row["target_ttft_s"] = single_lat["ttft_p50_s"] + kv["pull"] + 0.005
                 row["target_met"] = pd_lat["ttft_p50_s"] <= row["target_ttft_s"]
                 rows.append(row)
-                _say(f"single + pdgate: {length} tokens done")
+                _say(f"single + pdgate ({variant}): {length} tokens done")
     finally:
         stack.stop()
         single.stop()
-    return {"rows": rows, "pinning": pinning, "startup": stack.timings}
+    return {"variant": variant, "rows": rows, "pinning": pinning, "startup": stack.timings}
 
 
 def run_nixl_phase(
@@ -312,7 +327,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if skipped:
         _say(f"skipping prompt lengths {skipped}: above the model's limit ({flags.max_model_len} - max_tokens)")
     t_start = time.monotonic()
-    pdgate = run_pdgate_phase(args, run_dir, flags, lengths)
+    variants = {v: run_pdgate_phase(args, run_dir, flags, lengths, v) for v in args.variants}
+    pdgate = variants[args.variants[0]]
     tunings = () if args.no_nixl else (AS_SHIPPED, TUNED)
     nixl = [nixl_phase_or_failure(args, run_dir, flags, lengths, t) for t in tunings]
     return {
@@ -332,6 +348,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
         "wall_s": time.monotonic() - t_start,
         "pdgate": pdgate,
+        "variants": variants,
         "nixl": nixl,
     }
 
@@ -343,10 +360,11 @@ def _ms(v: float) -> str:
 def print_tables(result: dict[str, Any], out: Callable[[str], None] = print) -> None:
     cfg = result["config"]
     pd = result["pdgate"]
-    configs: list[tuple[str, list[dict[str, float]]]] = [
-        ("single vLLM, no connector", [r["single"] for r in pd["rows"]]),
-        ("**pdgate 1P1D** (pdgate-local's pinning)", [r["pdgate"] for r in pd["rows"]]),
-    ]
+    variants: dict[str, Any] = result.get("variants") or {"nixl": pd}  # results from before --variants
+    configs: list[tuple[str, list[dict[str, float]]]] = []
+    for name, v in variants.items():
+        configs.append((f"single vLLM, no connector (beside {name})", [r["single"] for r in v["rows"]]))
+        configs.append((f"**pdgate 1P1D, {name}** (pdgate-local's pinning)", [r["pdgate"] for r in v["rows"]]))
     for n in result["nixl"]:
         name = f"vLLM NixlConnector 1P1D, {n['tuning']}, behind pdgate-router"
         if n.get("failed"):
@@ -367,29 +385,29 @@ def print_tables(result: dict[str, Any], out: Callable[[str], None] = print) -> 
             cells.append(f"{_ms(lat['e2e_p50_s'])} / {_ms(lat['e2e_p90_s'])}")
         out(f"| {name} | " + " | ".join(cells) + " |")
     out("\npdgate target: median TTFT <= single + transfer + 5 ms")
-    out("| prompt | single | pdgate | PD-single | transfer (NIXL read) | target | met | 1st token from prefill |")
-    out("|---:|---:|---:|---:|---:|---:|:-:|---:|")
-    for r in pd["rows"]:
-        s, p = r["single"]["ttft_p50_s"], r["pdgate"]["ttft_p50_s"]
-        out(
-            f"| {r['prompt_tokens']} | {s * 1e3:.1f} | {p * 1e3:.1f} | {(p - s) * 1e3:+.1f} "
-            f"| {r['transfer_s'] * 1e3:.1f} ({r['transport_s'] * 1e3:.1f}) | {r['target_ttft_s'] * 1e3:.1f} "
-            f"| {'yes' if r['target_met'] else 'no'} | {r.get('first_token_from_prefill', '-')} of {cfg['reps']} |"
-        )
+    out(
+        "| variant | prompt | single | pdgate | PD/single | PD-single | transfer (read) | target | met "
+        "| 1st token from prefill |"
+    )
+    out("|---|---:|---:|---:|---:|---:|---:|---:|:-:|---:|")
+    for name, v in variants.items():
+        for r in v["rows"]:
+            s, p = r["single"]["ttft_p50_s"], r["pdgate"]["ttft_p50_s"]
+            out(
+                f"| {name} | {r['prompt_tokens']} | {s * 1e3:.1f} | {p * 1e3:.1f} | {p / s:.2f}x "
+                f"| {(p - s) * 1e3:+.1f} "
+                f"| {r['transfer_s'] * 1e3:.1f} ({r['transport_s'] * 1e3:.1f}) | {r['target_ttft_s'] * 1e3:.1f} "
+                f"| {'yes' if r['target_met'] else 'no'} | {r.get('first_token_from_prefill', '-')} of {cfg['reps']} |"
+            )
     out("\nBreakdown (ms): router phase means; decode KV-load medians from its per-transfer log or NIXL's histogram")
     out(
         "| setup | prompt | r.prefill | r.handoff | r.decode 1st byte | d.claim | d.pull (read) | d.confirm "
         "| d.rest | r.overhead |"
     )
     out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in pd["rows"]:
-        ph = r["router_phase_mean_s"]
-        out(
-            f"| pdgate | {r['prompt_tokens']} | {ph['prefill'] * 1e3:.1f} | {ph['handoff'] * 1e3:.2f} "
-            f"| {ph['decode_ttft'] * 1e3:.1f} | {r['claim_s'] * 1e3:.1f} "
-            f"| {r['transfer_s'] * 1e3:.1f} ({r['transport_s'] * 1e3:.1f}) | {r['confirm_s'] * 1e3:.1f} "
-            f"| {r['decode_rest_s'] * 1e3:.1f} | {ph['overhead'] * 1e3:.2f} |"
-        )
+    for name, v in variants.items():
+        for r in v["rows"]:
+            _breakdown_row(out, f"pdgate {name}", r)
     for n in result["nixl"]:
         for r in n["rows"]:
             ph = r["router_phase_mean_s"]
@@ -399,11 +417,22 @@ def print_tables(result: dict[str, Any], out: Callable[[str], None] = print) -> 
                 f"| {(ph['decode_ttft'] - r['nixl_xfer_mean_s']) * 1e3:.1f} | {ph['overhead'] * 1e3:.2f} |"
             )
     out("\nPinning each configuration ended with (read back from /proc: CPU set -> threads, nice):")
-    for name, rows in pd["pinning"].items():
-        out(f"- pdgate phase, {name}: {describe_pinning(rows)}")
+    for vname, v in variants.items():
+        for name, rows in v["pinning"].items():
+            out(f"- pdgate {vname} phase, {name}: {describe_pinning(rows)}")
     for n in result["nixl"]:
         for role, rows in n["pinning"].items():
             out(f"- nixl {n['tuning']}, {role}: {describe_pinning(rows)}")
+
+
+def _breakdown_row(out: Callable[[str], None], name: str, r: dict[str, Any]) -> None:
+    ph = r["router_phase_mean_s"]
+    out(
+        f"| {name} | {r['prompt_tokens']} | {ph['prefill'] * 1e3:.1f} | {ph['handoff'] * 1e3:.2f} "
+        f"| {ph['decode_ttft'] * 1e3:.1f} | {r['claim_s'] * 1e3:.1f} "
+        f"| {r['transfer_s'] * 1e3:.1f} ({r['transport_s'] * 1e3:.1f}) | {r['confirm_s'] * 1e3:.1f} "
+        f"| {r['decode_rest_s'] * 1e3:.1f} | {ph['overhead'] * 1e3:.2f} |"
+    )
 
 
 LEGEND = (
@@ -434,6 +463,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--gap-s", type=float, default=0.5, help="pause before each request (default 0.5)")
     ap.add_argument("--no-nixl", action="store_true", help="skip the NixlConnector phases")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["nixl"], help="pdgate phases")
     ap.add_argument(
         "--load", type=int, default=0, help="run bench/e2e_load.py at this concurrency instead (its flags follow)"
     )

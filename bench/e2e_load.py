@@ -19,6 +19,7 @@ handoffs still live in the ledger 2 s after `vllm bench serve` returned (the met
 Prints the table and writes JSON (vLLM's own result per setup, plus the above).
 
     .venv-vllm/bin/python bench/e2e_load.py [--concurrency 256] [--prompts 256] [--setups single nixl pdgate]
+    .venv-vllm/bin/python bench/e2e_load.py --setups pdgate pdgate-mooncake pdgate-mooncake-layerwise
     .venv-vllm/bin/python bench/e2e.py --load 256      # the same
 """
 
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +50,14 @@ from pdgate.deploy.local.vllm_instance import ServeFlags  # noqa: E402
 from tests.e2e.nixl_pair import AS_SHIPPED, NixlPair, describe_pinning, process_pinning  # noqa: E402
 from tests.e2e.pdclient import delta, observe, scrape  # noqa: E402
 
-SETUPS = ("single", "nixl", "pdgate")
+SETUPS = ("single", "nixl", "pdgate", "pdgate-mooncake", "pdgate-mooncake-layerwise")
+DEFAULT_SETUPS = ("single", "nixl", "pdgate")
 LABELS = {
     "single": "single vLLM, one core",
     "nixl": "vLLM NixlConnector 1P1D, as shipped, behind pdgate-router",
     "pdgate": "**pdgate 1P1D** (pdgate-local)",
+    "pdgate-mooncake": "**pdgate 1P1D over Mooncake (tcp)**",
+    "pdgate-mooncake-layerwise": "**pdgate 1P1D over Mooncake (tcp), layer-wise**",
 }
 SETTLE_S = 2.0  # the issue's "live 2 s after the last request"
 
@@ -158,10 +163,25 @@ def run_nixl(args: argparse.Namespace, python: Path, run_dir: Path, flags: Serve
     return {"vllm": result, "pinning": pinning}
 
 
-def run_pdgate(args: argparse.Namespace, python: Path, run_dir: Path, flags: ServeFlags) -> dict[str, Any]:
+def run_pdgate(
+    args: argparse.Namespace,
+    python: Path,
+    run_dir: Path,
+    flags: ServeFlags,
+    transport: str = "nixl",
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     from pdgate.deploy.local.procs import free_port
 
-    cfg = StackConfig(model_dir=args.model_dir, run_dir=run_dir / "pd", venv=args.venv, install=False, port=free_port())
+    cfg = StackConfig(
+        model_dir=args.model_dir,
+        run_dir=run_dir / f"pd-{transport}{'-layerwise' if extra else ''}",
+        venv=args.venv,
+        install=False,
+        port=free_port(),
+        transport=transport,
+        connector_extra=extra or {},
+    )
     with LocalStack(cfg, log=_say) as stack:
         [decode] = stack.by_role("decode")
         [prefill] = stack.by_role("prefill")
@@ -199,7 +219,13 @@ def run_pdgate(args: argparse.Namespace, python: Path, run_dir: Path, flags: Ser
     }
 
 
-RUNNERS = {"single": run_single, "nixl": run_nixl, "pdgate": run_pdgate}
+RUNNERS = {
+    "single": run_single,
+    "nixl": run_nixl,
+    "pdgate": run_pdgate,
+    "pdgate-mooncake": partial(run_pdgate, transport="mooncake"),
+    "pdgate-mooncake-layerwise": partial(run_pdgate, transport="mooncake", extra={"layerwise_min_tokens": 0}),
+}
 
 
 def _ms(v: Any) -> str:
@@ -221,25 +247,30 @@ def print_table(res: dict[str, Any]) -> None:
             f"| {LABELS[name]} | {s['duration']:.1f} s | {s['request_throughput']:.1f} "
             f"| {_ms(s['median_ttft_ms'])} / {_ms(s['p99_ttft_ms'])} | {s['median_tpot_ms']:.1f} | {s['failed']} |"
         )
-    led = res["setups"].get("pdgate", {}).get("ledger")
-    if led:
-        c = led["decode_claim_ms"]
-        print(
-            f"\npdgate decode: claim ms p50 {c.get('p50')} p99 {c.get('p99')} max {c.get('max')} (n {c.get('n')}); "
-            f"claims by the router {led['claims_by_router']:.0f}; DONE refusals {led['done_refused']:.0f} "
-            f"(log lines {led['done_refused_log_lines']}); handoffs live {SETTLE_S:.0f} s after the last request: "
-            f"{led['live_handoffs_after_2s']:.0f} {led['live_by_state_after_2s']}; prefill freed on DONE "
-            f"{led['prefill_freed_done']:.0f}, on expiry {led['prefill_freed_expired']:.0f}"
-        )
-        first = res["setups"]["pdgate"].get("first_token_from_prefill", {})
-        print(
-            f"pdgate router: first token from the prefill in {first.get('true', 0):.0f} streams, "
-            f"classic path for {first.get('false', 0):.0f} that asked (router/first_token.py)"
-        )
+    for name, r in res["setups"].items():
+        if r.get("ledger"):
+            print_ledger(name, r)
     print("\nPinning (CPU set -> threads, nice), read back from /proc:")
     for name, r in res["setups"].items():
         for proc, rows in r["pinning"].items():
             print(f"- {name}, {proc}: {describe_pinning(rows)}")
+
+
+def print_ledger(name: str, setup: dict[str, Any]) -> None:
+    led = setup["ledger"]
+    c = led["decode_claim_ms"]
+    print(
+        f"\n{name} decode: claim ms p50 {c.get('p50')} p99 {c.get('p99')} max {c.get('max')} (n {c.get('n')}); "
+        f"claims by the router {led['claims_by_router']:.0f}; DONE refusals {led['done_refused']:.0f} "
+        f"(log lines {led['done_refused_log_lines']}); handoffs live {SETTLE_S:.0f} s after the last request: "
+        f"{led['live_handoffs_after_2s']:.0f} {led['live_by_state_after_2s']}; prefill freed on DONE "
+        f"{led['prefill_freed_done']:.0f}, on expiry {led['prefill_freed_expired']:.0f}"
+    )
+    first = setup.get("first_token_from_prefill", {})
+    print(
+        f"{name} router: first token from the prefill in {first.get('true', 0):.0f} streams, "
+        f"classic path for {first.get('false', 0):.0f} that asked (router/first_token.py)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -248,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    ap.add_argument("--setups", nargs="+", choices=SETUPS, default=list(DEFAULT_SETUPS))
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--venv", type=Path, default=None)
     ap.add_argument("--run-dir", type=Path, default=None)
