@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from random import Random
 from time import perf_counter
 
@@ -199,10 +200,27 @@ class Dispatcher:
         self._m.handoff.observe(perf_counter() - t)
 
     async def _prefill_once(self, req: ProxiedRequest, p: LiveInstance) -> None:
-        where = Where(*p.where("prefill"))
         if req.spliced is None:  # once per request: retries and the decode splice onto the same encoding
             req.spliced = SplicedBody(req.body)
         payload = req.spliced.prefill(prefill_params(req.tid, req.kv_key, self._engine_meta), token_ids=req.first_token)
+        try:
+            await self.send_prefill(req, p, payload, partial(self._take_answer, req))
+        except UpstreamRejected:
+            req.abort_reason = "prefill_rejected"
+            raise
+        except PDGateError as exc:
+            if exc.retryable:  # this attempt's handoff dies with it; a retry creates its own
+                self.abort(req, "prefill_failed")
+            raise
+        req.prefill = p
+
+    async def send_prefill(
+        self, req: ProxiedRequest, p: LiveInstance, payload: bytes, take: Callable[[bytes], None] | None = None
+    ) -> None:
+        """POST a prefill copy to `p`, judged under its lease: the one prefill call of the ledger protocol and
+        of stock Mooncake, so what counts against a prefill's breaker is decided once. What `take` (given
+        the 2xx body) raises is the prefill's failure; a 4xx is the request's (`UpstreamRejected`)."""
+        where = Where(*p.where("prefill"))
         t = perf_counter()
         try:
             with self._pool.lease(p, req.facts.prompt_tokens, self._clock) as lease:
@@ -221,23 +239,18 @@ class Dispatcher:
                 v = verdict(resp.status)
                 if v == Verdict.OK:
                     try:
-                        self._take_answer(req, data)
+                        if take is not None:
+                            take(data)
                     except Exception as exc:  # the prefill's answer cannot be decoded from: its failure
                         lease.failed()
                         raise failed(PrefillFailed, where, *_unusable(exc)) from exc
                     lease.succeeded()
-                    req.prefill = p
                     return
                 if v == Verdict.REJECTED:
                     lease.succeeded()  # the request's fault, not the instance's
-                    req.abort_reason = "prefill_rejected"
                     raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
                 lease.failed()
                 raise failed(PrefillFailed, where, f"answered {resp.status}", snippet(data))
-        except PDGateError as exc:
-            if exc.retryable:  # this attempt's handoff dies with it; a retry creates its own
-                self.abort(req, "prefill_failed")
-            raise
         finally:
             self._m.prefill.observe(perf_counter() - t)
 

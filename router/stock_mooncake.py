@@ -27,7 +27,6 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from random import Random
-from time import perf_counter
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,7 +39,6 @@ from pdgate.router.errors import (
     PrefillFailed,
     RouterError,
     UnsupportedByPD,
-    UpstreamRejected,
     Where,
     failed,
     snippet,
@@ -50,8 +48,8 @@ from pdgate.router.metrics import RouterMetrics
 from pdgate.router.pairing import InstanceView
 from pdgate.router.policies import Policy
 from pdgate.router.pool import LiveInstance, Pool
-from pdgate.router.request_flow import MAX_ANSWER, ProxiedRequest, mint_transfer_id
-from pdgate.router.retry import Verdict, retry_elsewhere, verdict
+from pdgate.router.request_flow import ProxiedRequest, mint_transfer_id
+from pdgate.router.retry import retry_elsewhere
 from pdgate.router.settings import RouterSettings
 
 from pdgate.asgi import Message, Send
@@ -181,13 +179,10 @@ class StockMooncake:
     ) -> None:
         self._decoder = decoder  # built with decode_retries=0: the pair is retried here, never one side
         self._pool = pool
-        self._upstream = upstream
-        self._m = metrics
         self._policy = prefill_policy
         self._rng = rng
         self._clock = clock
         self._tries = 1 + settings.prefill_retries
-        self._p_timeout = settings.prefill_timeout_s
         self.bootstrap = MooncakeBootstrap(settings.mooncake_bootstrap_port, upstream)
         self._retries = metrics.retries.labels("prefill")
 
@@ -249,37 +244,13 @@ class StockMooncake:
             await asyncio.gather(prefill, decode, return_exceptions=True)
 
     async def _prefill(self, req: ProxiedRequest, p: LiveInstance) -> None:
-        where = Where(*p.where("prefill"))
         assert req.spliced is not None
         # min_tokens 1, as vllm-ascend's proxies send: a prefill whose one token is EOS ends STOPPED, not
         # LENGTH_CAPPED, and vLLM's connector then frees its blocks unsent (`request_finished`) while the
         # decode waits for them until VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (480 s).
         payload = with_fields(req.spliced.prefill(prefill_params(req.tid)), {"min_tokens": 1})
-        t = perf_counter()
-        try:
-            with self._pool.lease(p, req.facts.prompt_tokens, self._clock) as lease:
-                resp = None
-                try:
-                    url, headers = p.view.url + req.endpoint, self._decoder.headers(req, p)
-                    resp = await self._upstream().request("POST", url, headers, payload, timeout=self._p_timeout)
-                    data = await resp.read(timeout=self._p_timeout, limit=MAX_ANSWER)
-                except Exception as exc:
-                    lease.failed()
-                    raise translate(exc, UPSTREAM_FAILURES["prefill"], where) from exc
-                finally:
-                    if resp is not None:
-                        resp.close()
-                v = verdict(resp.status)
-                if v == Verdict.OK:
-                    lease.succeeded()
-                    return
-                if v == Verdict.REJECTED:
-                    lease.succeeded()  # the request's fault, not the instance's
-                    raise UpstreamRejected(resp.status, data, resp.header(b"content-type"))
-                lease.failed()
-                raise failed(PrefillFailed, where, f"answered {resp.status}", snippet(data))
-        finally:
-            self._m.prefill.observe(perf_counter() - t)
+        # Its answer carries nothing the decode needs (see the module docstring): only its status counts.
+        await self._decoder.send_prefill(req, p, payload)
 
 
 class _Gate:
