@@ -99,23 +99,30 @@ def _token_ids(choice: Any) -> list[int]:
     return list(ids)
 
 
-def complete(client: OpenAI, prompt: Sequence[int], *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> Answer:
-    """/v1/completions with a token-id prompt; streaming answers are joined chunk by chunk."""
-    raw = client.completions.with_raw_response.create(
-        model=MODEL_NAME,
-        prompt=list(prompt),
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=stream,
-        stream_options={"include_usage": True} if stream else None,
-        extra_body=_EXTRA,
-    )
+def _request(stream: bool, max_tokens: int) -> dict[str, Any]:
+    """What every completion and chat request of these tests asks for (greedy, usage in streams)."""
+    return {
+        "model": MODEL_NAME,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+        "extra_body": _EXTRA,
+    }
+
+
+def _answer(
+    raw: Any, stream: bool, text_of: Callable[[Any], str], piece: Callable[[Any], tuple[list[int], str]]
+) -> Answer:
+    """A raw completion or chat response as an `Answer`: a whole one's first choice (`text_of` it), or a
+    stream joined chunk by chunk (`piece`: a chunk choice's token ids and text). One reader for both
+    endpoints, so that they compare the same way."""
     headers = {k.lower(): v for k, v in raw.headers.items()}
     if not stream:
         resp = raw.parse()
         choice = resp.choices[0]
         prompt_tokens, cached = _usage_fields(resp.usage)
-        return Answer(tuple(_token_ids(choice)), choice.text, prompt_tokens, cached, choice.finish_reason, headers)
+        return Answer(tuple(_token_ids(choice)), text_of(choice), prompt_tokens, cached, choice.finish_reason, headers)
     ids: list[int] = []
     text: list[str] = []
     usage = None
@@ -124,11 +131,18 @@ def complete(client: OpenAI, prompt: Sequence[int], *, stream: bool = False, max
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
-            ids += _token_ids(choice)
-            text.append(choice.text)
+            got, said = piece(choice)
+            ids += got
+            text.append(said)
             finish = choice.finish_reason or finish
     prompt_tokens, cached = _usage_fields(usage)
     return Answer(tuple(ids), "".join(text), prompt_tokens, cached, finish, headers)
+
+
+def complete(client: OpenAI, prompt: Sequence[int], *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> Answer:
+    """/v1/completions with a token-id prompt; streaming answers are joined chunk by chunk."""
+    raw = client.completions.with_raw_response.create(prompt=list(prompt), **_request(stream, max_tokens))
+    return _answer(raw, stream, lambda c: c.text, lambda c: (_token_ids(c), c.text))
 
 
 @dataclass(frozen=True)
@@ -160,41 +174,20 @@ def ranked(client: OpenAI, prompt: Sequence[int], *, max_tokens: int, candidates
     return Ranked(tuple(_token_ids(choice)), top)
 
 
+def _chat_piece(choice: Any) -> tuple[list[int], str]:
+    extra = choice.model_extra or {}
+    return list(extra.get("token_ids") or ()), choice.delta.content or ""
+
+
 def chat(
     client: OpenAI, messages: list[dict[str, str]], *, stream: bool = False, max_tokens: int = MAX_TOKENS
 ) -> Answer:
     """/v1/chat/completions; streaming answers are joined chunk by chunk."""
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL_NAME,
         messages=messages,  # type: ignore[arg-type]
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=stream,
-        stream_options={"include_usage": True} if stream else None,
-        extra_body=_EXTRA,
+        **_request(stream, max_tokens),
     )
-    headers = {k.lower(): v for k, v in raw.headers.items()}
-    if not stream:
-        resp = raw.parse()
-        choice = resp.choices[0]
-        prompt_tokens, cached = _usage_fields(resp.usage)
-        content = choice.message.content or ""
-        return Answer(tuple(_token_ids(choice)), content, prompt_tokens, cached, choice.finish_reason, headers)
-    ids: list[int] = []
-    text: list[str] = []
-    usage = None
-    finish = None
-    for chunk in raw.parse():
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            extra = choice.model_extra or {}
-            if extra.get("token_ids"):
-                ids += list(extra["token_ids"])
-            text.append(choice.delta.content or "")
-            finish = choice.finish_reason or finish
-    prompt_tokens, cached = _usage_fields(usage)
-    return Answer(tuple(ids), "".join(text), prompt_tokens, cached, finish, headers)
+    return _answer(raw, stream, lambda c: c.message.content or "", _chat_piece)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
