@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +84,19 @@ class Conn:
         return status, await self.r.readexactly(length) if length else b""
 
 
-async def _worker(
-    host: str, port: int, tag: str, stop_at: float, warm_until: float, lat: dict[str, list[float]]
+Step = tuple[str, Any, int]  # (the call's name in the latency table, what is sent, the status it must get)
+
+
+async def _lifecycles(
+    steps: Callable[[int], tuple[Step, ...]],
+    call: Callable[[Any], Awaitable[int]],
+    stop_at: float,
+    warm_until: float,
+    lat: dict[str, list[float]],
 ) -> tuple[int, int]:
-    reader, writer = await asyncio.open_connection(host, port)
-    conn = Conn(reader, writer, f"{host}:{port}")
+    """One worker's handoffs, `steps(n)` for the n-th, each step sent by `call`, until `stop_at`; returns
+    (completed, failed) among those begun after `warm_until`. The one loop of both modes, so that they
+    time and count the same thing and differ only in how a call travels."""
     done = errors = n = 0
     clock = time.perf_counter
     while True:
@@ -95,18 +104,11 @@ async def _worker(
         if now >= stop_at:
             break
         n += 1
-        tid = f"{tag}-{n}"
-        steps = (
-            ("create", "POST", "/v1/handoffs", b'{"prefill_instance_id":"p0","transfer_id":"%s"}' % tid.encode(), 201),
-            ("ready", "PUT", f"/v1/handoffs/{tid}/ready", READY_BODY, 200),
-            ("claim", "POST", f"/v1/handoffs/{tid}/claim", b'{"decode_instance_id":"d0"}', 200),
-            ("done", "POST", f"/v1/handoffs/{tid}/done", b'{"decode_instance_id":"d0"}', 200),
-        )
         ok = True
         measured = now >= warm_until
-        for name, method, path, body, want in steps:
+        for name, what, want in steps(n):
             t = clock()
-            status, _ = await conn.call(method, path, body)
+            status = await call(what)
             if measured:
                 lat[name].append(clock() - t)
             if status != want:
@@ -117,8 +119,36 @@ async def _worker(
                 done += 1
             else:
                 errors += 1
-    writer.close()
     return done, errors
+
+
+async def _worker(
+    host: str, port: int, tag: str, stop_at: float, warm_until: float, lat: dict[str, list[float]]
+) -> tuple[int, int]:
+    reader, writer = await asyncio.open_connection(host, port)
+    conn = Conn(reader, writer, f"{host}:{port}")
+
+    def steps(n: int) -> tuple[Step, ...]:
+        tid = f"{tag}-{n}"
+        return (
+            (
+                "create",
+                ("POST", "/v1/handoffs", b'{"prefill_instance_id":"p0","transfer_id":"%s"}' % tid.encode()),
+                201,
+            ),
+            ("ready", ("PUT", f"/v1/handoffs/{tid}/ready", READY_BODY), 200),
+            ("claim", ("POST", f"/v1/handoffs/{tid}/claim", b'{"decode_instance_id":"d0"}'), 200),
+            ("done", ("POST", f"/v1/handoffs/{tid}/done", b'{"decode_instance_id":"d0"}'), 200),
+        )
+
+    async def call(request: tuple[str, str, bytes]) -> int:
+        status, _ = await conn.call(*request)
+        return status
+
+    try:
+        return await _lifecycles(steps, call, stop_at, warm_until, lat)
+    finally:
+        writer.close()
 
 
 class Batcher:
@@ -166,37 +196,18 @@ class Batcher:
 async def _batched_worker(
     batcher: Batcher, tag: str, stop_at: float, warm_until: float, lat: dict[str, list[float]]
 ) -> tuple[int, int]:
-    done = errors = n = 0
-    clock = time.perf_counter
     ready_item = b'"location":' + READY_BODY
-    while True:
-        now = clock()
-        if now >= stop_at:
-            break
-        n += 1
+
+    def steps(n: int) -> tuple[Step, ...]:
         tid = f"{tag}-{n}".encode()
-        steps = (
+        return (
             ("create", b'{"op":"create","prefill_instance_id":"p0","transfer_id":"%s"}' % tid, 201),
             ("ready", b'{"op":"ready","transfer_id":"%s",%s}' % (tid, ready_item), 200),
             ("claim", b'{"op":"claim","transfer_id":"%s","decode_instance_id":"d0"}' % tid, 200),
             ("done", b'{"op":"done","transfer_id":"%s","decode_instance_id":"d0"}' % tid, 200),
         )
-        ok = True
-        measured = now >= warm_until
-        for name, item, want in steps:
-            t = clock()
-            status = await batcher.call(item)
-            if measured:
-                lat[name].append(clock() - t)
-            if status != want:
-                ok = False
-                break
-        if measured:
-            if ok:
-                done += 1
-            else:
-                errors += 1
-    return done, errors
+
+    return await _lifecycles(steps, batcher.call, stop_at, warm_until, lat)
 
 
 def _client_process(
