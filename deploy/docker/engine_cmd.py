@@ -77,8 +77,8 @@ _HCCN_ADDRESS = re.compile(r"^\s*address_(\d+)\s*=\s*\S+\s*$", re.MULTILINE)
 ENV_FILE_SOURCE: dict[str, str] = {
     "PDGATE_ENGINE_ROLE": "(the compose service)",
     "PDGATE_ENGINE_FLAVOUR": "(the compose service)",
-    "PDGATE_METASERVER_URL": "PDGATE_HEAD_ADDR and PDGATE_HEAD_METASERVER_PORT",
-    "PDGATE_METASERVER_TOKEN": "PDGATE_ADMIN_TOKEN",
+    "PDGATE_CONNECTOR_METASERVER_URL": "PDGATE_HEAD_ADDR and PDGATE_HEAD_METASERVER_PORT",
+    "PDGATE_CONNECTOR_METASERVER_TOKEN": "PDGATE_ADMIN_TOKEN",
     "PDGATE_ENGINE_ADVERTISE_ADDR": "PDGATE_HOST_ADDR",
     "PDGATE_ENGINE_BIND_ADDR": "PDGATE_ENGINE_BIND_ADDR",
     "PDGATE_ENGINE_PORT": "PDGATE_{ROLE}_PORT",
@@ -187,7 +187,7 @@ class EngineSpec:
             block_size=block_size,
             tp_size=tp_size,
             bind_addr=r.get("PDGATE_ENGINE_BIND_ADDR") or "0.0.0.0",
-            token=r.get("PDGATE_METASERVER_TOKEN") or None,
+            token=r.get("PDGATE_CONNECTOR_METASERVER_TOKEN") or None,
             max_model_len=max_model_len,
             lease_s=lease_s,
             ranktable=ranktable,
@@ -249,9 +249,9 @@ class _EnvReader:
 
 def _addresses(r: _EnvReader) -> tuple[str, str]:
     """The metaserver's URL and the address this host is reached at (never a wildcard)."""
-    parsed = urllib.parse.urlsplit(metaserver_url := r.get("PDGATE_METASERVER_URL").rstrip("/"))
+    parsed = urllib.parse.urlsplit(metaserver_url := r.get("PDGATE_CONNECTOR_METASERVER_URL").rstrip("/"))
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        r.bad("PDGATE_METASERVER_URL", "must be http(s)://HEAD_ADDR:PORT with a host")
+        r.bad("PDGATE_CONNECTOR_METASERVER_URL", "must be http(s)://HEAD_ADDR:PORT with a host")
     advertise = r.get("PDGATE_ENGINE_ADVERTISE_ADDR")
     if not advertise:
         r.bad("PDGATE_ENGINE_ADVERTISE_ADDR", "empty: the address the router and the other engines reach this host at")
@@ -329,7 +329,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
         "transport": spec.transport,
     }
     # The metaserver token is not put here, where `ps` shows it: the engine inherits
-    # PDGATE_METASERVER_TOKEN from this container's environment and the connector reads it from there.
+    # PDGATE_CONNECTOR_METASERVER_TOKEN from this container's environment and the connector reads it from there.
     if spec.lease_s is not None:
         extra["lease_s"] = spec.lease_s
         # The connector needs heartbeats well inside the lease (at least two chances to land).
@@ -383,12 +383,12 @@ def engine_argv(spec: EngineSpec, python: str = "python3") -> list[str]:
 def engine_env(spec: EngineSpec) -> dict[str, str]:
     """Variables added to the engine's environment. The metaserver token travels there, never on the
     command line (`ps`, `docker top`): pdgate-sim reads PDGATE_SIM_ADMIN_TOKEN, the vLLM engines'
-    connector PDGATE_METASERVER_TOKEN."""
+    connector PDGATE_CONNECTOR_METASERVER_TOKEN."""
     if not spec.token:
         return {}
     if spec.flavour == "sim":
         return {"PDGATE_SIM_ADMIN_TOKEN": spec.token}
-    return {"PDGATE_METASERVER_TOKEN": spec.token}
+    return {"PDGATE_CONNECTOR_METASERVER_TOKEN": spec.token}
 
 
 def wait_for_metaserver(

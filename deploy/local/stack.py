@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 ADMIN_TOKEN_ENV = "PDGATE_ROUTER_ADMIN_TOKEN"  # the router's admin token (its embedded metaserver's)
-ENGINE_TOKEN_ENV = "PDGATE_METASERVER_TOKEN"  # what PDGateConnector sends to the metaserver
+ENGINE_TOKEN_ENV = "PDGATE_CONNECTOR_METASERVER_TOKEN"  # what PDGateConnector sends to the metaserver
 CONNECTOR_CLASS = "PDGateConnector"
 CONNECTOR_MODULE = "pdgate.connector"
 

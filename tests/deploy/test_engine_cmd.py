@@ -59,7 +59,7 @@ def test_cpu_engine_command_is_accepted_by_the_connector(role: str, services: di
     assert cfg["kv_buffer_device"] == "cpu"
     # The real connector parses the extra config: unknown keys or wrong types would raise here. The
     # metaserver token is not on the command line (ps shows it): the engine's environment carries it.
-    assert env["PDGATE_METASERVER_TOKEN"] not in " ".join(argv)
+    assert env["PDGATE_CONNECTOR_METASERVER_TOKEN"] not in " ".join(argv)
     engine_environment = env | ec.engine_env(spec)
     parsed = parse_config(cfg["kv_connector_extra_config"], ServerFacts(kv_role=cfg["kv_role"]), engine_environment)
     addr = env["PDGATE_ENGINE_ADVERTISE_ADDR"]
@@ -70,6 +70,23 @@ def test_cpu_engine_command_is_accepted_by_the_connector(role: str, services: di
     assert parsed.transport == "nixl"
     assert parsed.model == files["PDGATE_SERVED_MODEL_NAME"]
     assert parsed.role == role
+
+
+def test_every_engine_launcher_writes_the_connectors_own_names_not_its_aliases(
+    services: dict[str, dict[str, str]],
+) -> None:
+    """The connector reads PDGATE_CONNECTOR_METASERVER_URL/_TOKEN (the older PDGATE_METASERVER_* are only
+    aliases, in the metaserver's own namespace): compose, the entrypoint and pdgate-local write the new ones."""
+    from pdgate.connector import config
+    from pdgate.deploy.local import stack
+
+    own = {config.ENV_METASERVER_URL, config.ENV_METASERVER_TOKEN}
+    aliases = {"PDGATE_METASERVER_URL", "PDGATE_METASERVER_TOKEN"}
+    for name in ("prefill-cpu", "decode-cpu", "prefill-ascend", "decode-ascend"):
+        assert own <= services[name].keys() and not aliases & services[name].keys(), name
+    for name in ("prefill-cpu", "decode-cpu"):
+        assert ec.engine_env(ec.EngineSpec.from_env(services[name])).keys() == {config.ENV_METASERVER_TOKEN}
+    assert stack.ENGINE_TOKEN_ENV == config.ENV_METASERVER_TOKEN
 
 
 HCCN_SAMPLE = "address_0=192.168.100.100\nnetmask_0=255.255.255.0\naddress_1=192.168.101.100\n"
@@ -184,7 +201,7 @@ def test_lease_comes_with_a_heartbeat_inside_it(services: dict[str, dict[str, st
     [
         ({"PDGATE_ENGINE_ADVERTISE_ADDR": ""}, ["PDGATE_HOST_ADDR"]),
         ({"PDGATE_ENGINE_ADVERTISE_ADDR": "0.0.0.0"}, ["PDGATE_HOST_ADDR"]),
-        ({"PDGATE_METASERVER_URL": "http://:8300"}, ["PDGATE_HEAD_ADDR"]),
+        ({"PDGATE_CONNECTOR_METASERVER_URL": "http://:8300"}, ["PDGATE_HEAD_ADDR"]),
         ({"PDGATE_ENGINE_PORT": "eighty"}, ["PDGATE_PREFILL_PORT"]),
         ({"PDGATE_ENGINE_KV_PORT": "8100", "PDGATE_ENGINE_PORT": "8100"}, ["PDGATE_PREFILL_KV_PORT"]),
         ({"PDGATE_ENGINE_BLOCK_SIZE": "48"}, ["PDGATE_BLOCK_SIZE"]),
@@ -212,14 +229,14 @@ def test_sim_engine_registers_the_identity_a_real_engine_would(role: str, servic
     spec = ec.EngineSpec.from_env(env)
     argv = ec.engine_argv(spec)
     assert argv[0] == "pdgate-sim"
-    assert env["PDGATE_METASERVER_TOKEN"] not in argv  # the token travels in the environment
+    assert env["PDGATE_CONNECTOR_METASERVER_TOKEN"] not in argv  # the token travels in the environment
     extra_env = ec.engine_env(spec)
-    assert extra_env == {"PDGATE_SIM_ADMIN_TOKEN": env["PDGATE_METASERVER_TOKEN"]}
+    assert extra_env == {"PDGATE_SIM_ADMIN_TOKEN": env["PDGATE_CONNECTOR_METASERVER_TOKEN"]}
     settings = _with_env(extra_env, lambda: parse_cli(argv[1:]))
     real = ec.EngineSpec.from_env(services[f"{role}-cpu"])
     assert settings.role == role
     assert settings.metaserver == real.metaserver_url
-    assert settings.admin_token == env["PDGATE_METASERVER_TOKEN"]
+    assert settings.admin_token == env["PDGATE_CONNECTOR_METASERVER_TOKEN"]
     assert settings.advertise_url == real.url
     assert settings.instance_id == real.instance_id
     assert settings.model == real.served_model_name
