@@ -20,5 +20,5 @@ def test_each_stack_generates_a_strong_token_and_passes_it_by_environment(tmp_pa
 
     spec = VllmInstanceSpec(name="prefill-0", port=18100, cpu="0")
     env = one.engine_env(spec, cfg.flags())
-    assert env["PDGATE_METASERVER_TOKEN"] == token
+    assert env["PDGATE_CONNECTOR_METASERVER_TOKEN"] == token
     assert all(token not in arg for arg in spec.argv(Path("/usr/bin/python3"), cfg.flags()))
