@@ -15,6 +15,7 @@ import pytest
 from pdgate.metaserver.settings import MetaSettings
 
 from tests.security.conftest import start_meta
+from tests.support.ports import wait_until
 from tests.support.servers import UvicornThread
 
 LIMIT_S = 1.0
@@ -120,17 +121,22 @@ def test_large_content_length_is_413_before_the_body(server: UvicornThread) -> N
     assert closed - start < 2.5  # answered at once, not after reading (or waiting for) 10 GB
 
 
+def _open(srv: UvicornThread) -> int:
+    """The connections the server counts against `max_connections` (uvicorn's own set)."""
+    return len(srv.server.server_state.connections)
+
+
 def test_connections_are_counted(server: UvicornThread) -> None:
     held = [_connect(server) for _ in range(8)]
     try:
-        time.sleep(0.2)
+        wait_until(lambda: _open(server) == 8, what="the server holding all 8 connections")
         with _connect(server) as extra:
             data, _ = _read_until_closed(extra)
         assert data.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in data.lower(), data[:300]
     finally:
         for sock in held:
             sock.close()
-    time.sleep(0.3)
+    wait_until(lambda: _open(server) == 0, what="the server seeing every connection closed")
     with _connect(server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         data, _ = _read_until_closed(sock)

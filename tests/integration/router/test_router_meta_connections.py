@@ -12,6 +12,7 @@ import pytest
 from pdgate.http_pool import HttpPool
 from pdgate.meta_client import MetaUnavailable
 from pdgate.meta_pooled import PooledMetaClient
+from tests.support.waiting import until
 
 
 def _answer(body: bytes) -> bytes:
@@ -28,6 +29,7 @@ class CountingServer:
         self.open = 0
         self.most_open = 0
         self.answered = 0
+        self.asked = 0  # requests whose head has arrived
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.open += 1
@@ -38,6 +40,7 @@ class CountingServer:
                     head = await reader.readuntil(b"\r\n\r\n")  # GETs carry no body
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
+                self.asked += 1
                 await asyncio.sleep(self.delay_s)
                 writer.write(EVENTS if b"handoff-events" in head.split(b"\r\n", 1)[0] else INSTANCES)
                 await writer.drain()
@@ -74,7 +77,7 @@ async def test_a_call_that_cannot_get_a_connection_in_time_is_metaserver_unavail
     try:
         # A long poll holds the one connection past the next call's timeout (its own is 0.3 s + its wait).
         first = asyncio.ensure_future(client.events("p-1", wait=2.0))
-        await asyncio.sleep(0.05)
+        await until(lambda: counting.asked == 1, what="the long poll at the metaserver")
         with pytest.raises(MetaUnavailable, match="all 1 connections stayed busy"):
             await client.list_instances()
         assert (await first).events == []  # the connection's holder was not disturbed

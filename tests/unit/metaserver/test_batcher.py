@@ -15,6 +15,7 @@ from pdgate.batcher import Batcher
 from pdgate.meta_client import MetaClient, MetaConflict, MetaError, MetaNotFound, MetaUnavailable
 from pdgate.models import BatchAbort, BatchClaim, BatchCreate, BatchItem, Handoff, HandoffState
 from tests.support.ports import free_port
+from tests.support.waiting import until
 
 
 class Recorder:
@@ -58,12 +59,12 @@ async def test_calls_arriving_while_requests_are_out_wait_and_then_go_together(r
     batcher = Batcher(recorder.send, max_in_flight=1)
     recorder.gate = asyncio.Event()
     first = asyncio.ensure_future(batcher.call(BatchCreate(prefill_instance_id="p0", transfer_id="a")))
-    await asyncio.sleep(0.01)
+    await until(lambda: recorder.sizes == [1], what="the first request out (held at the gate)")
     later = [
         asyncio.ensure_future(batcher.call(BatchCreate(prefill_instance_id="p0", transfer_id=f"b{i}")))
         for i in range(5)
     ]
-    await asyncio.sleep(0.01)
+    await until(lambda: batcher.depth == 5, what="the five later calls queued")
     assert recorder.sizes == [1] and batcher.depth == 5 and batcher.in_flight == 1
     recorder.gate.set()
     await asyncio.gather(first, *later)
