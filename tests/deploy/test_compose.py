@@ -212,7 +212,9 @@ def test_engines_take_their_identity_from_their_env_file(role: str, env: dict[st
         assert v["PDGATE_ENGINE_FLAVOUR"] == flavour
         assert v["PDGATE_ENGINE_ADVERTISE_ADDR"] == "10.9.8.7"
         assert v["VLLM_HOST_IP"] == "10.9.8.7"
-        assert v["PDGATE_CONNECTOR_METASERVER_URL"] == f"http://{e['PDGATE_HEAD_ADDR']}:{e['PDGATE_HEAD_METASERVER_PORT']}"
+        assert (
+            v["PDGATE_CONNECTOR_METASERVER_URL"] == f"http://{e['PDGATE_HEAD_ADDR']}:{e['PDGATE_HEAD_METASERVER_PORT']}"
+        )
         assert v["PDGATE_CONNECTOR_METASERVER_TOKEN"] == e["PDGATE_ADMIN_TOKEN"]
         assert v["PDGATE_ENGINE_PORT"] == e[f"PDGATE_{R}_PORT"]
         assert v["PDGATE_ENGINE_KV_PORT"] == e[f"PDGATE_{R}_KV_PORT"]
