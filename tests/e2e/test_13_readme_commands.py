@@ -3,7 +3,7 @@ not work fails here, not in a newcomer's terminal.
 
 The commands run in order from the repository root, in bash, with the vLLM venv's commands. What this
 host cannot give them as written is swapped for its local twin: `/etc/pdgate` for a temporary folder,
-the session's redis-server for `redis://redis:6379/0`, free ports for 8000/8500, this stack's engines
+the session's redis-server for `redis://redis:6379/0`, free ports for 8000/8300, this stack's engines
 for 8100/8200, `.venv-vllm/` for the session's venv. The foreground `./deploy/local/up.sh` runs with
 `--detach` (the same start-up, without a terminal to hold) and `pdgate-local down` runs last. Servers
 (`pdgate-router`, `pdgate-metaserver`) run in the background until they answer HTTP. A `curl` must get
@@ -37,7 +37,7 @@ REPO = repo_root()
 FENCE = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 NOT_HERE = {
     "./.ci/run": "runs the whole test suite, this test included",
-    'PDGATE_METASERVER_TOKEN="$(cat /etc/pdgate/admin-token)" vllm serve MODEL': "MODEL is a placeholder and "
+    'PDGATE_CONNECTOR_METASERVER_TOKEN="$(cat /etc/pdgate/admin-token)" vllm serve MODEL': "MODEL is a placeholder and "
     "head a second host; every e2e test starts this engine command line (LocalStack, vllm_instance.py)",
 }
 SERVERS = ("pdgate-router", "pdgate-metaserver")
@@ -51,6 +51,8 @@ def readme_commands(text: str) -> list[str]:
     for block in FENCE.findall(text):
         line = ""
         for raw in block.splitlines():
+            if not line and raw.lstrip().startswith("#"):  # a comment line: its apostrophes open no quote
+                continue
             if raw.rstrip().endswith("\\"):
                 line += raw.rstrip()[:-1] + " "
                 continue
@@ -100,14 +102,14 @@ class Here:
     etc: Path
     redis_url: str
     port: int = field(default_factory=free_port)  # the local stack's router (:8000 in the README)
-    meta_port: int = field(default_factory=free_port)  # the metaserver's (:8500)
+    meta_port: int = field(default_factory=free_port)  # the metaserver's (:8300)
     engines: dict[str, str] = field(default_factory=dict)  # the stack's prefill-0 / decode-0 URLs
 
     def localize(self, cmd: str) -> str:
         cmd = cmd.replace("/etc/pdgate", str(self.etc)).replace(".venv-vllm/", f"{self.venv}/")
         cmd = cmd.replace("redis://redis:6379/0", self.redis_url)
-        cmd = cmd.replace("http://head:8500", f"http://127.0.0.1:{self.meta_port}")
-        cmd = cmd.replace("--port 8500", f"--port {self.meta_port}")
+        cmd = cmd.replace("http://head:8300", f"http://127.0.0.1:{self.meta_port}")
+        cmd = cmd.replace("--port 8300", f"--port {self.meta_port}")
         cmd = cmd.replace("http://127.0.0.1:8100", self.engines.get("prefill-0", "http://127.0.0.1:8100"))
         cmd = cmd.replace("http://127.0.0.1:8200", self.engines.get("decode-0", "http://127.0.0.1:8200"))
         if "pdgate-router" in cmd:  # each router its own port
