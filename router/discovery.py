@@ -20,6 +20,10 @@ rule (`pdgate.urls`; a record written before the rule, or straight into the stor
 is this router's own address (possible with an external metaserver), is left out of the pool with a
 warning. So a bad record can neither stop the health loop nor fail start-up.
 Reasons kept for `/health` name the failure, never an address; the log line has the details.
+The records left out at the last read are kept too (`Pool.left_out`, `LeftOut`), so that a pool that
+is empty because of them says so: an engine outside `--allowed-engine-networks` used to look like no
+engine at all to the client and in `/health` (issue #26), with the reason only in the router's log.
+`unpooled` words it: the count and the reason for anyone, the ids and URLs for the admin.
 
 An outage of the registry is not a death of its instances: while the metaserver or its store cannot be
 read, engines cannot heartbeat either, so right after it comes back their records may have lapsed (a
@@ -38,9 +42,12 @@ outage opened are closed again before the router refuses work for them.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 import orjson
 from pdgate.router.loops import is_own_address
@@ -52,9 +59,9 @@ from pdgate.router.settings import RouterSettings
 from pdgate.meta_client import MetaAPI, MetaBadRequest, MetaError, MetaUnauthorized, MetaUnavailable
 from pdgate.models import Role
 from pdgate.upstream import ConnectFailed, ReadTimeout, Upstream, UpstreamError
-from pdgate.urls import check_engine_url, static_instance_id
+from pdgate.urls import InvalidEngineURL, check_engine_url, static_instance_id
 
-__all__ = ["Discovery"]
+__all__ = ["Discovery", "LeftOut", "left_out_said", "unpooled"]
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +133,9 @@ class Discovery:
                 self._recovered_at = now
                 self._said_kept = False
             self.registry_error = self.registry_reason = None
-            fresh = [v for v in (self._view(i) for i in instances) if v is not None]
+            views = [self._view(i) for i in instances]
+            fresh = [v for v in views if isinstance(v, InstanceView)]
+            self._pool.left_out = tuple(v for v in views if isinstance(v, LeftOut))
             self._registry = fresh + self._kept_through_outage(fresh, now)
             for inst in instances:
                 self._leases[inst.id] = inst.lease_s
@@ -164,19 +173,41 @@ class Discovery:
             )
         return kept
 
-    def _view(self, inst: Any) -> InstanceView | None:
-        """The pool's view of a registry record, or None (logged once) when its URL breaks the rule."""
+    def _view(self, inst: Any) -> InstanceView | LeftOut:
+        """The pool's view of a registry record, or why it is left out (logged once) when its URL breaks
+        the rule or is this router's own."""
+        own = False
         try:
             check_engine_url(inst.url, self._networks)
-            if is_own_address(inst.url, self._own):
+            if own := is_own_address(inst.url, self._own):
                 raise ValueError("it is this router's own address (a forwarding loop)")
             return InstanceView.from_instance(inst)
         except Exception as exc:
-            key = f"{getattr(inst, 'id', '?')} {getattr(inst, 'url', '?')}"
+            iid, url = str(getattr(inst, "id", "?")), str(getattr(inst, "url", "?"))
+            key = f"{iid} {url}"
             if key not in self._refused:
                 self._refused.add(key)
                 log.warning("registry record %s left out of the pool: %s", key, exc)
-            return None
+            model = getattr(inst, "model", None)
+            why = _OWN if own else self._why_refused(url, exc)
+            return LeftOut(iid, url, model if isinstance(model, str) else None, why)
+
+    def _why_refused(self, url: str, exc: Exception) -> str:
+        """`LeftOut.why` of a record the URL rule refused: the networks' refusal is told apart (the same
+        URL passes without them) because it is the one an operator sets, and gets wrong, on purpose."""
+        if not isinstance(exc, InvalidEngineURL):
+            return "its record cannot be read"
+        if not self._networks:
+            return "its URL breaks the engine URL rule"
+        try:
+            check_engine_url(url)
+        except InvalidEngineURL:
+            return "its URL breaks the engine URL rule"
+        try:
+            ipaddress.ip_address((urlsplit(url).hostname or "").split("%", 1)[0])
+        except ValueError:
+            return "a host name, where --allowed-engine-networks needs a literal address"
+        return _OUTSIDE
 
     def _install(self) -> None:
         registry_urls = {v.url for v in self._registry}
@@ -287,6 +318,43 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 
 _TIMED_OUT = "timed out"
+_OUTSIDE = "outside --allowed-engine-networks"
+_OWN = "this router's own address"
+
+
+class LeftOut(NamedTuple):
+    """A registry record the pool does not hold. `why` names no address: anyone may read it."""
+
+    id: str
+    url: str
+    model: str | None
+    why: str
+
+
+def unpooled(left_out: Sequence[LeftOut], model: str | None, *, full: bool) -> str:
+    """Why no prefill or decode instance (of `model`, when one is named) is in the pool."""
+    said = left_out_said(left_out, model, full=full)
+    return (
+        "no prefill or decode instance is registered"
+        if said is None
+        else f"no prefill or decode instance is in the pool: {said}"
+    )
+
+
+def left_out_said(left_out: Sequence[LeftOut], model: str | None, *, full: bool) -> str | None:
+    """The records left out (of `model`'s, when one is named), their count and reasons; `full` (the admin,
+    the log) adds each one's id and URL, which a client must not read (SECURITY.md: instance URLs are
+    admin-only). None when none is."""
+    mine = [o for o in left_out if model is None or o.model in (model, None)]
+    if not mine:
+        return None
+    counts = Counter(o.why for o in mine)
+    if full:
+        whys = "; ".join(f"{why}: {', '.join(f'{o.id} {o.url}' for o in mine if o.why == why)}" for why in counts)
+    else:
+        whys = "; ".join(f"{n} {why}" for why, n in counts.items())
+    tail = "" if full else "; the router's log names them"
+    return f"{len(mine)} registered instance(s) were left out of the pool ({whys}){tail}"
 
 
 def _reason(exc: BaseException) -> str:

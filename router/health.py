@@ -11,13 +11,18 @@ admin right (`access.AdminCheck`), since an engine's address lets a caller bypas
 Everyone else gets the same verdict, the same per-instance availability under each instance's opaque
 name (`Pool.public_name`, the name client errors use; the admin's rows pair it with the id as
 `public_id`), and reasons that never name an address.
+
+Registry records the router left out of its pool (`discovery.LeftOut`: outside
+`--allowed-engine-networks`, its own address, a URL that breaks the rule) are in the reason while no
+pair serves, and listed under `left_out` always: their reasons and models for anyone, ids and URLs for
+the admin. Without them an engine the router refuses looks like no engine at all.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pdgate.router.discovery import Discovery
+from pdgate.router.discovery import Discovery, left_out_said, unpooled
 from pdgate.router.pool import Pool
 
 __all__ = ["health_body"]
@@ -32,11 +37,12 @@ def health_body(pool: Pool, discovery: Discovery, now: float, *, full: bool) -> 
         reason = f"the registry cannot be read: {registry}; requests fail until it can"
     elif not served:
         known = pool.known_models()
-        reason = (
-            "; ".join(pool.explain(m, now, public=not full) for m in known)
-            if known
-            else "no prefill or decode instance is registered"
-        )
+        if not known:
+            reason = unpooled(pool.left_out, None, full=full)
+        else:
+            reason = "; ".join(pool.explain(m, now, public=not full) for m in known)
+            if (said := left_out_said(pool.left_out, None, full=full)) is not None:
+                reason = f"{reason}; {said}"
     instances = []
     for inst in pool.instances.values():
         row: dict[str, Any] = {
@@ -60,5 +66,11 @@ def health_body(pool: Pool, discovery: Discovery, now: float, *, full: bool) -> 
         "models": served,
         "registry_error": discovery.registry_error if full else registry,
         "instances": instances,
+        "left_out": [
+            {"id": o.id, "url": o.url, "model": o.model, "reason": o.why}
+            if full
+            else {"model": o.model, "reason": o.why}
+            for o in pool.left_out
+        ],
     }
     return (200 if ok else 503), body

@@ -45,12 +45,16 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace as replace_view
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from pdgate.router.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from pdgate.router.pairing import InstanceView, explain, incompatibility
 from pdgate.router.pairing import compatible as compatible_views
 
 from pdgate.models import Role
+
+if TYPE_CHECKING:
+    from pdgate.router.discovery import LeftOut
 
 __all__ = ["Lease", "LiveInstance", "Pool"]
 
@@ -115,6 +119,7 @@ class Pool:
         self.views: tuple[InstanceView, ...] = ()
         self.ledger_down = False  # a shared outage: failures say nothing about the instance
         self.on_open: Callable[[str], None] | None = None  # a breaker opened (Discovery: is the ledger down?)
+        self.left_out: tuple[LeftOut, ...] = ()  # registry records Discovery refused, said in no-pair errors
         # The clock-free candidate lists (see the module docstring); None: test instance by instance.
         self._fast_p: dict[str, list[LiveInstance] | None] = {}
         self._fast_d: dict[int, list[LiveInstance] | None] = {}

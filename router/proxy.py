@@ -44,6 +44,7 @@ from pdgate.router.answers import PatchingSend, PrefillFacts, decode_recomputes,
 from pdgate.router.attempts import Dispatcher
 from pdgate.router.bodies import CHAT, COMPLETIONS, SplicedBody, parse_json, request_facts, split_prompts
 from pdgate.router.decider import SLO_HEADERS, slo_from_headers
+from pdgate.router.discovery import unpooled
 from pdgate.router.errors import (
     BadRequest,
     ModelNotFound,
@@ -422,14 +423,14 @@ class Proxy:
         if model is not None:
             if model in pool.prefills or model in pool.decodes:
                 return model
-            if not pool.instances:
-                raise NoCompatiblePair("no prefill or decode instance is registered")
+            if not pool.instances or any(o.model == model for o in pool.left_out):
+                raise _unpooled(pool, model)
             raise ModelNotFound(f"The model `{model}` does not exist.")
         known = pool.known_models()
         if len(known) == 1:
             return known[0]
         if not known:
-            raise NoCompatiblePair("no prefill or decode instance is registered")
+            raise _unpooled(pool, None)
         raise BadRequest(f"'model' is required: this router serves {', '.join(known)}")
 
     async def drain_background(self, timeout: float = 5.0) -> None:
@@ -438,6 +439,13 @@ class Proxy:
 
 
 _SSE = b"text/event-stream; charset=utf-8"  # what vLLM's stream says
+
+
+def _unpooled(pool: Pool, model: str | None) -> NoCompatiblePair:
+    """No instance of `model` in the pool: the client reads how many records were left out and why,
+    the log also which ones (`discovery.unpooled`)."""
+    left_out = pool.left_out
+    return NoCompatiblePair(unpooled(left_out, model, full=False), detail=unpooled(left_out, model, full=True))
 
 
 class _Started:
