@@ -38,6 +38,7 @@ from pdgate.router.errors import (
     UPSTREAM_FAILURES,
     DecodeFailed,
     KVExpired,
+    KVNotReady,
     NoCompatiblePair,
     PrefillFailed,
     RouterError,
@@ -65,7 +66,7 @@ from pdgate.contract import InvalidTransferParams, KVTransferParams, RouterClaim
 from pdgate.errors import Code, PDGateError
 from pdgate.logs import transfer_id as log_transfer_id
 from pdgate.meta_client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
-from pdgate.models import Handoff, HandoffCreate, KVLocation
+from pdgate.models import Handoff, HandoffCreate, HandoffState, KVLocation
 from pdgate.upstream import Upstream, UpstreamResponse
 
 __all__ = ["Dispatcher"]
@@ -330,7 +331,8 @@ class Dispatcher:
         back: it renews it in that decode's name with a lease of a millisecond, the sweeper returns the
         record to READY (keeping the claims count, so `max_claims` still bounds a record), and `d` claims
         it. Gone (410) is the request's end: the KV expired or was aborted. The rule is `pdgate.claim_wait`'s,
-        the one the decodes follow; only the router passes a `holder` to take back.
+        the one the decodes follow; only the router passes a `holder` to take back. Still PENDING when the
+        wait ends is the request's end too (`KVNotReady.never_ready`).
         """
         if not req.ledger_prefill:
             return None
@@ -352,12 +354,22 @@ class Dispatcher:
                 raise KVExpired(
                     f"the KV of transfer {req.tid} is gone before decode {d.public} could claim it"
                 ) from exc
+            if exc.code is Code.KV_NOT_READY and req.prefill is not None and await self._still_pending(req.tid):
+                req.abort_reason = "kv_not_ready"  # the prefill named it, yet its READY went elsewhere
+                raise KVNotReady.never_ready(req.prefill.where("prefill"), req.tid, _CLAIM_WAIT_S, exc.message) from exc
             log.warning("handoff %s: claim for %s refused (%s); the decode claims", req.tid, d.id, exc)
             return None
         if h.deadline is None:
             return None
         claim = RouterClaim(d.id, h.deadline, max(h.deadline - h.updated_at, 0.0))
         return self._sealed_claim(req, claim, h)
+
+    async def _still_pending(self, tid: str) -> bool:
+        """Whether `tid` is still PENDING once the claim wait is over (`errors.KVNotReady.never_ready`)."""
+        try:
+            return (await self._meta().get_handoff(tid)).state is HandoffState.PENDING
+        except MetaError:
+            return False  # cannot tell: the decode claims by itself, as before
 
     def _sealed_claim(self, req: ProxiedRequest, claim: RouterClaim, h: Handoff) -> RouterClaim:
         """`claim` sealed over the location the ledger's record holds, which from now on is the

@@ -17,6 +17,7 @@ router's retry loop (`pdgate.router.retry`) and the wire format read the same ta
         ├── PrefillFailed            502 pd_prefill_failed (retryable)
         ├── DecodeFailed             502 pd_decode_failed (retryable)
         ├── KVExpired                504 pd_kv_expired (the handoff lapsed before a decode claimed it)
+        ├── KVNotReady               504 pd_kv_not_ready (the prefill answered; its READY never came)
         ├── NoCompatiblePair         503 pd_no_compatible_pair (the message says why)
         ├── NoInstance               503 pd_no_instance (a passed-through route: no instance answered)
         ├── Overloaded               429 pd_overloaded (with Retry-After)
@@ -60,6 +61,7 @@ __all__ = [
     "ContextTooLong",
     "DecodeFailed",
     "KVExpired",
+    "KVNotReady",
     "MetaserverMisconfigured",
     "MetaserverUnavailable",
     "MethodNotAllowed",
@@ -207,6 +209,27 @@ class DecodeFailed(PDError):
 
 class KVExpired(PDError):
     code = Code.KV_EXPIRED
+
+
+class KVNotReady(PDError):
+    code = Code.KV_NOT_READY
+
+    @classmethod
+    def never_ready(cls, where: tuple[str, str], transfer_id: str, waited_s: float, refusal: str) -> KVNotReady:
+        """The prefill answered with `kv_transfer_params` naming the handoff, yet the router's ledger still
+        holds it PENDING once the claim wait is over: its READY went to another ledger (a PDGateConnector
+        records at its own kv_connector_extra_config metaserver_url and ignores the one the router names)
+        or was refused there. No decode can claim it here; sending one only turned this into "decode ...
+        answered 500" (issue #26 item 6), so it is not retried on another decode either. `where`:
+        `pool.LiveInstance.where` of the prefill, (client's words, the log's)."""
+        why = (
+            f"answered with kv_transfer_params for transfer {transfer_id}, but its handoff stayed PENDING in "
+            f"this router's ledger for {waited_s:g}s: the prefill likely reports its handoffs to another "
+            "metaserver (check metaserver_url in its kv_connector_extra_config, or "
+            "PDGATE_CONNECTOR_METASERVER_URL: it must be this router's metaserver), or its metaserver refuses "
+            "its token"
+        )
+        return cls(f"{where[0]} {why}", detail=f"{where[1]} {why} ({refusal})")
 
 
 class NoCompatiblePair(PDError):
