@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 from pdgate.cli.client import parse_metrics
 from pdgate.cli.doctor import Facts, Finding
+from pdgate.cli.engine_checks import engine_roles, engine_tokens
 
 from pdgate.auth import is_loopback
 from pdgate.models import CONTRACT_VERSION, TransportKind
@@ -454,6 +455,8 @@ CHECKS: tuple[Callable[[Facts], list[Finding]], ...] = (
     bind_addresses,
     engines_reachable,
     engine_config,
+    engine_roles,
+    engine_tokens,
     pool_vs_registry,
     pairing,
     transports,
