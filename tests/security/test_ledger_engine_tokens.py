@@ -3,15 +3,21 @@
 Every engine shared one admin token, so any engine could move any prefill's handoffs. An engine token
 (`pdgate.auth.engine_token`, from the admin-only `POST /v1/instances/{id}/token`) names its instance: READY
 only for its own prefill, claim and DONE only for itself, on a single route and in each batch item; the
-shared admin token keeps working. Over real sockets, on both paths.
+shared admin token keeps working. Over real sockets, on both paths. The last test is pure: what an engine
+token means for the router's claim seals (SECURITY.md, "Claim seals under engine tokens").
 """
 
 from __future__ import annotations
 
+import time
+
 import httpx
+import orjson
 import pytest
 
 from pdgate.auth import engine_of, engine_token
+from pdgate.claim_seal import claim_key
+from pdgate.contract import KVTransferParams, RouterClaim, decode_request, with_claim
 from tests.security.conftest import Serve, registration
 
 ADMIN = {"Authorization": "Bearer s3cret"}
@@ -115,3 +121,25 @@ async def test_the_shared_admin_token_still_moves_anything(url: str) -> None:
         assert claim.status_code == 200
         done = await http.post(f"/v1/handoffs/{tid}/done", json={"decode_instance_id": "d7"}, headers=ADMIN)
         assert done.json()["state"] == "DONE"
+
+
+def _sealed_params(key: bytes | None) -> KVTransferParams:
+    """A decode's params carrying the router's claim for d-1, sealed under `key`, as the decode parses them."""
+    claim = RouterClaim("d-1", time.time() + 10, 10.0).sealed(key, transfer_id="t-1", location=None)
+    answer = {"do_remote_decode": True, "remote_block_ids": [4, 5], "kv_key": 7}
+    return KVTransferParams.parse(
+        orjson.loads(orjson.dumps(with_claim(decode_request(answer, "t-1", kv_key=7), claim)))
+    )
+
+
+def test_a_decode_holding_an_engine_token_trusts_no_router_seal_and_cannot_make_one() -> None:
+    """What SECURITY.md says of claim seals under engine tokens: the router seals with the admin token's
+    key, a decode's connector derives its key from its own token (`claim_seal.claim_key`), so under an
+    engine token no router seal matches (it claims through the ledger instead), and a seal made with an
+    engine token's key is no seal for a decode holding the admin token."""
+    admin_key, engine_key = claim_key("s3cret"), claim_key(engine_token("s3cret", "d-1"))
+    assert admin_key is not None and engine_key is not None
+    by_router = _sealed_params(admin_key)
+    assert by_router.trusted_until("d-1", admin_key) is not None  # the shared token: trusted, no ledger call
+    assert by_router.trusted_until("d-1", engine_key) is None  # an engine token: not trusted
+    assert _sealed_params(engine_key).trusted_until("d-1", admin_key) is None  # an engine cannot seal
