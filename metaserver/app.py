@@ -40,11 +40,11 @@ from pdgate.metaserver.store import LedgerPolicy, open_store
 from pdgate.metaserver.sweeper import Sweeper
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
 from pdgate.errors import CODES, Code
 from pdgate.meta_client import MetaError
 from pdgate.models import CONTRACT_VERSION, Problem
+from pdgate.route_methods import allowed_methods
 from pdgate.serving import ServerLimits
 
 __all__ = ["access_summary", "create_app", "policy_from", "render_problem", "running_service", "server_limits"]
@@ -105,16 +105,6 @@ async def running_service(
         await store.close()
 
 
-def _allowed_methods(app: FastAPI, request: Request) -> str:
-    """Every method some route serves at this path (Starlette names only the first route's)."""
-    methods: set[str] = set()
-    for route in app.router.routes:
-        match, _ = route.matches({**request.scope, "method": "GET"})
-        if match is not Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return ", ".join(sorted(methods))
-
-
 def create_app(settings: MetaSettings | None = None, *, registry: CollectorRegistry | None = None) -> FastAPI:
     settings = settings or MetaSettings()
     holder: dict[str, MetaService] = {}
@@ -160,7 +150,7 @@ def create_app(settings: MetaSettings | None = None, *, registry: CollectorRegis
         err = error_from_exception(exc)
         headers = error_headers(err, exc)
         if err.status == 405:
-            headers = {"Allow": _allowed_methods(app, request)}
+            headers = {"Allow": allowed_methods(app.router.routes, dict(request.scope))}
         return problem_response(err, instance=request.url.path, headers=headers)
 
     app.add_exception_handler(StarletteHTTPException, problem)

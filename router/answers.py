@@ -1,4 +1,5 @@
-"""What the prefill's answer adds to the client's: usage that tells the truth, and prompt logprobs.
+"""What the prefill's answer adds to the client's: usage that tells the truth, and prompt logprobs; and
+how an answer the router cannot use is told (`unusable`, `same_location`).
 
 After a first token from the prefill (`pdgate.router.first_token`) the decode's counts are shifted by that
 token, and its first event's prompt ids end with it: both are put back as the client's request has them.
@@ -30,9 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from pdgate.router import first_token
+from pdgate.router.errors import PrefillFailed
+from pydantic import ValidationError
 
 from pdgate.asgi import Message, Send
 from pdgate.contract import InvalidTransferParams, KVTransferParams
+from pdgate.models import KVLocation
 
 __all__ = [
     "PatchingSend",
@@ -41,7 +46,9 @@ __all__ = [
     "patch_answer",
     "patch_usage",
     "prefill_facts",
+    "same_location",
     "split_events",
+    "unusable",
 ]
 
 
@@ -221,3 +228,25 @@ class PatchingSend:
             headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
             await self._send({**start, "headers": headers})
+
+
+def unusable(exc: Exception) -> tuple[str, str]:
+    """(what the client reads, what the log adds) about a prefill answer the router cannot use: the
+    router's own sentence, the field a parse refused, never the value the engine sent."""
+    if isinstance(exc, first_token.BadFirstToken):
+        return f"answered a first token the router refuses: {exc}", ""
+    if isinstance(exc, InvalidTransferParams):
+        field = exc.context.get("field")
+        what = f"kv_transfer_params.{field} is invalid" if isinstance(field, str) else "kv_transfer_params are invalid"
+        return f"answered with {what}", exc.message
+    if isinstance(exc, PrefillFailed):  # `bodies.kv_params_from_prefill`: the router's own words
+        return exc.message.removeprefix("prefill "), ""
+    return "answered with something the router cannot use", f"{type(exc).__name__}: {exc}"
+
+
+def same_location(hint: object, ledger: KVLocation | None) -> bool:
+    """Whether the prefill's `remote_location` says what the ledger's record says (defaults filled in)."""
+    try:
+        return ledger is not None and KVLocation.model_validate(hint) == ledger
+    except ValidationError:
+        return False

@@ -53,7 +53,6 @@ from pdgate.router.tracing import Tracing, make_tracing
 from pdgate.router.validation import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
 from pdgate import claim_seal
 from pdgate.asgi import Message, Receive, Scope, Send
@@ -61,6 +60,7 @@ from pdgate.errors import Code
 from pdgate.http_pool import HttpPool
 from pdgate.meta_client import MetaAPI
 from pdgate.meta_pooled import PooledMetaClient
+from pdgate.route_methods import allowed_methods
 from pdgate.upstream import Upstream
 
 __all__ = ["PROXY_PATHS", "RouterApp", "create_app", "embedded_meta_settings", "render_openai", "serving_protocol"]
@@ -412,7 +412,7 @@ def _error_handlers(api: FastAPI, *, embedded: bool) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
-            headers["Allow"] = _allowed(api, dict(request.scope)) or headers.get("Allow", "")
+            headers["Allow"] = allowed_methods(api.router.routes, dict(request.scope)) or headers.get("Allow", "")
         path = request.url.path
         if embedded and path.startswith(_META_PREFIXES):
             from pdgate.metaserver.api import error_from_exception
@@ -488,13 +488,3 @@ def _ops_routes(api: FastAPI, parts: _Parts, discovery: Discovery, admin: AdminC
         if svc is not None:  # embedded metaserver: its store-wide gauges are read at scrape time
             await svc.metrics.refresh_from_store(svc.store)
         return Response(parts.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-def _allowed(api: FastAPI, scope: dict[str, Any]) -> str:
-    """Every method some route serves on this path (Starlette names only the first route's)."""
-    methods: set[str] = set()
-    for route in api.router.routes:
-        match, _ = route.matches(scope)
-        if match is not Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return ", ".join(sorted(methods))

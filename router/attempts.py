@@ -31,6 +31,7 @@ from time import perf_counter
 
 import orjson
 from pdgate.router import first_token
+from pdgate.router.answers import same_location, unusable
 from pdgate.router.bodies import SplicedBody, decode_params, kv_params_from_prefill, prefill_params, with_fields
 from pdgate.router.engine_call import open_answer
 from pdgate.router.errors import (
@@ -58,7 +59,6 @@ from pdgate.router.retry import Verdict, backoff, retry_elsewhere, verdict
 from pdgate.router.settings import RouterSettings
 from pdgate.router.stall import FirstByteClock
 from pdgate.router.streaming import relay_stream, send_body
-from pydantic import ValidationError
 
 from pdgate.asgi import Send
 from pdgate.claim_wait import ClaimRefused, ClaimRule, claim_handoff
@@ -66,7 +66,7 @@ from pdgate.contract import InvalidTransferParams, KVTransferParams, RouterClaim
 from pdgate.errors import Code, PDGateError
 from pdgate.logs import transfer_id as log_transfer_id
 from pdgate.meta_client import MetaAPI, MetaConflict, MetaError, MetaGone, MetaNotFound
-from pdgate.models import Handoff, HandoffCreate, HandoffState, KVLocation
+from pdgate.models import Handoff, HandoffCreate, HandoffState
 from pdgate.upstream import Upstream, UpstreamResponse
 
 __all__ = ["Dispatcher"]
@@ -244,7 +244,7 @@ class Dispatcher:
                             take(data)
                     except Exception as exc:  # the prefill's answer cannot be decoded from: its failure
                         lease.failed()
-                        raise failed(PrefillFailed, where, *_unusable(exc)) from exc
+                        raise failed(PrefillFailed, where, *unusable(exc)) from exc
                     lease.succeeded()
                     return
                 if v == Verdict.REJECTED:
@@ -380,7 +380,7 @@ class Dispatcher:
         if hint is None:
             return claim.sealed(self._claim_key, transfer_id=req.tid, location=None)
         location = None if h.location is None else h.location.model_dump(mode="json", exclude_none=True)
-        if not _same_location(hint, h.location):
+        if not same_location(hint, h.location):
             log.warning("handoff %s: the prefill's remote_location is not the ledger's; the ledger's is sent", req.tid)
         if location is None:
             req.decode_kv.pop("remote_location", None)
@@ -488,25 +488,3 @@ class Dispatcher:
     async def drain_background(self, timeout: float = 5.0) -> None:
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=timeout)
-
-
-def _unusable(exc: Exception) -> tuple[str, str]:
-    """(what the client reads, what the log adds) about a prefill answer the router cannot use: the
-    router's own sentence, the field a parse refused, never the value the engine sent."""
-    if isinstance(exc, first_token.BadFirstToken):
-        return f"answered a first token the router refuses: {exc}", ""
-    if isinstance(exc, InvalidTransferParams):
-        field = exc.context.get("field")
-        what = f"kv_transfer_params.{field} is invalid" if isinstance(field, str) else "kv_transfer_params are invalid"
-        return f"answered with {what}", exc.message
-    if isinstance(exc, PrefillFailed):  # `bodies.kv_params_from_prefill`: the router's own words
-        return exc.message.removeprefix("prefill "), ""
-    return "answered with something the router cannot use", f"{type(exc).__name__}: {exc}"
-
-
-def _same_location(hint: object, ledger: KVLocation | None) -> bool:
-    """Whether the prefill's `remote_location` says what the ledger's record says (defaults filled in)."""
-    try:
-        return ledger is not None and KVLocation.model_validate(hint) == ledger
-    except ValidationError:
-        return False

@@ -220,7 +220,9 @@ class KVNotReady(PDError):
         holds it PENDING once the claim wait is over: its READY went to another ledger (a PDGateConnector
         records at its own kv_connector_extra_config metaserver_url and ignores the one the router names)
         or was refused there. No decode can claim it here; sending one only turned this into "decode ...
-        answered 500" (issue #26 item 6), so it is not retried on another decode either. `where`:
+        answered 500" (issue #26 item 6), so it is not retried on another decode either. With
+        `--whole-on-failure` (the default) the request is then served whole (`router/whole.py`, counted as
+        `kv_not_ready`) and the client gets its answer; this error's text goes to the log. `where`:
         `pool.LiveInstance.where` of the prefill, (client's words, the log's)."""
         why = (
             f"answered with kv_transfer_params for transfer {transfer_id}, but its handoff stayed PENDING in "

@@ -299,12 +299,16 @@ class Pool:
         else:
             views = [inst.view for inst in self.instances.values()]
         down = [(views[n], why) for n, inst in enumerate(self.instances.values()) if (why := inst.unavailable(now))]
-        return explain(
+        why = explain(
             model,
             [v for v in views if v.role.can_prefill() and not v.draining],
             [v for v in views if v.role.can_decode() and not v.draining],
             down,
         )
+        from pdgate.router.discovery import left_out_said  # an error path; discovery imports this module
+
+        said = left_out_said(self.left_out, model, full=not public)
+        return why if said is None else f"{why}; {said}"
 
     # -- accounting -------------------------------------------------------------------------
 

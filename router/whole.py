@@ -68,6 +68,9 @@ _PD_FAILURES = {
     Code.KV_EXPIRED: "pd_failed",
     Code.UPSTREAM_TIMEOUT: "pd_failed",
     Code.NO_INSTANCE: "pd_failed",
+    # The prefill answered, its READY never reached this router's ledger (another metaserver, a refused
+    # token): the prompt is computed again whole, and the log and the counter name why.
+    Code.KV_NOT_READY: "kv_not_ready",
 }
 _LEDGER_REASONS = ("ledger_unavailable", "no_pair")
 

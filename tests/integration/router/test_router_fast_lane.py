@@ -22,6 +22,7 @@ import pytest
 from pdgate.router.app import serving_protocol
 from pdgate.router.fastlane import LaneCycle
 from pdgate.router.routes import lane_routes
+from starlette.routing import Match
 
 from tests.integration.router.conftest import HTTP, Deployment, Sim, start_sims
 from tests.support.ports import wait_until
@@ -382,8 +383,16 @@ def test_every_lane_route_is_a_route_of_the_app_and_answers_as_uvicorn_does(pair
     routes = lane_routes(lane.dep.settings.embedded)
     assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions")} <= set(routes)
     assert ("PUT", "/v1/handoffs/{transfer_id}/ready") in routes  # the engines' ledger calls, embedded
-    app_routes = {(m, r.path) for r in lane.dep.app.api.routes for m in getattr(r, "methods", None) or ()}
-    assert set(routes) <= app_routes, set(routes) - app_routes
+    # Asked of the routes themselves: FastAPI >= 0.14x wraps the included metaserver router in one route.
+    not_in_app = [
+        (method, template)
+        for method, template in routes
+        if not any(
+            r.matches({"type": "http", "method": method, "path": re.sub(r"\{[^}]+\}", "x", template)})[0] is Match.FULL
+            for r in lane.dep.app.api.routes
+        )
+    ]
+    assert not not_in_app, not_in_app
     for method, template in routes:
         path = re.sub(r"\{[^}]+\}", "lane-none", template)  # a handoff that does not exist: a typed answer
         token = KEY if path.startswith(("/v1/completions", "/v1/chat")) else TOKEN

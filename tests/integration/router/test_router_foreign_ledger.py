@@ -24,16 +24,17 @@ from tests.support.ports import wait_until
 
 
 @pytest.fixture
-def foreign() -> Iterator[tuple[Deployment, Sim, Sim]]:
+def foreign(request: pytest.FixtureRequest) -> Iterator[tuple[Deployment, Sim, Sim]]:
     prefill, decode = start_sims([("prefill", ()), ("decode", ())])
-    d = Deployment(host="0.0.0.0", prefill=[prefill.url], decode=[decode.url])
+    whole = getattr(request, "param", False)
+    d = Deployment(host="0.0.0.0", prefill=[prefill.url], decode=[decode.url], whole_on_failure=whole)
     d.sims += [prefill, decode]
     with d:
         d.wait_available(prefill.id, decode.id)
         yield d, prefill, decode
 
 
-def test_a_handoff_left_pending_by_a_prefill_that_answered_is_a_typed_kv_not_ready(
+def test_a_handoff_left_pending_by_a_prefill_that_answered_is_a_typed_kv_not_ready(  # --no-whole-on-failure
     foreign: tuple[Deployment, Sim, Sim],
 ) -> None:
     d, prefill, decode = foreign
@@ -56,3 +57,19 @@ def test_a_handoff_left_pending_by_a_prefill_that_answered_is_a_typed_kv_not_rea
         return h["state"] == "ABORTED" and h["reason"] == "kv_not_ready"
 
     wait_until(aborted, timeout=20, what="the handoff aborted as kv_not_ready")
+
+
+@pytest.mark.parametrize("foreign", [True], indirect=True)
+def test_with_whole_on_failure_the_request_is_served_whole_and_the_cause_counted(
+    foreign: tuple[Deployment, Sim, Sim],
+) -> None:
+    """The default: a fault costs latency, not an error (issue #24). The prompt is computed again whole
+    on an instance, the answer says so (X-PDGate-Path: whole), and the counter names why."""
+    d, _, _ = foreign
+    raw = d.openai(timeout=60).completions.with_raw_response.create(
+        model="sim-model", prompt="hello there", max_tokens=4
+    )
+    assert raw.headers["x-pdgate-path"] == "whole"
+    assert raw.parse().choices[0].text
+    metrics = httpx.get(f"{d.url}/metrics", timeout=10).text
+    assert re.search(r'pdgate_router_undisaggregated_total\{reason="kv_not_ready"\} 1\.0', metrics), metrics[-2000:]
