@@ -5,7 +5,7 @@ Why the engine: the registry holds what the connector (or a hand-written registr
 engine knows what it runs with. Each check says when nothing can be observed, and what that leaves unseen.
 - Role: vLLM shows its `kv_transfer_config` at `GET /server_info?config_format=json`, which exists only
   with `VLLM_SERVER_DEV_MODE=1`; its `kv_role` maps onto the registry's role by the connector's own rule
-  (`connector.config.role_for_kv_role`).
+  (`pdgate.models.KV_ROLES`).
 - Tokens: a PDGateConnector engine's `/metrics` carries its counters (`pdgate_connector_*`). A record in
   the registry means the metaserver took the engine's token for its registration and heartbeats; router
   claims not sealed with the engine's token (`claims_untrusted`) mean the router's ledger token is another
@@ -20,14 +20,12 @@ from typing import Any
 import httpx
 from pdgate.cli.client import parse_metrics
 from pdgate.cli.doctor import Facts, Finding
-from pdgate.connector.config import role_for_kv_role
-from pdgate.connector.counters import COUNTERS
-from pdgate.connector.errors import ConfigError
+
+from pdgate.models import KV_ROLES
 
 __all__ = ["engine_roles", "engine_tokens"]
 
 _CONNECTOR = "pdgate_connector_"  # connector/stats.py's METRIC_PREFIX (that module imports vLLM)
-assert {"registrations", "claims_untrusted", "ready_failed"} <= set(COUNTERS)
 
 
 def _kv_role(f: Facts, url: str) -> str | None:
@@ -51,10 +49,8 @@ def engine_roles(f: Facts) -> list[Finding]:
         kv_role = _kv_role(f, url)
         if kv_role is None:
             continue
-        try:
-            want = role_for_kv_role(kv_role)
-        except ConfigError:
-            want = None
+        role = KV_ROLES.get(kv_role)
+        want = None if role is None else role.value
         for inst in (i for i in f.registry or [] if i["url"] == url):
             if want == inst.get("role"):
                 out.append(Finding("role", "ok", f"{inst['id']}: role {want}, as its kv_role {kv_role}"))

@@ -35,6 +35,8 @@ from typing import Any
 from pdgate.connector.errors import ConfigError
 from pdgate.connector.transport.mooncake import PROTOCOLS as MOONCAKE_PROTOCOLS
 
+from pdgate.models import KV_ROLES
+
 __all__ = [
     "ALLOWED_KEYS",
     "DEFAULT_HCCN_CONF",
@@ -64,7 +66,7 @@ _ENV_FALLBACKS = {
 DEFAULT_HCCN_CONF = "/etc/hccn.conf"
 
 # kv_role (vLLM) -> Role value (metaserver contract).
-_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+_ROLES = {kv: role.value for kv, role in KV_ROLES.items()}
 
 _ID_BAD_CHARS = re.compile(r"[^A-Za-z0-9._:\-]+")
 

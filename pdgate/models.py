@@ -21,6 +21,7 @@ from pdgate.urls import check_engine_url
 
 __all__ = [
     "CONTRACT_VERSION",
+    "KV_ROLES",
     "MAX_BATCH_ITEMS",
     "MAX_BODY_BYTES",
     "TERMINAL_STATES",
@@ -148,6 +149,10 @@ class Role(str, Enum):
 
     def can_decode(self) -> bool:
         return self in (Role.DECODE, Role.BOTH)
+
+
+# vLLM's kv_role -> the registry role: the connector registers by it, `pdgate doctor` checks by it.
+KV_ROLES: dict[str, Role] = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Role.BOTH}
 
 
 class InstanceState(str, Enum):
