@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from pdgate.cli.client import parse_metrics
+from pdgate.cli.client import engine_metrics
 from pdgate.cli.doctor import Facts, Finding
 from pdgate.cli.engine_checks import engine_roles, engine_tokens
 
@@ -178,12 +178,8 @@ def engines_reachable(f: Facts) -> list[Finding]:
 def _cache_config(f: Facts, url: str) -> dict[str, str] | None:
     """The labels of vLLM's `vllm:cache_config_info` on the engine's /metrics (None: not a vLLM, or no
     answer): what the engine really runs with, as vLLM itself reports it."""
-    try:
-        resp = f.admin.get(url.rstrip("/") + "/metrics")
-        if resp.status_code != 200:
-            return None
-        samples = parse_metrics(resp.text)
-    except (httpx.HTTPError, ValueError):
+    samples = engine_metrics(f.admin, url)
+    if samples is None:
         return None
     found = [dict(labels) for (name, labels) in samples if name == "vllm:cache_config_info"]
     return found[0] if found else None

@@ -15,7 +15,7 @@ import httpx
 from pdgate.cli.settings import CliSettings
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Admin", "CliError", "Samples", "parse_metrics"]
+__all__ = ["Admin", "CliError", "Samples", "engine_metrics", "parse_metrics"]
 
 # (metric name, labels as sorted pairs) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -32,6 +32,18 @@ def parse_metrics(text: str) -> Samples:
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
     return out
+
+
+def engine_metrics(admin: Admin, url: str) -> Samples | None:
+    """An engine's /metrics page, parsed (None: no answer, not 200, or not Prometheus text): what the
+    doctor reads of vLLM's own numbers and the connector's counters."""
+    try:
+        resp = admin.get(url.rstrip("/") + "/metrics")
+        if resp.status_code != 200:
+            return None
+        return parse_metrics(resp.text)
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 class Admin:

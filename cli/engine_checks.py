@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from pdgate.cli.client import parse_metrics
+from pdgate.cli.client import engine_metrics
 from pdgate.cli.doctor import Facts, Finding
 
 from pdgate.models import KV_ROLES
@@ -77,12 +77,8 @@ def engine_roles(f: Facts) -> list[Finding]:
 
 def _connector_counts(f: Facts, url: str) -> dict[str, float] | None:
     """The engine's connector counters, summed over its labels (None: no pdgate_connector_* on /metrics)."""
-    try:
-        resp = f.admin.get(url.rstrip("/") + "/metrics")
-        if resp.status_code != 200:
-            return None
-        samples = parse_metrics(resp.text)
-    except (httpx.HTTPError, ValueError):
+    samples = engine_metrics(f.admin, url)
+    if samples is None:
         return None
     counts: dict[str, float] = {}
     for (name, _), value in samples.items():
