@@ -19,6 +19,7 @@ from pdgate.meta_client import (
 )
 from pdgate.models import (
     CONTRACT_VERSION,
+    KV_ROLES,
     MAX_BATCH_ITEMS,
     MAX_BODY_BYTES,
     TERMINAL_STATES,
@@ -57,6 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CONTRACT_VERSION",
+    "KV_ROLES",
     "MAX_BATCH_ITEMS",
     "MAX_BODY_BYTES",
     "TERMINAL_STATES",
