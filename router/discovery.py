@@ -44,12 +44,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
+from pdgate.router.left_out import LeftOut
 from pdgate.router.loops import is_own_address
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.pairing import InstanceView
@@ -61,7 +61,7 @@ from pdgate.models import Role
 from pdgate.upstream import ConnectFailed, ReadTimeout, Upstream, UpstreamError
 from pdgate.urls import InvalidEngineURL, check_engine_url, static_instance_id
 
-__all__ = ["Discovery", "LeftOut", "left_out_said", "unpooled"]
+__all__ = ["Discovery"]
 
 log = logging.getLogger(__name__)
 
@@ -320,41 +320,6 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 _TIMED_OUT = "timed out"
 _OUTSIDE = "outside --allowed-engine-networks"
 _OWN = "this router's own address"
-
-
-class LeftOut(NamedTuple):
-    """A registry record the pool does not hold. `why` names no address: anyone may read it."""
-
-    id: str
-    url: str
-    model: str | None
-    why: str
-
-
-def unpooled(left_out: Sequence[LeftOut], model: str | None, *, full: bool) -> str:
-    """Why no prefill or decode instance (of `model`, when one is named) is in the pool."""
-    said = left_out_said(left_out, model, full=full)
-    return (
-        "no prefill or decode instance is registered"
-        if said is None
-        else f"no prefill or decode instance is in the pool: {said}"
-    )
-
-
-def left_out_said(left_out: Sequence[LeftOut], model: str | None, *, full: bool) -> str | None:
-    """The records left out (of `model`'s, when one is named), their count and reasons; `full` (the admin,
-    the log) adds each one's id and URL, which a client must not read (SECURITY.md: instance URLs are
-    admin-only). None when none is."""
-    mine = [o for o in left_out if model is None or o.model in (model, None)]
-    if not mine:
-        return None
-    counts = Counter(o.why for o in mine)
-    if full:
-        whys = "; ".join(f"{why}: {', '.join(f'{o.id} {o.url}' for o in mine if o.why == why)}" for why in counts)
-    else:
-        whys = "; ".join(f"{n} {why}" for why, n in counts.items())
-    tail = "" if full else "; the router's log names them"
-    return f"{len(mine)} registered instance(s) were left out of the pool ({whys}){tail}"
 
 
 def _reason(exc: BaseException) -> str:

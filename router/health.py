@@ -12,7 +12,7 @@ Everyone else gets the same verdict, the same per-instance availability under ea
 name (`Pool.public_name`, the name client errors use; the admin's rows pair it with the id as
 `public_id`), and reasons that never name an address.
 
-Registry records the router left out of its pool (`discovery.LeftOut`: outside
+Registry records the router left out of its pool (`left_out.LeftOut`: outside
 `--allowed-engine-networks`, its own address, a URL that breaks the rule) are in the reason while no
 pair serves, and listed under `left_out` always: their reasons and models for anyone, ids and URLs for
 the admin. Without them an engine the router refuses looks like no engine at all.
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdgate.router.discovery import Discovery, left_out_said, unpooled
+from pdgate.router.discovery import Discovery
+from pdgate.router.left_out import unpooled
 from pdgate.router.pool import Pool
 
 __all__ = ["health_body"]
@@ -40,9 +41,7 @@ def health_body(pool: Pool, discovery: Discovery, now: float, *, full: bool) -> 
         if not known:
             reason = unpooled(pool.left_out, None, full=full)
         else:
-            reason = "; ".join(pool.explain(m, now, public=not full) for m in known)
-            if (said := left_out_said(pool.left_out, None, full=full)) is not None:
-                reason = f"{reason}; {said}"
+            reason = "; ".join(pool.explain(m, now, public=not full) for m in known)  # left-out ones included
     instances = []
     for inst in pool.instances.values():
         row: dict[str, Any] = {

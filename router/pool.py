@@ -45,16 +45,13 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace as replace_view
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from pdgate.router.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from pdgate.router.left_out import LeftOut, left_out_said
 from pdgate.router.pairing import InstanceView, explain, incompatibility
 from pdgate.router.pairing import compatible as compatible_views
 
 from pdgate.models import Role
-
-if TYPE_CHECKING:
-    from pdgate.router.discovery import LeftOut
 
 __all__ = ["Lease", "LiveInstance", "Pool"]
 
@@ -305,8 +302,6 @@ class Pool:
             [v for v in views if v.role.can_decode() and not v.draining],
             down,
         )
-        from pdgate.router.discovery import left_out_said  # an error path; discovery imports this module
-
         said = left_out_said(self.left_out, model, full=not public)
         return why if said is None else f"{why}; {said}"
 

@@ -44,7 +44,6 @@ from pdgate.router.answers import PatchingSend, PrefillFacts, decode_recomputes,
 from pdgate.router.attempts import Dispatcher
 from pdgate.router.bodies import CHAT, COMPLETIONS, SplicedBody, parse_json, request_facts, split_prompts
 from pdgate.router.decider import SLO_HEADERS, slo_from_headers
-from pdgate.router.discovery import unpooled
 from pdgate.router.errors import (
     BadRequest,
     ModelNotFound,
@@ -59,6 +58,7 @@ from pdgate.router.errors import (
 )
 from pdgate.router.fanout import admit, fan_out
 from pdgate.router.first_token import FirstToken, decode_body, eligible, first_event, read
+from pdgate.router.left_out import unpooled
 from pdgate.router.loops import HOP_HEADER, LoopDetected
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.model_cards import ModelCards
@@ -443,7 +443,7 @@ _SSE = b"text/event-stream; charset=utf-8"  # what vLLM's stream says
 
 def _unpooled(pool: Pool, model: str | None) -> NoCompatiblePair:
     """No instance of `model` in the pool: the client reads how many records were left out and why,
-    the log also which ones (`discovery.unpooled`)."""
+    the log also which ones (`left_out.unpooled`)."""
     left_out = pool.left_out
     return NoCompatiblePair(unpooled(left_out, model, full=False), detail=unpooled(left_out, model, full=True))
 
