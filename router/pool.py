@@ -271,10 +271,20 @@ class Pool:
             fast = self._fast_d[key] = _settled(self._compatible.get(key, ()))
         return fast
 
-    def whole_candidates(self, model: str, now: float, exclude: Sequence[str] = ()) -> list[LiveInstance]:
+    def whole_candidates(
+        self, model: str, now: float, exclude: Sequence[str] = (), *, either: bool = False
+    ) -> list[LiveInstance]:
         """Instances that can serve a request of `model` end to end now (`whole`): the decodes (role decode
         or both), and only when none is live the prefills. Every engine of a PD deployment computes a
-        prompt that comes with no remote KV; a decode's memory is sized for the generation."""
+        prompt that comes with no remote KV; a decode's memory is sized for the generation. `either`: the
+        decodes and the prefills together (the decider's whole requests, `--whole-on any`), each once."""
+        if either:
+            seen: dict[str, LiveInstance] = {}
+            for side in (self.decodes, self.prefills):
+                for i in side.get(model, ()):
+                    if i.id not in exclude and i.id not in seen and i.unavailable(now) is None:
+                        seen[i.id] = i
+            return list(seen.values())
         for side in (self.decodes, self.prefills):
             out = [i for i in side.get(model, ()) if i.id not in exclude and i.unavailable(now) is None]
             if out:

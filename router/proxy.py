@@ -135,6 +135,7 @@ class Proxy:
             clock=clock,
             rng=rng,
             cached_tokens=getattr(decode_policy, "cached_tokens", None),
+            policy=decode_policy,
         )
         self._dispatch.resume = self._whole.resume
         self._mooncake = None

@@ -152,6 +152,12 @@ class RouterSettings(BaseSettings):
     pd_min_tokens: int = Field(
         1024, ge=0, description="conditional: non-cached prompt tokens from which a request goes PD"
     )
+    whole_on: Literal["any", "decode"] = Field(
+        "any",
+        description="conditional/never: where a request the decider keeps whole runs: any (the instance of "
+        "either side the decode policy picks: a prefill's core is idle between prompts) or decode (decodes "
+        "only, the prefills kept for PD prompts). A PD request that failed goes whole on a decode either way",
+    )
 
     # -- clients ----------------------------------------------------------------------------
     api_key: UrlList = Field(

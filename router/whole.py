@@ -8,7 +8,11 @@ A request goes whole:
 - when PD failed before a byte reached the client (`Whole.fallback`): the metaserver or its store could
   not record the handoff, no prefill/decode pair is live, or every prefill or decode attempt failed.
   A handoff still live is aborted first; the instance the last decode attempt used is skipped.
-The instance is a decode first, a prefill only when no decode is live (`Pool.whole_candidates`); it gets
+A request the decider keeps whole (`--disaggregation conditional|never`) runs on whichever instance of
+either side the decode policy picks (`--whole-on any`, the default): on a 1P1D pool the prefill's core
+would otherwise sit idle while short prompts queue on the decode; `--whole-on decode` keeps the prefills
+for PD prompts. A PD request that failed goes to a decode first, a prefill only when no decode is live
+(`Pool.whole_candidates`): the prefill is where it may just have failed. The instance gets
 the client's body as it is, so its answer is the one instance's answer token for token. The answer says
 `X-PDGate-Path: whole`; `pdgate_router_undisaggregated_total{reason}` counts it.
 
@@ -26,7 +30,7 @@ from time import perf_counter
 
 import orjson
 from pdgate.router.bodies import COMPLETIONS, RequestFacts
-from pdgate.router.decider import Path, config_from, decide_request
+from pdgate.router.decider import PATH_REASONS, Path, config_from, decide_request
 from pdgate.router.engine_call import Answer, open_answer
 from pdgate.router.errors import (
     DecodeFailed,
@@ -40,7 +44,7 @@ from pdgate.router.errors import (
     snippet,
 )
 from pdgate.router.metrics import RouterMetrics
-from pdgate.router.policies import load_of
+from pdgate.router.policies import Policy, load_of
 from pdgate.router.pool import Lease, LiveInstance, Pool
 from pdgate.router.request_flow import ProxiedRequest
 from pdgate.router.resume import Continuation, continuation_body
@@ -73,6 +77,8 @@ _PD_FAILURES = {
     Code.KV_NOT_READY: "kv_not_ready",
 }
 _LEDGER_REASONS = ("ledger_unavailable", "no_pair")
+# The decider's reasons for whole: with `--whole-on any` these run on either side (`Pool.whole_candidates`).
+_DECIDED = frozenset(reason.value for path, reason in PATH_REASONS if path is Path.WHOLE)
 
 Headers = Callable[[ProxiedRequest, LiveInstance], list[tuple[bytes, bytes]]]
 
@@ -92,10 +98,13 @@ class Whole:
         clock: Callable[[], float],
         rng: Random,
         cached_tokens: Callable[[LiveInstance, RequestFacts], int] | None = None,
+        policy: Policy | None = None,
     ) -> None:
         s = settings
         self._decider = config_from(s)
         self._cached = cached_tokens  # the decode's cached prefix (KV events: CacheAware.cached_tokens)
+        self._policy = policy  # picks among either side's instances for the decider's whole requests
+        self._either = s.whole_on == "any"
         self._pool = pool
         self._upstream = upstream
         self._m = metrics
@@ -169,10 +178,19 @@ class Whole:
         skip = req.tried
         body = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
         payload = orjson.dumps(body)
+        # The decider kept it whole: any instance may run it, chosen by the decode policy (the least loaded,
+        # or with KV events the one holding its prefix). A failed PD request: a decode, the least loaded.
+        either = self._either and reason in _DECIDED
+        policy = self._policy if either else None
 
         async def pick(tried: Sequence[str]) -> LiveInstance | None:
-            cands = self._pool.whole_candidates(model, self._clock(), [*skip, *tried])
-            return min(cands, key=load_of) if cands else None  # the least loaded, as the decider assumed
+            cands = self._pool.whole_candidates(model, self._clock(), [*skip, *tried], either=either)
+            if not cands:
+                return None
+            if policy is not None:
+                at = policy.choose(cands, req.facts, self._rng)
+                return cands[at] if at is not None else None
+            return min(cands, key=load_of)  # the least loaded, as the decider assumed
 
         def none_left() -> PDGateError:
             now = self._clock()

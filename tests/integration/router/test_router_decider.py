@@ -1,6 +1,7 @@
 """The conditional decider (router/decider.py) drives the one whole-or-PD entry point (`Whole.choose`), over
 real sockets with the openai client: a short prompt goes whole to the decode, a long one through PD, each
-counted by its reason, and both answers are the one engine's (issue #22 item 3).
+counted by its reason, and both answers are the one engine's (issue #22 item 3); whole requests run on
+either side unless `--whole-on decode`.
 
 Real parts: `pdgate-sim` engines with `--token-ids` (answers are a function of the prompt), the router's own
 HTTP server with its embedded metaserver.
@@ -9,6 +10,7 @@ HTTP server with its embedded metaserver.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -71,4 +73,35 @@ def test_a_strict_tpot_slo_header_sends_a_middling_prompt_through_pd(sims: tuple
         assert strict.headers.get("x-pdgate-path", "pd") == "pd"
         assert strict.parse().choices[0].text == plain.parse().choices[0].text
         assert metric(dep.url, DECISIONS, {"path": "pd", "reason": "slo_tpot"}) == 1
+        assert metric(dep.url, DECISIONS, {"path": "whole", "reason": "short_prompt"}) == 4
+
+
+@pytest.mark.parametrize("whole_on", ["any", "decode"])
+def test_whole_requests_spread_over_either_side_unless_kept_on_decodes(sims: tuple[Sim, Sim], whole_on: str) -> None:
+    """`--whole-on any` (the default): short prompts the decider keeps whole run on the prefill too, by the
+    decode policy's load, so a 1P1D pool serves them on both cores; `decode`: the prefill never sees one."""
+    p, d = sims
+    body = {"model": MODEL, "prompt": list(range(1, 17)), "max_tokens": 4, "stream": True}
+    with Deployment(
+        prefill=[p.url], decode=[d.url], disaggregation="conditional", pd_min_tokens=64, whole_on=whole_on
+    ) as dep:
+        dep.wait_available(p.id, d.id)
+        for sim in (p, d):
+            sim.reset()
+            sim.script(token_delay=0.25)  # each stream holds its instance for about a second
+
+        def one(_: int) -> str:
+            with dep.openai().completions.with_streaming_response.create(**body) as out:
+                assert out.headers.get("x-pdgate-path") == "whole"
+                return "".join(c.choices[0].text for c in out.parse())
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(one, range(4)))
+        assert len(set(texts)) == 1 and texts[0]
+        served = {s.role: sum(e["mode"] == "plain" for e in s.stats(log=True)["log"]) for s in (p, d)}
+        assert served["prefill"] + served["decode"] == 4, served
+        if whole_on == "any":
+            assert served["prefill"] >= 1 and served["decode"] >= 1, served
+        else:
+            assert served == {"prefill": 0, "decode": 4}, served
         assert metric(dep.url, DECISIONS, {"path": "whole", "reason": "short_prompt"}) == 4
