@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pdgate.deploy.local import kv_events
 from pdgate.deploy.local.model import DEFAULT_MODEL_DIR, Log, StackError, ensure_model, served_model_name
 from pdgate.deploy.local.procs import ManagedProcess, ProcessFailed, free_port, port_is_free, stop_all, wait_http
 from pdgate.deploy.local.single import SingleInstance, http_get_json
@@ -110,6 +111,9 @@ class StackConfig:
     prefill_args: Sequence[str] = ()
     decode_args: Sequence[str] = ()
     warm_up: bool = True  # one logprobs request per engine before ready (see the module docstring)
+    # The engines publish their KV events and the router follows them (deploy/local/kv_events.py); add
+    # `--prefill-policy cache_aware` (and the decode's) to `router_args` to route by them.
+    kv_events: bool = False
 
     @property
     def model_name(self) -> str:
@@ -172,6 +176,8 @@ class LocalStack:
         self.env: VllmEnv | None = None
         self.timings: dict[str, float] = {}
         self._counters = {"prefill": 0, "decode": 0}
+        cfg = self.config
+        self.kv_event_ports = kv_events.plan(cfg.n_prefill, cfg.n_decode) if cfg.kv_events else {}
         self._cpu_cursor = 0
         # The admin token of the router's metaserver: generated per stack, handed to the router and the
         # engines in their environment (never argv, where `ps` shows it to every user of the host).
@@ -307,7 +313,7 @@ class LocalStack:
 
     def _start_router(self) -> None:
         cfg = self.config
-        argv = [sys.executable, "-m", "pdgate.router", *router_args(cfg)]
+        argv = [sys.executable, "-m", "pdgate.router", *router_args(cfg), *kv_events.router_args(self.kv_event_ports)]
         env = self.router_env()
         self.router = ManagedProcess(
             "router", argv, log_path=self.run_dir / "router.log", env=env, cwd=repo_root()
@@ -332,8 +338,17 @@ class LocalStack:
         # A restarted stack reuses its run dir: an earlier engine's counters must not pass for this one's
         # until its first write (a reader would take them as its baseline).
         stats_path.unlink(missing_ok=True)
+        events = self.kv_event_ports.get(instance_id)  # the engines the stack started with (kv_events.py)
         spec = engine_spec(
-            cfg, role, instance_id, port, self._next_cpu(), self.metaserver_url, stats_path, extra=extra or {}
+            cfg,
+            role,
+            instance_id,
+            port,
+            self._next_cpu(),
+            self.metaserver_url,
+            stats_path,
+            extra=extra or {},
+            engine_args=events.engine_args() if events is not None else (),
         )
         flags = cfg.flags()
         proc = start_engine(spec, self.env.python, flags, self.run_dir, env=self.engine_env(spec, flags))
@@ -405,9 +420,11 @@ def engine_spec(
     stats_path: Path,
     *,
     extra: Mapping[str, Any],
+    engine_args: Sequence[str] = (),
 ) -> VllmInstanceSpec:
     """One engine of the stack: its connector config (the config's extras, the role's, `extra`) and the
-    user's vLLM arguments (`StackConfig.role_args`), after pdgate's flags on its command line."""
+    user's vLLM arguments (`StackConfig.role_args`; `engine_args` before them), after pdgate's flags on
+    its command line."""
     conn_extra: dict[str, Any] = {"stats_file": str(stats_path)}
     conn_extra.update(cfg.connector_extra)
     conn_extra.update(cfg.prefill_extra if role == "prefill" else cfg.decode_extra)
@@ -416,7 +433,7 @@ def engine_spec(
         name=instance_id,
         port=port,
         cpu=cpu,
-        extra_args=cfg.role_args(role),
+        extra_args=(*engine_args, *cfg.role_args(role)),
         kv_transfer_config=kv_transfer_config(
             role=role,
             instance_id=instance_id,

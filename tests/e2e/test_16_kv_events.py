@@ -1,0 +1,90 @@
+"""The engines' KV events reach the router on real vLLM, and the decider and the policy act on them
+(issue #22 item 4: "precise where the engines say what they hold").
+
+A 1P1D stack whose engines publish their prefix-cache events (`StackConfig.kv_events`: vLLM's zmq publisher
+over ipc sockets) and whose router follows them (`--kv-events`), routes with `cache_aware` on both sides
+and decides with `--disaggregation conditional --pd-min-tokens 256`. Turn 1 of a conversation (600
+tokens) goes PD: nobody holds it. Turn 2 (turn 1's prompt, its answer and 100 new tokens) is long, but the
+index knows the decode already holds all but its last 104 tokens, so the decider keeps it whole
+(`decode_cached`) on the instance that holds the most (the decode, which also cached the answer's full
+block): no KV moves, the engine reports the prefix it reused, and the answer is still the single
+instance's. Without events (test_12) the same second turn goes PD. This is the only place the router's
+block hashes (`kv_index.BlockHasher`) are checked against what a real engine publishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pdgate.deploy.local.stack import LocalStack
+
+from tests.e2e.conftest import Baseline, Stacks
+from tests.e2e.pdclient import complete, delta, openai_client, prompt_ids, scrape, settled, wait_for
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32  # the stack's block size
+FIRST, NEW = 600, 100
+
+
+def counter(router_url: str, name: str, labels: dict[str, str]) -> float:
+    return sum(v for n, lab, v in scrape(router_url) if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+@pytest.fixture(scope="module")
+def events_stack(stacks: Stacks) -> Iterator[LocalStack]:
+    stack = stacks.start(
+        "kv-events",
+        kv_events=True,
+        router_args=(
+            "--disaggregation",
+            "conditional",
+            "--pd-min-tokens",
+            "256",
+            "--prefill-policy",
+            "cache_aware",
+            "--decode-policy",
+            "cache_aware",
+        ),
+    )
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_the_decode_s_published_blocks_keep_a_second_turn_whole_on_it(
+    events_stack: LocalStack, baseline: Baseline
+) -> None:
+    stack = events_stack
+    [decode] = stack.by_role("decode")
+    client = openai_client(stack.openai_base_url)
+    applied = "pdgate_router_kv_event_batches_total"
+    first = prompt_ids(FIRST, seed=1400)
+    before = counter(stack.url, applied, {"outcome": "applied"})
+    turn1 = complete(client, first)
+    assert turn1.same_output(baseline.complete(first)), "turn 1"
+    assert turn1.headers.get("x-pdgate-path", "pd") == "pd"  # nobody held it: long, so PD
+    # The prefill's stored blocks, the decode's loaded ones and the decode's block of the answer: at least
+    # one batch from each engine.
+    wait_for(
+        lambda: counter(stack.url, applied, {"outcome": "applied"}) >= before + 2,
+        timeout=10,
+        what="the router to apply both engines' KV events",
+    )
+    assert counter(stack.url, applied, {"outcome": "gap"}) == 0
+
+    second = first + list(turn1.token_ids) + prompt_ids(NEW, seed=1401)
+    want = baseline.complete(second)
+    pulled_before = settled(decode)
+    turn2 = complete(client, second)
+    assert turn2.same_output(want), f"turn 2: {turn2} != {want}"
+    assert turn2.headers.get("x-pdgate-path") == "whole"
+    assert counter(stack.url, "pdgate_router_decisions_total", {"path": "whole", "reason": "decode_cached"}) == 1
+    assert delta(settled(decode), pulled_before).get("recv_ok", 0.0) == 0  # no KV moved for it
+    # The engine's own count of reused tokens: the decode's full blocks of turn 1 (prompt and answer). The
+    # prefill holds only the prompt's 18 blocks, so this number also says which instance served it.
+    held = (FIRST + len(turn1.token_ids)) // BLOCK * BLOCK
+    assert held > FIRST // BLOCK * BLOCK
+    assert turn2.cached_tokens == held, (turn2.cached_tokens, held)
