@@ -17,6 +17,9 @@ and `direct`: no proxy, the client itself creates the handoff, calls P, then D (
 A pdgate mode with an `@base` suffix (`embedded@base`) is the same mode run from the package tree given
 by `--baseline DIR` (PYTHONPATH=DIR: e.g. the commit before a change, `git archive` into DIR/pdgate/):
 before and after measured in one run, alternating, on the same sims.
+A pdgate mode with a `+decider` suffix (`isolated+decider`) runs with the conditional decider and the
+KV-event index on (`DECIDER_ARGS`); `--token-prompts N` sends prompts of N token ids, which cache_aware
+hashes into block keys (text prompts are not hashed).
 A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router started with `--workers N`
 (one port, N processes, `pdgate.router.workers`); its CPU is the sum over the parent and its workers, and
 its req/s against the plain mode is the scaling of `--workers` (issue 12 asks for >= 1.8x with 2 on 2 cores).
@@ -88,7 +91,10 @@ async def run_load(
     counter = 0
 
     async def one(i: int) -> None:
-        body = {"model": "sim-model", "prompt": f"benchmark prompt number {i} " * 8, "max_tokens": tokens}
+        prompt: Any = f"benchmark prompt number {i} " * 8
+        if TOKEN_PROMPTS:  # token ids: what cache_aware hashes into the engines' block keys
+            prompt = [3 + (i * 7 + k) % 2000 for k in range(TOKEN_PROMPTS)]
+        body = {"model": "sim-model", "prompt": prompt, "max_tokens": tokens}
         if stream:
             body["stream"] = True
         t0 = time.perf_counter()
@@ -192,6 +198,7 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
         env = {"PYTHONPATH": baseline} if variant == "base" and baseline else None
         if variant and env is None:
             raise SystemExit(f"mode {mode_name} needs --baseline DIR")
+        plain, plus, extra = plain.partition("+")
         mode, _, n_workers = plain.partition("_w")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -213,6 +220,10 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
             cmd = peer_command(mode, port, free_port(), sims["prefill"], sims["decode"])
         else:
             raise SystemExit(f"unknown mode {mode}")
+        if plus and extra == "decider":
+            cmd += DECIDER_ARGS
+        elif plus:
+            raise SystemExit(f"unknown variant +{extra} of {mode_name}")
         if n_workers:
             cmd += ["--workers", n_workers]
         cpu = "0" if not n_workers else f"0-{min(cpus(), int(n_workers)) - 1}"
@@ -224,6 +235,24 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
     out["prefill_ids"] = {u: static_instance_id(u) for u in sims["prefill"]}
     return out
 
+
+# `MODE+decider`: the decider and the KV-event index on (issue #22: router CPU per request at most +10%).
+# The minimum of 0 tokens sends every request PD, so the work besides the decision is the plain mode's; the
+# ipc source that no engine publishes on gives cache_aware an index to look prompts up in (each token-id
+# prompt is hashed into block keys), and it holds nothing, so the choice falls back to prefix affinity.
+DECIDER_ARGS = [
+    "--disaggregation",
+    "conditional",
+    "--pd-min-tokens",
+    "0",
+    "--prefill-policy",
+    "cache_aware",
+    "--decode-policy",
+    "cache_aware",
+    "--kv-events",
+    "nobody=ipc:///tmp/pdgate-bench-no-kv-events.pub",
+]
+TOKEN_PROMPTS = 0  # --token-prompts N: prompts of N token ids instead of text
 
 SCENARIOS_FULL = [
     ("nonstream", 1, 400, False, 16),
@@ -411,6 +440,7 @@ def profile(stack: dict[str, Any], mode: str, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests per scenario")
+    ap.add_argument("--token-prompts", type=int, default=0, metavar="N", help="prompts of N token ids, not text")
     ap.add_argument("--libs", action="store_true", help="also measure HTTP clients, ASGI stacks, JSON libraries")
     ap.add_argument("--modes", nargs="+", default=["router", "direct", "isolated", "embedded", "toy", *PEER_MODES])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router.json"))
@@ -419,6 +449,8 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="DIR", help="package tree (DIR/pdgate/...) for the modes named MODE@base")
     ap.add_argument("--profile", metavar="FILE", help="py-spy the first mode at c=32 non-streaming; summary to FILE")
     args = ap.parse_args()
+    global TOKEN_PROMPTS
+    TOKEN_PROMPTS = args.token_prompts
     pin: bool = args.pin
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
