@@ -75,6 +75,7 @@ class ProxiedRequest:
         "track",
         "tried",
         "weight",
+        "whole_at",
     )
 
     def __init__(
@@ -108,6 +109,7 @@ class ProxiedRequest:
         self.asked_ids = False  # the client asked for return_token_ids (the router may ask for them itself)
         self.track: StreamTrack | None = None  # a resumable stream's record of what the client got (`resume`)
         self.resumes = 0  # times its stream was resumed on another instance
+        self.whole_at: LiveInstance | None = None  # where the decider weighed it whole (run there first)
         self.tried: list[str] = []  # the instances whose answering attempt failed: a whole retry skips them
         self.weight = 1  # engine requests it counts against --max-inflight (prompts x n, `fanout.admit`)
 

@@ -141,14 +141,17 @@ class Whole:
         now = self._clock()
         prefills = self._pool.prefill_candidates(model, now)
         prefill = min(prefills, key=load_of) if prefills else None
-        decodes = self._pool.decode_candidates(prefill, now) if prefill is not None else []
-        decodes = decodes or self._pool.whole_candidates(model, now)
-        if not decodes:
+        # Weighed on the instance the request would run whole on (with KV events, the one holding the most of
+        # its prefix, a prefill included under --whole-on any): a conversation's turn kept whole on a prefill
+        # is weighed there next turn, not on a decode that holds none of it.
+        where = self._whole_pick(req, model, now, (), either=self._either)
+        if where is None:
             return None
+        req.whole_at = where  # the policies keep state (round robin's turn): chosen once, run there first
         decision = decide_request(
             self._decider,
             req.facts,
-            min(decodes, key=load_of),
+            where,
             prefill,
             cached_tokens=self._cached,
             ledger_ok=not self._pool.ledger_down,
@@ -156,6 +159,19 @@ class Whole:
         )
         self._m.decision(decision.labels)
         return None if decision.path is Path.PD else decision.reason.value
+
+    def _whole_pick(
+        self, req: ProxiedRequest, model: str, now: float, skip: Sequence[str], *, either: bool
+    ) -> LiveInstance | None:
+        """Where the decider's whole request runs: the decode policy's choice (the least loaded, or with KV
+        events the instance holding its prefix) among the decodes, or either side's instances."""
+        cands = self._pool.whole_candidates(model, now, skip, either=either)
+        if not cands:
+            return None
+        if self._policy is None:
+            return min(cands, key=load_of)
+        at = self._policy.choose(cands, req.facts, self._rng)
+        return cands[at] if at is not None else None
 
     def fallback(self, req: ProxiedRequest, exc: RouterError) -> str | None:
         """Why `req`, whose PD attempts failed with `exc` before a byte reached the client, goes whole; None:
@@ -180,17 +196,17 @@ class Whole:
         payload = orjson.dumps(body)
         # The decider kept it whole: any instance may run it, chosen by the decode policy (the least loaded,
         # or with KV events the one holding its prefix). A failed PD request: a decode, the least loaded.
-        either = self._either and reason in _DECIDED
-        policy = self._policy if either else None
+        decided = reason in _DECIDED
 
         async def pick(tried: Sequence[str]) -> LiveInstance | None:
-            cands = self._pool.whole_candidates(model, self._clock(), [*skip, *tried], either=either)
-            if not cands:
-                return None
-            if policy is not None:
-                at = policy.choose(cands, req.facts, self._rng)
-                return cands[at] if at is not None else None
-            return min(cands, key=load_of)  # the least loaded, as the decider assumed
+            now = self._clock()
+            if not decided:
+                cands = self._pool.whole_candidates(model, now, [*skip, *tried])
+                return min(cands, key=load_of) if cands else None
+            at = req.whole_at
+            if at is not None and at.id not in skip and at.id not in tried and at.unavailable(now) is None:
+                return at
+            return self._whole_pick(req, model, now, [*skip, *tried], either=self._either)
 
         def none_left() -> PDGateError:
             now = self._clock()
