@@ -184,7 +184,29 @@ def _where_section(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def render_markdown(result: dict[str, Any]) -> str:
+def _multiturn_section(multiturn: dict[str, Any] | None) -> list[str]:
+    if not multiturn:
+        return []
+    from multiturn_report import table
+
+    cfg = multiturn.get("args", {})
+    return [
+        "## W4: multi-turn conversations on 2P2D (bench/multiturn.py)",
+        "",
+        f"Run {multiturn.get('started', '?')}, {_f(multiturn.get('minutes'), '{:.1f}')} min. "
+        "On 1P1D every policy picks the same pair, so this one runs 2 prefills and 2 decodes (four engines "
+        "unpinned on the same cores) and one router per setup on the same engines. "
+        f"{_f(cfg.get('conversations'))} conversations per setup arriving at {cfg.get('rate', '?')}/s, "
+        f"{_f(cfg.get('turns'))} turns each: turn 1 is {_f(cfg.get('first'))} random token ids, each next turn "
+        f"the previous prompt, its 64-token answer and {_f(cfg.get('grow'))} new ids. KV moved per turn is the "
+        "tokens the decode loaded (its connector's log) over the prompt; a full-prompt transfer is 1.0.",
+        "",
+        table(multiturn),
+    ]
+
+
+def render_markdown(result: dict[str, Any], multiturn: dict[str, Any] | None = None) -> str:
+    """docs/PERFORMANCE.md: the goodput run, with bench/multiturn.py's W4 run beside it when there is one."""
     from goodput_targets import targets_section  # it reads `best` from here
 
     host = result["host"]
@@ -207,14 +229,16 @@ def render_markdown(result: dict[str, Any]) -> str:
         "64 tokens out, `--ignore-eos`, temperature 0; re-scored from the per-request results: a request is good "
         "only with every requested token, TTFT and TPOT within the SLOs. Few requests per point on this "
         "machine class: points near the knee swing between runs, which is why the best one runs again. "
-        "The router serves colocated and conditional-whole requests on its whole path (router/whole.py), which "
-        "picks among the live instances at random, not by load.",
+        "The router serves colocated and conditional-whole requests on its whole path (router/whole.py): the "
+        "least-loaded live instance, a prefill or a decode alike (`--whole-on any`, the default).",
         "",
         *_slo_section(result),
         "",
         *_max_section(result),
         "",
-        *targets_section(result),
+        *targets_section(result, multiturn),
+        "",
+        *_multiturn_section(multiturn),
         "",
         *_where_section(result),
         "",

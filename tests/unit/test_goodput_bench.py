@@ -143,3 +143,45 @@ def test_the_targets_say_met_or_not_from_the_numbers() -> None:
     assert "| W3 (mixed): conditional >= the better of colocated and PD | 2.00 vs 2.00 req/s | yes |" in rows
     assert "1 cut or failed of 10 | **no** |" in rows  # the burst's throughput ties, but a request failed
     assert "its TPOT p50 is 14.0 ms (colocated 5.0 ms" in rows and "falls short" in rows and "(12 ms pulled)" in rows
+    assert "W4 (multi-turn): TTFT p50 <= 0.6x round-robin PD" in rows and "not run (bench/multiturn.py" in rows
+
+
+def test_w4_comes_from_the_multiturn_run_beside_it() -> None:
+    from goodput_targets import targets_section
+
+    def summary(p50: float, share: float) -> dict[str, Any]:
+        return {
+            "requests": 4,
+            "failed": 0,
+            "ttft_p50_ms": p50,
+            "ttft_p99_ms": p50 * 2,
+            "ttft_p50_ms_turns_2plus": p50,
+            "moved_share": share,
+            "moved_share_turns_2plus": share / 2,
+            "paths": {"pd": 4},
+        }
+
+    multiturn = {
+        "started": "then",
+        "minutes": 9.0,
+        "args": {"conversations": 1, "rate": 0.5, "turns": 4, "first": 832, "grow": 320},
+        "setups": {
+            "round-robin": {"summary": summary(400.0, 1.0), "load_before": 1.0, "load_after": 3.0},
+            "kv-events": {"summary": summary(200.0, 0.8), "load_before": 3.0, "load_after": 3.5},
+        },
+    }
+    rows = "\n".join(targets_section({"setups": {}}, multiturn))
+    assert "TTFT p50 with KV events <= 0.6x round-robin PD | 200 / 400 ms = 0.50x | yes |" in rows
+    moved = next(r for r in rows.splitlines() if "KV moved per later turn" in r)
+    assert "| 0.40x over turns 2+ (round robin 0.50x); 0.80x over all turns" in moved and moved.endswith("**no** |")
+    doc = render_markdown(
+        {
+            "setups": {},
+            "slo": {},
+            "host": {"cpus": 2, "python": "3", "loadavg_before": [0.5]},
+            "config": {"model": "m", "engine_flags": [], "pd_min_tokens": 1},
+        },
+        multiturn,
+    )
+    assert "## W4: multi-turn conversations on 2P2D" in doc and "| kv-events | 4 | 0 | 200 / 400 |" in doc
+    assert "| 3.0 / 3.5 |" in doc  # the load during each setup's run
