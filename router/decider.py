@@ -27,8 +27,9 @@ Order of the rules (first match wins), each a `Reason`:
   ledger_down                 the handoff ledger is known to be down: PD would fail, whole needs no ledger
   short_prompt                the prompt itself is under the threshold
   decode_cached               the prompt is long but the decode's cached prefix leaves less than the threshold
-  prefill_busy                the prefill's queue is at `prefill_busy_load` and deeper than the decode's:
-                              PD would queue longer than running whole
+  prefill_busy                the prefill's queue is at `prefill_busy_load` and deeper than the decode's, or
+                              its KV cache is at `prefill_kv_full` and fuller than the decode's (vLLM would
+                              queue or preempt the new prompt there): PD would wait longer than running whole
   slo_ttft                    the client set x-slo-ttft-ms and the prefill's queue is deeper than the decode's
                               (PD's extra hop and queue count against TTFT)
   slo_tpot -> PD              the client set x-slo-tpot-ms at or under `strict_tpot_ms`: the threshold halves,
@@ -110,6 +111,7 @@ class DeciderConfig:
     mode: str = "always"  # today's behaviour until a deployment opts in (`--disaggregation conditional`)
     min_pd_tokens: int = 1024  # non-cached prompt tokens from which PD pays (module docstring)
     prefill_busy_load: float = 8.0  # a prefill this loaded (`policies.load_of`) and busier than the decode
+    prefill_kv_full: float = 0.9  # a prefill whose reported KV use (0..1) is this high and above the decode's
     strict_tpot_ms: float = 50.0  # a TPOT SLO at or under this halves the threshold
 
     def __post_init__(self) -> None:
@@ -117,6 +119,8 @@ class DeciderConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if self.min_pd_tokens < 0 or self.prefill_busy_load <= 0 or self.strict_tpot_ms <= 0:
             raise ValueError("thresholds must be positive")
+        if not 0 < self.prefill_kv_full <= 1:
+            raise ValueError("prefill_kv_full is a share of the KV cache, in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +180,9 @@ def decide(cfg: DeciderConfig, x: Inputs) -> Decision:
         return Decision(Path.WHOLE, Reason.SHORT_PROMPT, whole_at)
     if suffix < threshold:
         return Decision(Path.WHOLE, Reason.DECODE_CACHED, whole_at)
-    if p.load >= cfg.prefill_busy_load and p.load > x.decode.load:
+    queued = p.load >= cfg.prefill_busy_load and p.load > x.decode.load
+    kv_full = p.kv_usage >= cfg.prefill_kv_full and p.kv_usage > x.decode.kv_usage
+    if queued or kv_full:
         return Decision(Path.WHOLE, Reason.PREFILL_BUSY, whole_at)
     if x.slo.ttft_ms is not None and p.load > x.decode.load:
         return Decision(Path.WHOLE, Reason.SLO_TTFT, whole_at)

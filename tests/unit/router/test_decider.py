@@ -65,6 +65,14 @@ def test_a_busy_prefill_busier_than_the_decode_runs_whole() -> None:
     assert _reason(COND, _x(prefill=busy, decode=SideState("d1", load=9.0))) == (Path.PD, Reason.LONG_PROMPT, "p1")
 
 
+def test_a_prefill_whose_kv_cache_is_full_runs_whole() -> None:
+    full = SideState("p1", load=0.0, kv_usage=0.95)
+    assert _reason(COND, _x(prefill=full)) == (Path.WHOLE, Reason.PREFILL_BUSY, "d1")
+    # the decode as full: running whole there would wait as long
+    assert _reason(COND, _x(prefill=full, decode=SideState("d1", 0.0, 0.97)))[:2] == (Path.PD, Reason.LONG_PROMPT)
+    assert _reason(COND, _x(prefill=SideState("p1", 0.0, 0.85)))[:2] == (Path.PD, Reason.LONG_PROMPT)
+
+
 def test_ttft_slo_avoids_a_deeper_prefill_queue() -> None:
     deeper = SideState("p1", load=3.0)
     assert _reason(COND, _x(prefill=deeper, slo=Slo(ttft_ms=500))) == (Path.WHOLE, Reason.SLO_TTFT, "d1")
@@ -90,6 +98,8 @@ def test_config_is_checked() -> None:
         DeciderConfig(mode="sometimes")
     with pytest.raises(ValueError):
         DeciderConfig(prefill_busy_load=0)
+    with pytest.raises(ValueError):
+        DeciderConfig(prefill_kv_full=1.5)
 
 
 def test_slo_headers() -> None:
