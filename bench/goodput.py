@@ -60,6 +60,7 @@ from goodput_plan import (  # noqa: E402
     write_dataset,
 )
 from pdgate.deploy.local.stack import DEFAULT_MODEL_DIR  # noqa: E402
+from pdgate.router.decider import DeciderConfig  # noqa: E402
 
 RESULTS = HERE / "results"
 DOCS = REPO / "docs" / "PERFORMANCE.md"
@@ -97,6 +98,19 @@ class Datasets:
 
             write_dataset(path, dataset_texts(workload, n, seed, len(self.tok), encode, decode))
         return path
+
+
+def cpu_model() -> str:
+    """The processor and the vector extensions vLLM's CPU kernels use: a bfloat16 engine runs several times
+    slower without AVX-512 (BF16) or AMX, so absolute numbers from two hosts differ by that much."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(isa) or 'no AVX2'})"
 
 
 class Sweep:
@@ -232,7 +246,12 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
             "pd_min_tokens": args.pd_min_tokens,
             "run_dir": str(run_dir),
         },
-        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
+            "loadavg_before": os.getloadavg(),
+        },
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "slo": {},
         "setups": {},
@@ -269,7 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="skip growth and repeat points that would take the run past this (default 19; quick: none)",
     )
-    ap.add_argument("--pd-min-tokens", type=int, default=1024, help="the conditional router's --pd-min-tokens")
+    ap.add_argument(
+        "--pd-min-tokens",
+        type=int,
+        default=DeciderConfig().min_pd_tokens,
+        help="the conditional router's --pd-min-tokens (default: the decider's)",
+    )
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--venv", type=Path, default=None)
     ap.add_argument("--run-dir", type=Path, default=None, help="logs, datasets and vLLM's raw results")

@@ -288,18 +288,24 @@ def rescore(result: dict[str, Any], slo: Slo, want_tokens: int = OUTPUT_TOKENS) 
     outs = result.get("output_lens") or []
     ttfts = result.get("ttfts") or []
     lats = result.get("latencies") or []
+    ins = result.get("input_lens") or []
     n = len(outs)
     ttft_ms: list[float] = []
     tpot_ms: list[float] = []
+    requests: list[list[int]] = []  # [prompt tokens, good 0/1] each: SLO attainment by prompt length
     good = 0
     for i in range(n):
+        prompt = int(ins[i]) if i < len(ins) else 0
         if (errors[i] if i < len(errors) else "") or outs[i] < want_tokens:
+            requests.append([prompt, 0])
             continue
         ttft = ttfts[i] * 1e3
         tpot = (lats[i] - ttfts[i]) * 1e3 / max(outs[i] - 1, 1)
         ttft_ms.append(ttft)
         tpot_ms.append(tpot)
-        good += ttft <= slo.ttft_ms and tpot <= slo.tpot_ms
+        ok = ttft <= slo.ttft_ms and tpot <= slo.tpot_ms
+        good += ok
+        requests.append([prompt, int(ok)])
     duration = float(result.get("duration") or 0.0) or float("nan")
     return {
         "sent": n,
@@ -312,4 +318,5 @@ def rescore(result: dict[str, Any], slo: Slo, want_tokens: int = OUTPUT_TOKENS) 
         "duration_s": duration,
         "ttft_ms": {"p50": _pct(ttft_ms, 50), "p99": _pct(ttft_ms, 99)},
         "tpot_ms": {"p50": _pct(tpot_ms, 50), "p99": _pct(tpot_ms, 99)},
+        "requests": requests,
     }

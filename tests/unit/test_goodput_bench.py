@@ -185,3 +185,53 @@ def test_w4_comes_from_the_multiturn_run_beside_it() -> None:
     )
     assert "## W4: multi-turn conversations on 2P2D" in doc and "| kv-events | 4 | 0 | 200 / 400 |" in doc
     assert "| 3.0 / 3.5 |" in doc  # the load during each setup's run
+
+
+def test_each_request_keeps_its_prompt_length_and_verdict() -> None:
+    result = {
+        "duration": 1.0,
+        "errors": ["", "boom", ""],
+        "input_lens": [128, 900, 2048],
+        "output_lens": [64, 0, 64],
+        "ttfts": [0.1, 0.0, 0.9],
+        "latencies": [0.1 + 63 * 0.01, 0.0, 0.9 + 63 * 0.01],
+    }
+    assert rescore(result, SLO)["requests"] == [[128, 1], [900, 0], [2048, 0]]  # failed; TTFT over the SLO
+
+
+def test_the_threshold_is_where_pd_meets_the_slos_as_often_as_colocated() -> None:
+    from goodput_threshold import MIN_REQUESTS, attainment, break_even, threshold_section
+
+    def rows(share_by_len: dict[int, float], n: int = 10) -> list[list[int]]:
+        return [[tokens, int(i < share * n)] for tokens, share in share_by_len.items() for i in range(n)]
+
+    colocated = attainment(rows({128: 0.9, 700: 0.8, 1200: 0.6, 1800: 0.5, 2500: 0.4}))
+    pd = attainment(rows({128: 0.3, 700: 0.6, 1200: 0.7, 1800: 0.5, 2500: 0.6}))
+    assert colocated[0] == (9, 10) and pd[3] == (7, 10)  # 128 in bin 0, 1,200 in 1,024-1,535
+    assert break_even(colocated, pd) == 1024  # behind at 700, level or ahead from 1,024 up
+    # A win below a loss does not count: PD must hold from the edge through every longer bin.
+    assert break_even(colocated, attainment(rows({128: 1.0, 700: 0.9, 1200: 0.5, 1800: 0.9, 2500: 0.9}))) == 1536
+    assert break_even(colocated, attainment(rows({2500: 0.1}))) is None  # behind in the longest bin
+    # Too few requests in a bin say nothing either way.
+    thin = attainment(rows({700: 1.0}, n=MIN_REQUESTS - 1) + rows({2500: 0.4}))
+    assert break_even(colocated, thin) == 2048
+
+    def run(share: dict[str, dict[int, float]]) -> dict[str, Any]:
+        def pts(s: str, rate: float) -> dict[str, Any]:
+            return {"rate": rate, "requests": rows(share[s])}
+
+        setups = {s: {"workloads": {"W3": {"points": [pts(s, 1.0), pts(s, 1.0), pts(s, 9.0)]}}} for s in share}
+        setups["colocated"]["workloads"]["W3"]["points"].pop()  # 9.0 req/s only on PD: it must not count
+        return {"setups": setups}
+
+    doc = run(
+        {
+            "colocated": {128: 0.9, 1800: 0.5},
+            "pd": {128: 0.2, 1800: 0.8},
+            "conditional": {128: 0.9, 1800: 0.8},
+        }
+    )
+    lines = "\n".join(threshold_section(doc, 1024))
+    assert "| 0-255 | 9/10 (90 %) | 2/10 (20 %) | 9/10 (90 %) |" in lines  # one run per shared rate
+    assert "Measured break-even: 1,536 prompt tokens" in lines and "`--pd-min-tokens 1024`" in lines
+    assert threshold_section({"setups": {}}, 1024) == []
