@@ -87,12 +87,17 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         return []
     rr, kv = s["round-robin"]["summary"], s["kv-events"]["summary"]
     out: list[tuple[str, str, bool | None]] = []
-    if rr["ttft_p50_ms"] and kv["ttft_p50_ms"] is not None:
-        ratio = kv["ttft_p50_ms"] / rr["ttft_p50_ms"]
+    # KV events alone (PD for every turn), then with the conditional decider (a turn whose uncached part is
+    # short stays whole where its prefix lives): both are "with KV events", and each is said on its own.
+    for name, what in (("kv-events", "KV events"), ("kv-conditional", "KV events and the conditional decider")):
+        mine = s[name]["summary"] if name in s else None
+        if not rr["ttft_p50_ms"] or mine is None or mine["ttft_p50_ms"] is None:
+            continue
+        ratio = mine["ttft_p50_ms"] / rr["ttft_p50_ms"]
         out.append(
             (
-                "TTFT p50 with KV events <= 0.6x round-robin PD",
-                f"{kv['ttft_p50_ms']:.0f} / {rr['ttft_p50_ms']:.0f} ms = {ratio:.2f}x",
+                f"TTFT p50 with {what} <= 0.6x round-robin PD",
+                f"{mine['ttft_p50_ms']:.0f} / {rr['ttft_p50_ms']:.0f} ms = {ratio:.2f}x",
                 ratio <= 0.6,
             )
         )

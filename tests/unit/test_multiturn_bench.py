@@ -36,6 +36,13 @@ def test_summary_and_targets() -> None:
     met = {what.split(" ")[0]: ok for what, _, ok in targets(doc)}
     assert met == {"TTFT": True, "KV": False}  # (0.82 + 0.24) / 2 > 0.3
     assert "**no**" in table(doc)
+    # With the conditional decider too: its own TTFT row, judged on its own.
+    slow = [turn(1, 832, 0.5, None, "whole"), turn(2, 1216, 0.3, None, "whole"), turn(3, 1600, 0.4, None, "whole")]
+    doc["setups"]["kv-conditional"] = {"summary": summarize(slow)}
+    rows = {what: (got, ok) for what, got, ok in targets(doc)}
+    got, ok = rows["TTFT p50 with KV events and the conditional decider <= 0.6x round-robin PD"]
+    assert got == "400 / 400 ms = 1.00x" and ok is False
+    assert rows["TTFT p50 with KV events <= 0.6x round-robin PD"][1] is True
 
 
 def test_a_failed_request_is_counted_and_left_out_of_the_latencies() -> None:
