@@ -208,8 +208,14 @@ def slo_from_headers(headers: Mapping[str, str]) -> Slo:
 
 
 def config_from(s: RouterSettings) -> DeciderConfig:
-    """The decider's settings (`--disaggregation`, `--pd-min-tokens`)."""
-    return DeciderConfig(mode=s.disaggregation, min_pd_tokens=s.pd_min_tokens)
+    """The decider's settings (`--disaggregation`, `--pd-min-tokens`, `--pd-prefill-busy-load`,
+    `--pd-prefill-kv-full`)."""
+    return DeciderConfig(
+        mode=s.disaggregation,
+        min_pd_tokens=s.pd_min_tokens,
+        prefill_busy_load=s.pd_prefill_busy_load,
+        prefill_kv_full=s.pd_prefill_kv_full,
+    )
 
 
 def side(inst: LiveInstance) -> SideState:

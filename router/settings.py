@@ -152,6 +152,19 @@ class RouterSettings(BaseSettings):
     pd_min_tokens: int = Field(
         1024, ge=0, description="conditional: non-cached prompt tokens from which a request goes PD"
     )
+    pd_prefill_busy_load: float = Field(
+        8.0,
+        gt=0,
+        description="conditional: a prefill this loaded (running + queued, weighted as the policies weigh "
+        "them) and busier than the decode makes a long prompt run whole",
+    )
+    pd_prefill_kv_full: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="conditional: a prefill whose reported KV-cache use (0-1) is this high and above the "
+        "decode's makes a long prompt run whole",
+    )
     whole_on: Literal["any", "decode"] = Field(
         "any",
         description="conditional/never: where a request the decider keeps whole runs: any (the instance of "

@@ -63,3 +63,8 @@ def test_settings_map_to_the_config() -> None:
     cfg = config_from(RouterSettings(disaggregation="conditional", pd_min_tokens=512))
     assert (cfg.mode, cfg.min_pd_tokens) == ("conditional", 512)
     assert config_from(RouterSettings()).mode == "always"
+    tuned = config_from(RouterSettings(pd_prefill_busy_load=2.5, pd_prefill_kv_full=0.75))
+    assert (tuned.prefill_busy_load, tuned.prefill_kv_full) == (2.5, 0.75)
+    # The router's defaults are the decider's: one set of thresholds, whichever way the decider is built.
+    plain, stock = config_from(RouterSettings(disaggregation="conditional")), DeciderConfig(mode="conditional")
+    assert plain == stock
