@@ -33,15 +33,17 @@ most `max_blocks` keys per instance (default 2**20: 16M tokens at block size 16,
 KV cache holds). Measured (bench/kv_index.py, CPython 3.11; bench/results/kv_index.json): 66-74 MiB per
 million blocks held, whatever the number of instances (a set of 64-bit ints; each instance's blocks are
 its own entries, so a block cached on two instances counts twice). Hashing a 2,048-token prompt at block
-size 16 costs 0.4-0.8 ms (SHA-256 over pickle, as the engine does), once per request and block size.
+size 16 costs 0.4-0.8 ms (SHA-256 over pickle, as the engine does), so a lookup hashes a prompt's blocks
+only as far as some instance holds its prefix (`PromptKeys`), once per request and block size.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "KVEvent",
     "KVIndex",
     "Outcome",
+    "PromptKeys",
     "Removed",
     "Stored",
     "block_key",
@@ -87,16 +90,44 @@ class BlockHasher:
 
     def keys(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
         """Keys of the prompt's full blocks, first to last (at most `limit` blocks)."""
-        bs = self.block_size
-        n = len(token_ids) // bs
-        if limit is not None and limit < n:
-            n = limit
-        parent = self._none
-        out: list[int] = []
-        for i in range(n):
-            parent = _sha256_pickle((parent, tuple(token_ids[i * bs : (i + 1) * bs]), None))
-            out.append(int.from_bytes(parent[-8:], "big"))
-        return out
+        return list(itertools.islice(PromptKeys(self, token_ids), limit))
+
+
+class PromptKeys:
+    """A prompt's block keys, hashed only as far as a lookup reads them.
+
+    A lookup stops at the first block an instance lacks (vLLM reuses only a prefix), so the keys past the
+    longest prefix any candidate holds are never needed: a prompt no instance holds costs no hash at all,
+    one whose first m blocks are held costs m + 1, where hashing every block of a 2,048-token prompt costs
+    0.4-0.8 ms of the router's CPU (`BlockHasher.keys`, the same chain). Iterating yields the keys in order,
+    hashing each on first use; `len` is the number of full blocks, known without hashing."""
+
+    __slots__ = ("_bs", "_ids", "_keys", "_n", "_parent")
+
+    def __init__(self, hasher: BlockHasher, token_ids: Sequence[int]) -> None:
+        self._bs = hasher.block_size
+        self._ids = token_ids
+        self._n = len(token_ids) // self._bs
+        self._parent = hasher._none
+        self._keys: list[int] = []
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[int]:
+        i = 0
+        while i < self._n:
+            if i == len(self._keys):
+                bs = self._bs
+                self._parent = _sha256_pickle((self._parent, tuple(self._ids[i * bs : (i + 1) * bs]), None))
+                self._keys.append(int.from_bytes(self._parent[-8:], "big"))
+            yield self._keys[i]
+            i += 1
+
+    @property
+    def hashed(self) -> int:
+        """Blocks hashed so far (what the lookups cost)."""
+        return len(self._keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +231,9 @@ class KVIndex:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def matched(self, instance: str, keys: Sequence[int]) -> int:
-        """How many leading blocks of `keys` `instance` holds (vLLM reuses only a prefix of blocks)."""
+    def matched(self, instance: str, keys: Iterable[int]) -> int:
+        """How many leading blocks of `keys` `instance` holds (vLLM reuses only a prefix of blocks); reads
+        `keys` only up to the first miss, and not at all for an instance that holds nothing (`PromptKeys`)."""
         held = self._blocks.get(instance)
         if not held:
             return 0

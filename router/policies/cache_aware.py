@@ -16,7 +16,8 @@ a text or chat prompt (the router does not tokenize: it would need the model's t
 and any difference from the engine's makes every lookup miss), or no candidate holding any block yet.
 
 `cached_tokens` gives the decider (`decider.py`) the decode's cached prefix for the same request: the
-request's keys are hashed once per block size and reused by both calls.
+request's keys are hashed once per block size and reused by both calls, and only as far as some candidate
+holds the prefix (`kv_index.PromptKeys`): a prompt no instance holds costs no hash.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from random import Random
 from typing import ClassVar
 
 from pdgate.router.bodies import RequestFacts
-from pdgate.router.kv_index import DEFAULT_SEED, BlockHasher, KVIndex
+from pdgate.router.kv_index import DEFAULT_SEED, BlockHasher, KVIndex, PromptKeys
 from pdgate.router.policies import load_of
 from pdgate.router.policies.prefix_affinity import PrefixAffinity
 from pdgate.router.pool import LiveInstance
@@ -55,22 +56,23 @@ class CacheAware:
         self._fallback = PrefixAffinity(load_factor)
         self._seed = hash_seed
         self._hashers: dict[int, BlockHasher] = {}
-        self._last: tuple[Sequence[int] | None, int, list[int]] = (None, 0, [])
+        self._last: tuple[Sequence[int] | None, int, PromptKeys | None] = (None, 0, None)
 
     def block_size(self, inst: LiveInstance) -> int:
         """An instance's block size: what its events said, else its registration, else vLLM's default."""
         stated = self.index.block_size(inst.id) if self.index is not None else None
         return stated or inst.view.block_size or DEFAULT_BLOCK_SIZE
 
-    def keys(self, token_ids: Sequence[int], block_size: int) -> list[int]:
-        """The prompt's block keys at `block_size`; the last request's are reused (policy, then decider)."""
+    def keys(self, token_ids: Sequence[int], block_size: int) -> PromptKeys:
+        """The prompt's block keys at `block_size`, hashed as lookups read them; the last request's are reused
+        (policy, then decider)."""
         ids, size, keys = self._last
-        if ids is token_ids and size == block_size:
+        if ids is token_ids and size == block_size and keys is not None:
             return keys
         hasher = self._hashers.get(block_size)
         if hasher is None:
             hasher = self._hashers[block_size] = BlockHasher(block_size, self._seed)
-        keys = hasher.keys(token_ids)
+        keys = PromptKeys(hasher, token_ids)
         self._last = (token_ids, block_size, keys)
         return keys
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdgate.router.kv_index import BlockHasher, Cleared, KVIndex, Outcome, Removed, Stored, block_key
+from pdgate.router.kv_index import BlockHasher, Cleared, KVIndex, Outcome, PromptKeys, Removed, Stored, block_key
 
 
 def test_stored_removed_cleared_move_what_an_instance_holds() -> None:
@@ -129,3 +129,20 @@ def test_hasher_counts_full_blocks_only_and_chains() -> None:
     assert c[0] == a[0] and c[1] != a[1]
     assert hasher.keys(list(range(40)), limit=3) == hasher.keys(list(range(12)))
     assert BlockHasher(4, seed="other").keys(list(range(4))) != a[:1]
+
+
+def test_prompt_keys_hash_only_as_far_as_a_lookup_reads() -> None:
+    hasher = BlockHasher(4)
+    tokens = list(range(42))  # 10 full blocks and 2 tokens that make none
+    full = hasher.keys(tokens)
+    assert len(full) == 10 and hasher.keys(tokens, limit=3) == full[:3]
+    idx = KVIndex()
+    idx.apply("held3", 0, [Stored(tuple(full[:3]))])
+    idx.apply("other", 0, [Stored((123,))])
+    lazy = PromptKeys(hasher, tokens)
+    assert len(lazy) == 10 and lazy.hashed == 0  # the block count needs no hash
+    assert idx.matched("nobody", lazy) == 0 and lazy.hashed == 0  # an instance that holds nothing: none
+    assert idx.matched("other", lazy) == 0 and lazy.hashed == 1  # a miss on the first block: one
+    assert idx.matched("held3", lazy) == 3 and lazy.hashed == 4  # 3 held + the first miss
+    assert idx.matched("held3", lazy) == 3 and lazy.hashed == 4  # hashed once, read again
+    assert list(lazy) == full and lazy.hashed == 10  # the same chain as the engine's (test_kv_index_vllm)
