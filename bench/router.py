@@ -237,7 +237,8 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
 
 
 # `MODE+decider`: the decider and the KV-event index on (issue #22: router CPU per request at most +10%).
-# The minimum of 0 tokens sends every request PD, so the work besides the decision is the plain mode's; the
+# The minimum of 0 tokens and a prefill never too busy send every request PD, so the work besides the
+# decision is the plain mode's (at c=32 the prefill's load passes the default busy mark of 8); the
 # ipc source that no engine publishes on gives cache_aware an index to look prompts up in (each token-id
 # prompt is hashed into block keys), and it holds nothing, so the choice falls back to prefix affinity.
 DECIDER_ARGS = [
@@ -245,6 +246,8 @@ DECIDER_ARGS = [
     "conditional",
     "--pd-min-tokens",
     "0",
+    "--pd-prefill-busy-load",
+    "1e9",
     "--prefill-policy",
     "cache_aware",
     "--decode-policy",

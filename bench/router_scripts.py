@@ -61,7 +61,7 @@ async def app(scope, receive, send):
         out = MODELS
     elif path == "/v1/completions":
         b = orjson.loads(body)
-        if b["kv_transfer_params"].get("do_remote_decode"):
+        if (b.get("kv_transfer_params") or {}).get("do_remote_decode"):  # a whole request has none
             out = P_ANS
         elif b.get("stream"):
             await send({"type": "http.response.start", "status": 200,
