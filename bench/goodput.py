@@ -121,6 +121,7 @@ class Sweep:
         self.data = Datasets(args.model_dir, run_dir / "datasets")
         self.deadline = time.monotonic() + args.budget_min * 60 if args.budget_min else float("inf")
         self.skipped: list[str] = []
+        self.never = 0  # a prompt length no request reaches (max-model-len), set by `run`
 
     def setup(self, run: Any) -> None:
         from goodput_run import run_point
@@ -153,8 +154,28 @@ class Sweep:
         if self.args.quick and run.name == "conditional":
             from goodput_quick import decider_check
 
-            self.result["quick_check"] = decider_check(run, self.args.pd_min_tokens)
+            self.result["quick_check"] = decider_check(run, self.pd_min_tokens())
         self._save()
+
+    def pd_min_tokens(self) -> int:
+        """The conditional router's threshold: `--pd-min-tokens` when given, else the break-even this run's
+        colocated and PD numbers imply (max-model-len when PD paid at no length: nothing goes PD), else the
+        decider's default (colocated or PD did not run). Recorded with where it came from."""
+        from goodput_threshold import measured_threshold
+
+        cfg = self.result["config"]
+        if "pd_min_tokens" in cfg:
+            return int(cfg["pd_min_tokens"])
+        measured = None if self.args.pd_min_tokens is not None else measured_threshold(self.result, self.never)
+        if self.args.pd_min_tokens is not None:
+            value, source = self.args.pd_min_tokens, "flag"
+        elif measured is not None:
+            value, source = measured, "measured"
+        else:
+            value, source = DeciderConfig().min_pd_tokens, "default"
+        cfg["pd_min_tokens"], cfg["pd_min_tokens_from"] = value, source
+        _say(f"conditional: --pd-min-tokens {value} ({source})")
+        return value
 
     def failed(self, name: str, exc: Exception) -> None:
         entry = self.result["setups"].setdefault(name, {"label": SETUPS[name], "workloads": {}})
@@ -243,7 +264,6 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             "model": flags.served_name,
             "engine_flags": flags.args()[1:],
-            "pd_min_tokens": args.pd_min_tokens,
             "run_dir": str(run_dir),
         },
         "host": {
@@ -268,7 +288,8 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     ensure_model(args.model_dir, ensure_vllm_env(args.venv, install=False, log=_say), _say)  # the datasets' tokenizer
     sweep = Sweep(plan, args, run_dir, result)
-    ctx = Context(args.model_dir, run_dir, args.venv, flags, args.pd_min_tokens, _say)
+    sweep.never = flags.max_model_len
+    ctx = Context(args.model_dir, run_dir, args.venv, flags, sweep.pd_min_tokens, _say)
     each_setup(plan.setups, ctx, sweep.setup, sweep.failed)
     result["wall_s"] = time.monotonic() - t0
     result["skipped_for_budget"] = sweep.skipped
@@ -291,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pd-min-tokens",
         type=int,
-        default=DeciderConfig().min_pd_tokens,
-        help="the conditional router's --pd-min-tokens (default: the decider's)",
+        default=None,
+        help="the conditional router's --pd-min-tokens (default: the break-even this run measures on colocated "
+        "and PD before the conditional setup starts; the decider's default when one of them does not run)",
     )
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--venv", type=Path, default=None)

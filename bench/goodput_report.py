@@ -205,6 +205,18 @@ def _multiturn_section(multiturn: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _threshold_used(cfg: dict[str, Any]) -> str:
+    value = cfg.get("pd_min_tokens")
+    if value is None:
+        return "not started"
+    why = {
+        "measured": "the break-even this run measured on colocated and PD (below)",
+        "flag": "given on the command line",
+        "default": "the decider's default: colocated or PD did not run",
+    }.get(cfg.get("pd_min_tokens_from", ""))
+    return f"`--pd-min-tokens {value}`" + (f" ({why})" if why else "")
+
+
 def _threshold_lines(result: dict[str, Any]) -> list[str]:
     from goodput_threshold import threshold_section
 
@@ -226,7 +238,7 @@ def render_markdown(result: dict[str, Any], multiturn: dict[str, Any] | None = N
         f"{host['cpus']} CPUs ({host.get('cpu', 'model not recorded')}), Python {host['python']}, "
         f"load average before {host['loadavg_before'][0]:.1f}. "
         f"Model `{result['config']['model']}`; every engine `vllm serve {' '.join(result['config']['engine_flags'])}`; "
-        f"conditional router `--pd-min-tokens {result['config']['pd_min_tokens']}`.",
+        f"conditional router {_threshold_used(result['config'])}.",
         "",
         "Setups, one after another on the same cores (one engine's OMP threads per core, "
         "`VLLM_CPU_OMP_THREADS_BIND`; API server and engine core unpinned), pdgate-router in front of each:",

@@ -38,7 +38,7 @@ class Context:
     run_dir: Path
     venv: Path | None
     flags: ServeFlags
-    pd_min_tokens: int
+    pd_min_tokens: Callable[[], int]  # asked when the conditional router starts: it may be this run's measure
     log: Log
 
 
@@ -132,7 +132,7 @@ def conditional(ctx: Context, stack: LocalStack) -> Iterator[Running]:
     """A second router on the PD stack's engines, deciding per request (`router/decider.py`)."""
     port = free_port()
     argv = ["--port", str(port), "--metaserver", stack.metaserver_url]
-    argv += ["--disaggregation", "conditional", "--pd-min-tokens", str(ctx.pd_min_tokens)]
+    argv += ["--disaggregation", "conditional", "--pd-min-tokens", str(ctx.pd_min_tokens())]
     env = {"PDGATE_ROUTER_METASERVER_TOKEN": stack.admin_token}
     router = _router("conditional-router", argv, ctx.run_dir / "pd", env)
     try:

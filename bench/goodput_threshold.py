@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["BINS", "MIN_REQUESTS", "attainment", "break_even", "threshold_section"]
+__all__ = ["BINS", "MIN_REQUESTS", "attainment", "break_even", "measured_threshold", "threshold_section"]
 
 BINS: tuple[int, ...] = (0, 256, 512, 1024, 1536, 2048, 1 << 30)  # prompt-token bin edges
 MIN_REQUESTS = 5
@@ -78,6 +78,18 @@ def break_even(colocated: Sequence[Bin], pd: Sequence[Bin]) -> int | None:
     return edge
 
 
+def measured_threshold(result: dict[str, Any], never: int) -> int | None:
+    """The `--pd-min-tokens` this run's colocated and PD numbers imply: the break-even, or `never` (a length
+    no prompt reaches: nothing goes PD) when PD met the SLOs less often at every measured length; None when
+    the run has no bin both measured (one of them did not run), so the caller keeps its default."""
+    colo = attainment(_rows(result, "colocated", "pd"))
+    pd = attainment(_rows(result, "pd", "colocated"))
+    if not any(_share(c) is not None and _share(p) is not None for c, p in zip(colo, pd, strict=True)):
+        return None
+    edge = break_even(colo, pd)
+    return never if edge is None else edge
+
+
 def _rows(result: dict[str, Any], setup: str, other: str) -> list[Sequence[int]]:
     rows: list[Sequence[int]] = []
     for w in WORKLOADS:
@@ -120,15 +132,14 @@ def threshold_section(result: dict[str, Any], pd_min_tokens: int | None) -> list
             lines.append(f"| {_label(k)} | {_cell(colo[k])} | {_cell(pd[k])} | {_cell(cond[k])} |")
     lines.append("")
     used = f"`--pd-min-tokens {pd_min_tokens}`" if pd_min_tokens is not None else "its `--pd-min-tokens`"
+    source = result.get("config", {}).get("pd_min_tokens_from", "")
+    how = " (measured in this run, before the conditional setup started)" if source == "measured" else ""
     if edge is None:
         lines.append(
-            f"Measured break-even: none. PD met the SLOs less often than colocated even in the longest bin this "
-            f"run measured, so on this machine class a prompt of any measured length is better served whole; "
-            f"the conditional setup ran with {used}."
+            "Measured break-even: none. PD met the SLOs less often than colocated even in the longest bin this "
+            "run measured, so on this host a prompt of any measured length is better served whole; the "
+            f"conditional setup ran with {used}{how}."
         )
     else:
-        lines.append(
-            f"Measured break-even: {edge:,} prompt tokens. The conditional setup ran with {used}; the decider's "
-            f"default (`DeciderConfig.min_pd_tokens`) is the break-even of the run it was set from."
-        )
+        lines.append(f"Measured break-even: {edge:,} prompt tokens. The conditional setup ran with {used}{how}.")
     return lines

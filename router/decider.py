@@ -6,15 +6,16 @@
 Why a threshold on the non-cached prompt. PD pays a fixed price per request: a second engine hop, the
 handoff in the ledger, the KV transfer and the prefill's own queue. What it buys is a decode whose running
 streams are not stalled by long prefills, and that only outweighs the price when the prefill is long.
-Measured on this project's CPU machine class (/work/shared/reference/goodput-method.md; max goodput under
-TTFT and TPOT SLOs, PD 1P1D vs two colocated replicas): ~2,048-token prompts PD 1.0-1.2x colocated;
-128-token prompts 0.16-0.38x; mixed 50-2,000 tokens 0.39x. So short prompts must go whole and only long
-ones gain from PD; the break-even lies between 128 and 2,048 tokens. The default, 1,024 non-cached tokens
-(`DeciderConfig.min_pd_tokens`), sits below the measured even point on purpose: on accelerators the
-transfer is cheaper relative to the prefill (fast interconnects) and the interference PD removes grows
-with batch size, both moving the break-even down; llm-d's P/D decider and Dynamo's conditional
-disaggregation gate on the same quantity with thresholds of that order. Deployments should measure theirs
-(`--pd-min-tokens`).
+Where the break-even lies depends on the hardware, so it is measured, not guessed: `bench/goodput.py`
+scores every request against the SLOs and finds the prompt length from which PD meets them at least as
+often as colocated replicas (`bench/goodput_threshold.py`; docs/PERFORMANCE.md), and runs its
+conditional setup at that length. Measured on this project's CPU machine class: the first sweep put the
+break-even between 128 and 2,048 tokens (~2,048-token prompts PD 1.0-1.2x colocated, 128-token 0.16-0.38x);
+the 2026-12-07 run on an AVX2-only host found none up to 2,048 (PD behind at every length). The default,
+1,024 non-cached tokens (`DeciderConfig.min_pd_tokens`), is the first sweep's lower half: on accelerators
+the transfer is cheaper relative to the prefill and the interference PD removes grows with batch size,
+both moving the break-even down, and llm-d's P/D decider and Dynamo's conditional disaggregation gate on
+the same quantity with thresholds of that order. Deployments measure theirs and set `--pd-min-tokens`.
 
 Non-cached, not prompt length. A prompt the candidate decode already holds mostly in its prefix cache costs
 that decode little to prefill, so what counts is the prompt minus the decode's cached prefix (Dynamo:

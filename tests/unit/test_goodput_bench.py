@@ -235,3 +235,18 @@ def test_the_threshold_is_where_pd_meets_the_slos_as_often_as_colocated() -> Non
     assert "| 0-255 | 9/10 (90 %) | 2/10 (20 %) | 9/10 (90 %) |" in lines  # one run per shared rate
     assert "Measured break-even: 1,536 prompt tokens" in lines and "`--pd-min-tokens 1024`" in lines
     assert threshold_section({"setups": {}}, 1024) == []
+
+
+def test_the_conditional_setup_runs_at_the_measured_break_even() -> None:
+    from goodput_threshold import measured_threshold
+
+    def setups(colo: dict[int, float], pd: dict[int, float]) -> dict[str, Any]:
+        def pts(share: dict[int, float]) -> dict[str, Any]:
+            reqs = [[t, int(i < s * 10)] for t, s in share.items() for i in range(10)]
+            return {"workloads": {"W1": {"points": [{"rate": 1.0, "requests": reqs}]}}}
+
+        return {"setups": {"colocated": pts(colo), "pd": pts(pd)}}
+
+    assert measured_threshold(setups({300: 0.9, 2500: 0.4}, {300: 0.5, 2500: 0.6}), 4096) == 2048
+    assert measured_threshold(setups({300: 0.9, 2500: 0.6}, {300: 0.5, 2500: 0.4}), 4096) == 4096  # never PD
+    assert measured_threshold({"setups": {"colocated": setups({300: 1.0}, {})["setups"]["colocated"]}}, 4096) is None
