@@ -4,6 +4,8 @@ hardware says what it finds there."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from goodput_report import best
@@ -85,6 +87,39 @@ def _why_pd(result: dict[str, Any]) -> list[str]:
     ]
 
 
+ROUTER_AB = Path(__file__).resolve().parent / "results"  # bench/router.py's +decider runs: router-decider-ab-N.json
+ROUTER_CPU_CEILING = 1.10
+
+
+def router_cpu_rows(docs: list[dict[str, Any]]) -> list[str]:
+    """The router's CPU per request with the decider and the KV-event index on (`MODE+decider`) against the
+    same mode without, pooled over runs in both orders (the mode run first drifts on this machine class)."""
+    cpu: dict[tuple[str, str], list[float]] = {}
+    for doc in docs:
+        for r in doc.get("rows", []):
+            if r.get("cpu_us_per_req") is not None and not r.get("errors"):
+                cpu.setdefault((r["scenario"], r["mode"]), []).append(float(r["cpu_us_per_req"]))
+    out = []
+    for (scenario, mode), plain in sorted(cpu.items()):
+        decided = cpu.get((scenario, f"{mode}+decider"))
+        if mode.endswith("+decider") or not decided:
+            continue
+        ratio = (sum(decided) / len(decided)) / (sum(plain) / len(plain))
+        got = (
+            f"{sum(decided) / len(decided):.0f} / {sum(plain) / len(plain):.0f} us = {ratio:.2f}x "
+            f"({', '.join(f'{d:.0f}' for d in decided)} vs {', '.join(f'{p:.0f}' for p in plain)})"
+        )
+        target = f"router CPU per request, decider + KV-event index on, {mode} {scenario}: <= +10%"
+        out.append(_row(target, got, ratio <= ROUTER_CPU_CEILING))
+    return out
+
+
+def _router_cpu() -> list[str]:
+    files = sorted(ROUTER_AB.glob("router-decider-ab-[0-9]*.json"))
+    rows = router_cpu_rows([json.loads(f.read_text()) for f in files])
+    return rows or [_row("router CPU per request with the decider and the index on: <= +10%", "not run", None)]
+
+
 def _num(v: Any, digits: int = 0) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -103,12 +138,13 @@ def targets_section(result: dict[str, Any], multiturn: dict[str, Any] | None = N
     return [
         "## The issue's targets, as this run measured them",
         "",
-        "| target | measured (max goodput; burst: requests/s completed) | met |",
+        "| target | measured (max goodput; burst: requests/s completed; router CPU: bench/router.py) | met |",
         "|---|---|---|",
         _ratio_row(result, "W1 (long prompts): PD >= 1.5x colocated", "pd", "W1", 1.5),
         _ratio_row(result, "W2 (short chat): conditional >= 0.95x colocated", "conditional", "W2", 0.95),
         _w3_row(result),
         *_w4_rows(multiturn),
         _burst_row(result),
+        *_router_cpu(),
         *_why_pd(result),
     ]

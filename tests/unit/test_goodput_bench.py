@@ -250,3 +250,22 @@ def test_the_conditional_setup_runs_at_the_measured_break_even() -> None:
     assert measured_threshold(setups({300: 0.9, 2500: 0.4}, {300: 0.5, 2500: 0.6}), 4096) == 2048
     assert measured_threshold(setups({300: 0.9, 2500: 0.6}, {300: 0.5, 2500: 0.4}), 4096) == 4096  # never PD
     assert measured_threshold({"setups": {"colocated": setups({300: 1.0}, {})["setups"]["colocated"]}}, 4096) is None
+
+
+def test_router_cpu_with_the_decider_is_pooled_over_both_orders() -> None:
+    from goodput_targets import router_cpu_rows
+
+    def run(**cpu: float) -> dict[str, Any]:
+        rows = [
+            {"scenario": "nonstream", "mode": m.replace("_d", "+decider"), "cpu_us_per_req": v} for m, v in cpu.items()
+        ]
+        return {"rows": rows}
+
+    rows = router_cpu_rows([run(isolated=500, isolated_d=520), run(isolated_d=560, isolated=460)])
+    assert rows == [
+        "| router CPU per request, decider + KV-event index on, isolated nonstream: <= +10% "
+        "| 540 / 480 us = 1.12x (520, 560 vs 500, 460) | **no** |"
+    ]
+    assert router_cpu_rows([run(router=900, router_d=950)])[0].endswith("| yes |")
+    broken = {"rows": [{"scenario": "nonstream", "mode": "isolated+decider", "cpu_us_per_req": 1.0, "errors": 3}]}
+    assert router_cpu_rows([broken, run(isolated=500)]) == []  # a run with errors says nothing
