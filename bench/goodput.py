@@ -16,6 +16,11 @@ Each point is re-scored from the per-request results (a stream cut after its fir
 with the load average and the cores' busy share during it and the router's phase histograms. The ladder
 grows while the SLOs still hold, and the best point is run again.
 
+The conditional setup runs after colocated and PD, on the PD engines, at the threshold this run measured:
+the prompt length from which PD met the SLOs at least as often as colocated (bench/goodput_threshold.py),
+or max-model-len when PD paid at no length, so it disaggregates only where this hardware showed it pays.
+`--pd-min-tokens N` runs it at N instead.
+
 Writes bench/results/goodput.json (goodput-quick.json with --quick) and, unless --no-docs,
 docs/PERFORMANCE.md (generated from the results by bench/goodput_report.py; never edit it by hand).
 
