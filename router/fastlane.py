@@ -42,6 +42,8 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
 
+from pdgate.asgi import ACCESS_NOTE
+
 __all__ = ["LaneCycle", "with_fast_lane"]
 
 log = logging.getLogger("uvicorn.error")
@@ -177,9 +179,11 @@ class LaneCycle:
         proto = self.proto
         if proto.access_log:
             scope: Any = self.scope
-            proto.access_logger.info(
-                '%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], scope["path"], "1.1", status
-            )
+            # What the router decided (`pd:long_prompt`, `whole:ledger_unavailable`) ends the message, outside
+            # the arguments: uvicorn's own access formatter takes exactly these five.
+            note = scope.get(ACCESS_NOTE)
+            fmt = '%s - "%s %s HTTP/%s" %d' + (" " + note.replace("%", "%%") if note else "")
+            proto.access_logger.info(fmt, get_client_addr(scope), scope["method"], scope["path"], "1.1", status)
         parts = [STATUS_LINE[status], _DEFAULTS.get(proto.server_state.default_headers)]
         names: list[bytes] = []
         values: list[bytes] = []

@@ -191,6 +191,7 @@ class Proxy:
                 self._m.trace_dropped.inc()
         tid = mint_transfer_id()
         req = ProxiedRequest(endpoint, tid, rid or tid.encode(), auth if self._forward_auth else None, extra)
+        req.notes = scope
         if slo is not None:
             req.slo = slo_from_headers(slo)
         try:
@@ -306,6 +307,7 @@ class Proxy:
             child.spliced = spliced[i]
             child.facts = request_facts(part, req.endpoint, self._prefix_chars)
             child.overhead_s = req.overhead_s
+            child.notes = req.notes
             child.asked_ids = req.asked_ids
             children.append(child)
         n = req.body.get("n") or 1

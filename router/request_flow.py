@@ -62,6 +62,7 @@ class ProxiedRequest:
         "ledger_prefill",
         "limit",
         "live",
+        "notes",
         "overhead_s",
         "prefill",
         "prefill_answer",
@@ -112,6 +113,7 @@ class ProxiedRequest:
         self.whole_at: LiveInstance | None = None  # where the decider weighed it whole (run there first)
         self.tried: list[str] = []  # the instances whose answering attempt failed: a whole retry skips them
         self.weight = 1  # engine requests it counts against --max-inflight (prompts x n, `fanout.admit`)
+        self.notes: dict[str, Any] | None = None  # the client request's ASGI scope: the access log's note
 
     def end(self) -> None:
         """Called right before the last body message: a disconnect after this is not a cancellation."""

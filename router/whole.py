@@ -52,7 +52,7 @@ from pdgate.router.retry import Verdict, retry_elsewhere
 from pdgate.router.settings import RouterSettings
 from pdgate.router.streaming import end_stream, relay_stream, send_body
 
-from pdgate.asgi import Send
+from pdgate.asgi import Send, add_access_note
 from pdgate.errors import Code, PDGateError
 from pdgate.models import Role
 from pdgate.upstream import Upstream
@@ -158,6 +158,8 @@ class Whole:
             slo=req.slo,
         )
         self._m.decision(decision.labels)
+        if req.notes is not None:
+            add_access_note(req.notes, f"{decision.path.value}:{decision.reason.value}")
         return None if decision.path is Path.PD else decision.reason.value
 
     def _whole_pick(
@@ -191,6 +193,8 @@ class Whole:
             raise cause
         self._m.undisaggregated.labels(reason).inc()
         log.info("serving whole (%s)", reason)
+        if req.notes is not None and reason not in _DECIDED:  # the decider's reasons are noted when decided
+            add_access_note(req.notes, f"whole:{reason}")
         skip = req.tried
         body = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
         payload = orjson.dumps(body)

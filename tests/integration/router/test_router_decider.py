@@ -105,3 +105,36 @@ def test_whole_requests_spread_over_either_side_unless_kept_on_decodes(sims: tup
         else:
             assert served == {"prefill": 0, "decode": 4}, served
         assert metric(dep.url, DECISIONS, {"path": "whole", "reason": "short_prompt"}) == 4
+
+
+def test_the_access_log_says_each_decision(sims: tuple[Sim, Sim]) -> None:
+    """Issue #22 item 3: every decision is counted and shown in the access log, one note per prompt."""
+    import logging
+
+    p, d = sims
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    access = logging.getLogger("uvicorn.access")
+    keep, level = Keep(), access.level
+    try:
+        with Deployment(prefill=[p.url], decode=[d.url], disaggregation="conditional", pd_min_tokens=64) as dep:
+            # After uvicorn configured its loggers from the deployment's log level (it replaces their handlers);
+            # each new connection's protocol logs only when the access logger has a handler.
+            access.addHandler(keep)
+            access.setLevel(logging.INFO)
+            dep.wait_available(p.id, d.id)
+            client = dep.openai()
+            client.completions.create(model=MODEL, prompt=list(range(1, 17)), max_tokens=4)
+            client.completions.create(model=MODEL, prompt=list(range(1, 129)), max_tokens=4)
+            client.completions.create(model=MODEL, prompt=[list(range(1, 17)), list(range(1, 129))], max_tokens=4)
+    finally:
+        access.removeHandler(keep)
+        access.setLevel(level)
+    posts = [ln for ln in lines if '"POST /v1/completions' in ln]
+    notes = [ln.rsplit(" 200 ", 1)[-1] for ln in posts]
+    assert notes[:2] == ["whole:short_prompt", "pd:long_prompt"], posts
+    assert sorted(notes[2].split(",")) == ["pd:long_prompt", "whole:short_prompt"], posts  # one per prompt
