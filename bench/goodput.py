@@ -171,12 +171,10 @@ class Sweep:
         cfg = self.result["config"]
         if "pd_min_tokens" in cfg:
             return int(cfg["pd_min_tokens"])
-        measured = None if self.args.pd_min_tokens is not None else measured_threshold(self.result, self.never)
-        if self.args.pd_min_tokens is not None:
-            value, source = self.args.pd_min_tokens, "flag"
-        elif measured is not None:
-            value, source = measured, "measured"
-        else:
+        value, source = self.args.pd_min_tokens, "flag"
+        if value is None:
+            value, source = measured_threshold(self.result, self.never), "measured"
+        if value is None:
             value, source = DeciderConfig().min_pd_tokens, "default"
         cfg["pd_min_tokens"], cfg["pd_min_tokens_from"] = value, source
         _say(f"conditional: --pd-min-tokens {value} ({source})")
