@@ -309,7 +309,9 @@ def _kv_events(s: RouterSettings, metrics: RouterMetrics) -> Any:
         return None
     from pdgate.router.kv_events import KVEvents
 
-    return KVEvents.from_settings(s, on_outcome=metrics.kv_event_batch)
+    kv = KVEvents.from_settings(s, on_outcome=metrics.kv_event_batch)
+    metrics.follow_index(kv.index)
+    return kv
 
 
 def _lifespan(

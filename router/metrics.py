@@ -12,10 +12,14 @@ Phases of a request, each its own histogram so each gets buckets that fit it:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from pdgate.router.breaker import BreakerState
 from pdgate.router.decider import PATH_REASONS
-from pdgate.router.kv_index import Outcome
+from pdgate.router.kv_index import KVIndex, Outcome
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["LABEL_CODE", "LABEL_INSTANCE", "LABEL_ROLE", "LABEL_SIDE", "RouterMetrics"]
 
@@ -135,6 +139,11 @@ class RouterMetrics:
         """Count one KV-event batch (the subscriber's `on_outcome`)."""
         self._kv_events[outcome.value].inc()
 
+    def follow_index(self, index: KVIndex) -> None:
+        """Show, at each scrape, how many blocks the KV-event index holds per instance: what the router
+        believes each engine caches (an operator's check that events arrive; a test's wait for them)."""
+        self.registry.register(_IndexBlocks(index))
+
     def set_breaker(self, instance_id: str, state: BreakerState) -> None:
         self.breaker_state.labels(instance_id).set(state.gauge)
 
@@ -143,3 +152,21 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _IndexBlocks(Collector):
+    """`pdgate_router_kv_index_blocks{instance}`, read from the index when scraped (no bookkeeping on the
+    event path)."""
+
+    def __init__(self, index: KVIndex) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "pdgate_router_kv_index_blocks",
+            "Blocks the KV-event index holds, per instance (what the engines' events say they cache)",
+            labels=[LABEL_INSTANCE],
+        )
+        for instance in self._index.instances():
+            family.add_metric([instance], self._index.size(instance))
+        yield family

@@ -26,6 +26,8 @@ from pdgate.deploy.local.vllm_instance import ServeFlags
 
 from tests.e2e.pdclient import MAX_TOKENS, Answer, Ranked, chat, chat_messages, complete, openai_client, ranked
 
+_RUN_DIR = pytest.StashKey[Path]()
+
 
 def _log(msg: str) -> None:
     print(f"[e2e] {msg}", flush=True)
@@ -68,11 +70,12 @@ def vllm_env() -> VllmEnv:
 
 
 @pytest.fixture(scope="session")
-def e2e_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def e2e_run_dir(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
     chosen = os.environ.get("PDGATE_E2E_RUN_DIR")
     path = Path(chosen) if chosen else tmp_path_factory.mktemp("e2e-run")
     path.mkdir(parents=True, exist_ok=True)
     _log(f"process logs under {path}")
+    pytestconfig.stash[_RUN_DIR] = path  # for the failure report's log tails
     return path
 
 
@@ -232,3 +235,20 @@ def pd_stack(stacks: Stacks) -> LocalStack:
 @pytest.fixture
 def router_client(pd_stack: LocalStack) -> OpenAI:
     return openai_client(pd_stack.openai_base_url)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed e2e test's report ends with the last lines of every process log written while it ran (the
+    router's, the engines'): CI keeps only the report, and a flake is read from it or not at all."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    run_dir = item.config.stash.get(_RUN_DIR, None)
+    if not report.failed or call.when != "call" or run_dir is None:
+        return
+    since = call.start
+    for log_path in sorted(run_dir.glob("**/*.log")):
+        with contextlib.suppress(OSError):
+            if log_path.stat().st_mtime >= since:
+                lines = log_path.read_text(errors="replace").splitlines()[-40:]
+                report.sections.append((f"log {log_path.relative_to(run_dir)} (last 40 lines)", "\n".join(lines)))

@@ -66,13 +66,23 @@ def test_the_decode_s_published_blocks_keep_a_second_turn_whole_on_it(
     turn1 = complete(client, first)
     assert turn1.same_output(baseline.complete(first)), "turn 1"
     assert turn1.headers.get("x-pdgate-path", "pd") == "pd"  # nobody held it: long, so PD
-    # The prefill's stored blocks, the decode's loaded ones and the decode's block of the answer: at least
-    # one batch from each engine.
+    # The engine's own count of reused tokens on turn 2 will be the decode's full blocks of turn 1 (prompt
+    # and answer). The prefill holds only the prompt's 18 blocks, so this number also says which instance
+    # served it. The decode publishes the answer's block in a later batch than the loaded ones: wait for the
+    # router's index to hold all of it (a count of batches raced it: CI saw 576 once).
+    [prefill] = stack.by_role("prefill")
+    held = (FIRST + len(turn1.token_ids)) // BLOCK * BLOCK
+    assert held > FIRST // BLOCK * BLOCK
+    index_blocks = "pdgate_router_kv_index_blocks"
     wait_for(
-        lambda: counter(stack.url, applied, {"outcome": "applied"}) >= before + 2,
-        timeout=10,
-        what="the router to apply both engines' KV events",
+        lambda: (
+            counter(stack.url, index_blocks, {"instance": decode.instance_id}) >= held // BLOCK
+            and counter(stack.url, index_blocks, {"instance": prefill.instance_id}) >= FIRST // BLOCK
+        ),
+        timeout=20,
+        what="the router's index to hold both engines' blocks of turn 1",
     )
+    assert counter(stack.url, applied, {"outcome": "applied"}) >= before + 2
     assert counter(stack.url, applied, {"outcome": "gap"}) == 0
 
     second = first + list(turn1.token_ids) + prompt_ids(NEW, seed=1401)
@@ -83,8 +93,4 @@ def test_the_decode_s_published_blocks_keep_a_second_turn_whole_on_it(
     assert turn2.headers.get("x-pdgate-path") == "whole"
     assert counter(stack.url, "pdgate_router_decisions_total", {"path": "whole", "reason": "decode_cached"}) == 1
     assert delta(settled(decode), pulled_before).get("recv_ok", 0.0) == 0  # no KV moved for it
-    # The engine's own count of reused tokens: the decode's full blocks of turn 1 (prompt and answer). The
-    # prefill holds only the prompt's 18 blocks, so this number also says which instance served it.
-    held = (FIRST + len(turn1.token_ids)) // BLOCK * BLOCK
-    assert held > FIRST // BLOCK * BLOCK
     assert turn2.cached_tokens == held, (turn2.cached_tokens, held)

@@ -90,3 +90,10 @@ def test_the_prefill_holding_the_prompt_gets_it(
         ln for ln in text.splitlines() if ln.startswith('pdgate_router_kv_event_batches_total{outcome="applied"}')
     ]
     assert applied and float(applied[0].split()[-1]) >= 1
+    # What the index holds per instance, read at scrape time: pa's 8 blocks, nothing for pb.
+    blocks = {
+        ln.split('"')[1]: float(ln.split()[-1])
+        for ln in text.splitlines()
+        if ln.startswith("pdgate_router_kv_index_blocks{")
+    }
+    assert blocks.get("pa") == len(keys) and blocks.get("pb", 0) == 0
