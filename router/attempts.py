@@ -153,7 +153,9 @@ class Dispatcher:
             cands = self._pool.prefill_candidates(model, self._clock(), tried)
             if not cands:
                 return None
-            p = cands[self._p_policy.choose(cands, req.facts, self._rng) or 0]
+            p = req.prefill_at  # the decider's pick (`Whole._decide`), while it is still a candidate
+            if p is None or tried or p not in cands:
+                p = cands[self._p_policy.choose(cands, req.facts, self._rng) or 0]
             if tried:
                 self._p_retries.inc()
                 req.tid = mint_transfer_id()
@@ -289,6 +291,8 @@ class Dispatcher:
                 return None
             if tried:
                 self._d_retries.inc()
+            elif req.whole_at is not None and req.whole_at in cands:  # the decode the decider weighed
+                return req.whole_at
             return cands[self._d_policy.choose(cands, req.facts, self._rng) or 0]
 
         def none_left() -> PDGateError:

@@ -136,6 +136,7 @@ class Proxy:
             rng=rng,
             cached_tokens=getattr(decode_policy, "cached_tokens", None),
             policy=decode_policy,
+            prefill_policy=prefill_policy,
         )
         self._dispatch.resume = self._whole.resume
         self._mooncake = None

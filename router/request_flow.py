@@ -66,6 +66,7 @@ class ProxiedRequest:
         "overhead_s",
         "prefill",
         "prefill_answer",
+        "prefill_at",
         "prefill_kv",
         "resumes",
         "rid",
@@ -111,6 +112,7 @@ class ProxiedRequest:
         self.track: StreamTrack | None = None  # a resumable stream's record of what the client got (`resume`)
         self.resumes = 0  # times its stream was resumed on another instance
         self.whole_at: LiveInstance | None = None  # where the decider weighed it whole (run there first)
+        self.prefill_at: LiveInstance | None = None  # the prefill the decider weighed (PD's first try)
         self.tried: list[str] = []  # the instances whose answering attempt failed: a whole retry skips them
         self.weight = 1  # engine requests it counts against --max-inflight (prompts x n, `fanout.admit`)
         self.notes: dict[str, Any] | None = None  # the client request's ASGI scope: the access log's note

@@ -99,11 +99,13 @@ class Whole:
         rng: Random,
         cached_tokens: Callable[[LiveInstance, RequestFacts], int] | None = None,
         policy: Policy | None = None,
+        prefill_policy: Policy | None = None,
     ) -> None:
         s = settings
         self._decider = config_from(s)
         self._cached = cached_tokens  # the decode's cached prefix (KV events: CacheAware.cached_tokens)
         self._policy = policy  # picks among either side's instances for the decider's whole requests
+        self._p_policy = prefill_policy  # the PD path's prefill pick, made once here (`req.prefill_at`)
         self._either = s.whole_on == "any"
         self._pool = pool
         self._upstream = upstream
@@ -135,12 +137,21 @@ class Whole:
         return None
 
     def _decide(self, req: ProxiedRequest, model: str) -> str | None:
-        """`--disaggregation conditional|never`: the decider (router/decider.py) over the least-loaded
-        prefill and the least-loaded decode that pairs with it (the whole path's pick); counted by reason.
-        With no instance to ask, PD's own path names the error."""
+        """`--disaggregation conditional|never`: the decider (router/decider.py) over the prefill the PD path
+        would use and the instance the request would run whole on; counted by reason. The picks are made
+        once: PD's first attempt takes them (`req.prefill_at`, and `req.whole_at` as its decode when it is
+        one that pairs), so the decode whose cache was weighed is the one that pulls the KV, and a request
+        costs no more policy calls than without the decider. With no instance to ask, PD's own path names
+        the error."""
         now = self._clock()
         prefills = self._pool.prefill_candidates(model, now)
-        prefill = min(prefills, key=load_of) if prefills else None
+        prefill = None
+        if prefills:
+            if self._p_policy is None:
+                prefill = min(prefills, key=load_of)
+            else:
+                prefill = prefills[self._p_policy.choose(prefills, req.facts, self._rng) or 0]
+            req.prefill_at = prefill
         # Weighed on the instance the request would run whole on (with KV events, the one holding the most of
         # its prefix, a prefill included under --whole-on any): a conversation's turn kept whole on a prefill
         # is weighed there next turn, not on a decode that holds none of it.

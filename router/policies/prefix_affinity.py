@@ -43,9 +43,23 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+_last: tuple[bytes | None, int] = (None, 0)
+
+
+def _key_hash(key: bytes) -> int:
+    """`_h64(key)`, kept for the last key: one request's prefix is ranked by the decider's pick, the
+    prefill's and the decode's, and the same bytes object is hashed once."""
+    global _last
+    last_key, k = _last
+    if last_key is not key:
+        k = _h64(key)
+        _last = (key, k)
+    return k
+
+
 def rank(key: bytes, ids: Sequence[str]) -> list[int]:
     """Indices of `ids` from most to least preferred for `key` (rendezvous order)."""
-    k = _h64(key)
+    k = _key_hash(key)
     weights = [_mix(k ^ _id_hash(i)) for i in ids]
     return sorted(range(len(ids)), key=weights.__getitem__, reverse=True)
 
@@ -68,8 +82,14 @@ class PrefixAffinity:
             return self._fallback.choose(candidates, req, rng)
         loads = [load_of(c) for c in candidates]
         bound = self.load_factor * (sum(loads) / n + 1.0)
-        order = rank(req.prefix, [c.id for c in candidates])
-        for i in order:
-            if loads[i] <= bound:
-                return i
-        return order[0]  # pragma: no cover - the least loaded is always under the bound
+        # The first instance in `rank` order under the bound, without sorting: the highest weight under the
+        # bound (ties to the earlier candidate, as the stable sort), else the highest of all.
+        k = _key_hash(req.prefix)
+        best, best_w, top, top_w = -1, -1, 0, -1
+        for i, c in enumerate(candidates):
+            w = _mix(k ^ _id_hash(c.id))
+            if w > top_w:
+                top, top_w = i, w
+            if w > best_w and loads[i] <= bound:
+                best, best_w = i, w
+        return best if best >= 0 else top  # the least loaded is always under the bound

@@ -3,7 +3,9 @@
 A vLLM engine takes 45-75 s to start on two cores, so the suite starts as few as it can: the baseline
 single instance boots while the 1P1D stack boots; the 2P1D test adds a second prefill to the running
 stack; the negative control swaps the decode for a corrupting one at the very end (the stack is
-stopped afterwards so nothing later sees it); only the Redis-store test starts a stack of its own.
+stopped afterwards so nothing later sees it). The other modules on the main stack run before those two
+(`pytest_collection_modifyitems`); the modules that need engines configured their own way start stacks
+of their own after it.
 
 The tests need the vLLM venv (`deploy/local/vllm_env.py` finds it: $PDGATE_VLLM_VENV or
 <repo>/.venv-vllm). A missing venv fails the tests; it never skips them. Set PDGATE_E2E_RUN_DIR to
@@ -252,3 +254,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             if log_path.stat().st_mtime >= since:
                 lines = log_path.read_text(errors="replace").splitlines()[-40:]
                 report.sections.append((f"log {log_path.relative_to(run_dir)} (last 40 lines)", "\n".join(lines)))
+
+
+# Modules on the main 1P1D stack that run before test_05 turns it into 2P1D (test_09 counts one prefill)
+# and test_06 corrupts its decode and stops it. In file order the main stack started three times
+# (test_01, test_09 after test_07 stopped it, test_drop_in after test_16), about a minute of CI each.
+_MAIN_STACK_FIRST = ("test_09_load.py", "test_drop_in.py")
+_BEFORE = "test_05_two_prefills.py"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Move `_MAIN_STACK_FIRST`'s tests right before `_BEFORE`'s, keeping every other test in file order."""
+    moved = [i for i in items if i.path.name in _MAIN_STACK_FIRST]
+    if not moved:
+        return
+    moved.sort(key=lambda i: _MAIN_STACK_FIRST.index(i.path.name))  # stable: file order within a module
+    rest = [i for i in items if i.path.name not in _MAIN_STACK_FIRST]
+    at = next((n for n, i in enumerate(rest) if i.path.name == _BEFORE), len(rest))
+    items[:] = rest[:at] + moved + rest[at:]

@@ -138,3 +138,33 @@ def test_the_access_log_says_each_decision(sims: tuple[Sim, Sim]) -> None:
     notes = [ln.rsplit(" 200 ", 1)[-1] for ln in posts]
     assert notes[:2] == ["whole:short_prompt", "pd:long_prompt"], posts
     assert sorted(notes[2].split(",")) == ["pd:long_prompt", "whole:short_prompt"], posts  # one per prompt
+
+
+def test_a_pd_request_decodes_where_the_decider_weighed_it(sims: tuple[Sim, Sim]) -> None:
+    """The decider's picks are PD's first try: the decode whose cache it weighed pulls the KV, and the
+    policies are asked once per request. Round robin over two decodes shows it: when the PD path asked the
+    decode policy again after the decider had, the turn advanced twice a request and every PD request went
+    to the same decode; now they alternate."""
+    p, d = sims
+    [d2] = start_sims([("decode", ("--token-ids",))])
+    body = {"model": MODEL, "prompt": list(range(1, 129)), "max_tokens": 4}
+    try:
+        with Deployment(
+            prefill=[p.url],
+            decode=[d.url, d2.url],
+            disaggregation="conditional",
+            pd_min_tokens=64,
+            whole_on="decode",
+            decode_policy="round_robin",
+        ) as dep:
+            dep.wait_available(p.id, d.id, d2.id)
+            for sim in (p, d, d2):
+                sim.reset()
+            for _ in range(4):
+                out = dep.openai().completions.with_raw_response.create(**body)
+                assert out.headers.get("x-pdgate-path", "pd") == "pd"
+            decoded = [sum(e["mode"] == "decode" for e in s.stats(log=True)["log"]) for s in (d, d2)]
+            assert decoded == [2, 2], decoded
+            assert metric(dep.url, DECISIONS, {"path": "pd", "reason": "long_prompt"}) == 4
+    finally:
+        d2.stop()
