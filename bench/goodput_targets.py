@@ -94,32 +94,32 @@ ROUTER_CPU_CEILING = 1.10
 
 def router_cpu_rows(docs: list[dict[str, Any]]) -> list[str]:
     """The router's CPU per request with the decider and the KV-event index on (`MODE+decider`) against the
-    same mode without. Each run (one document) gives a paired ratio, both modes measured minutes apart on
-    the same machine; the target reads the median of those ratios over runs in both orders (the mode run
-    first drifts on this machine class, and one run's ratio swings by 10-20%), with their range and the
-    pooled means beside it."""
-    ratios: dict[tuple[str, str], list[float]] = {}
-    cpu: dict[tuple[str, str], list[float]] = {}
+    same mode without, per scenario and concurrency. Each run (one document) gives a paired ratio, both
+    modes measured minutes apart on the same machine; the target reads the median of those ratios over runs
+    in both orders (the mode run first drifts on this machine class, and one run's ratio swings by
+    10-20%), with their range and the pooled means beside it."""
+    ratios: dict[tuple[str, int, str], list[float]] = {}
+    cpu: dict[tuple[str, int, str], list[float]] = {}
     for doc in docs:
         got = {
-            (r["scenario"], r["mode"]): float(r["cpu_us_per_req"])
+            (r["scenario"], int(r.get("concurrency") or 0), r["mode"]): float(r["cpu_us_per_req"])
             for r in doc.get("rows", [])
             if r.get("cpu_us_per_req") is not None and not r.get("errors")
         }
-        for (scenario, mode), value in got.items():
-            cpu.setdefault((scenario, mode), []).append(value)
-            decided = got.get((scenario, f"{mode}+decider"))
+        for (scenario, conc, mode), value in got.items():
+            cpu.setdefault((scenario, conc, mode), []).append(value)
+            decided = got.get((scenario, conc, f"{mode}+decider"))
             if not mode.endswith("+decider") and decided is not None and value > 0:
-                ratios.setdefault((scenario, mode), []).append(decided / value)
+                ratios.setdefault((scenario, conc, mode), []).append(decided / value)
     out = []
-    for (scenario, mode), paired in sorted(ratios.items()):
+    for (scenario, conc, mode), paired in sorted(ratios.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
         mid = statistics.median(paired)
-        plain, decided = cpu[(scenario, mode)], cpu[(scenario, f"{mode}+decider")]
+        plain, decided = cpu[(scenario, conc, mode)], cpu[(scenario, conc, f"{mode}+decider")]
         got_text = (
             f"median of {len(paired)} paired runs {mid:.2f}x (range {min(paired):.2f}-{max(paired):.2f}); "
             f"pooled means {statistics.fmean(decided):.0f} / {statistics.fmean(plain):.0f} us"
         )
-        target = f"router CPU per request, decider + KV-event index on, {mode} {scenario}: <= +10%"
+        target = f"router CPU per request, decider + KV-event index on, {mode} {scenario} c={conc}: <= +10%"
         out.append(_row(target, got_text, mid <= ROUTER_CPU_CEILING))
     return out
 

@@ -21,7 +21,7 @@ A pdgate mode with a `+decider` suffix (`isolated+decider`) runs with the condit
 KV-event index on (`DECIDER_ARGS`); `--token-prompts N` sends prompts of N token ids, which cache_aware
 hashes into block keys (text prompts are not hashed). The issue #22 A/B (`docs/PERFORMANCE.md`'s router-CPU
 rows, `bench/goodput_targets.py`) is twenty such runs, alternating the order of the modes, pinned:
-    for i in $(seq 1 20); do bench/router.py --quick --pin --token-prompts 512 --only 32 64 \
+    for i in $(seq 1 20); do bench/router.py --quick --pin --token-prompts 512 --only 1 32 64 \
         --modes isolated isolated+decider router router+decider  (reversed on even i) \
         --out bench/results/router-decider-ab-$i.json; done
 A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router started with `--workers N`

@@ -257,7 +257,8 @@ def test_router_cpu_with_the_decider_is_the_median_of_paired_runs() -> None:
 
     def run(**cpu: float) -> dict[str, Any]:
         rows = [
-            {"scenario": "nonstream", "mode": m.replace("_d", "+decider"), "cpu_us_per_req": v} for m, v in cpu.items()
+            {"scenario": "nonstream", "concurrency": 32, "mode": m.replace("_d", "+decider"), "cpu_us_per_req": v}
+            for m, v in cpu.items()
         ]
         return {"rows": rows}
 
@@ -265,7 +266,7 @@ def test_router_cpu_with_the_decider_is_the_median_of_paired_runs() -> None:
     runs = [run(isolated=500, isolated_d=520), run(isolated_d=560, isolated=460), run(isolated=500, isolated_d=550)]
     rows = router_cpu_rows(runs)
     assert rows == [
-        "| router CPU per request, decider + KV-event index on, isolated nonstream: <= +10% "
+        "| router CPU per request, decider + KV-event index on, isolated nonstream c=32: <= +10% "
         "| median of 3 paired runs 1.10x (range 1.04-1.22); pooled means 543 / 487 us | yes |"
     ]
     assert router_cpu_rows([*runs[:2], run(isolated=500, isolated_d=600)])[0].endswith("| **no** |")
