@@ -19,11 +19,9 @@ by `--baseline DIR` (PYTHONPATH=DIR: e.g. the commit before a change, `git archi
 before and after measured in one run, alternating, on the same sims.
 A pdgate mode with a `+decider` suffix (`isolated+decider`) runs with the conditional decider and the
 KV-event index on (`DECIDER_ARGS`); `--token-prompts N` sends prompts of N token ids, which cache_aware
-hashes into block keys (text prompts are not hashed). The issue #22 A/B (`docs/PERFORMANCE.md`'s router-CPU
-rows, `bench/goodput_targets.py`) is twenty such runs, alternating the order of the modes, pinned:
-    for i in $(seq 1 20); do bench/router.py --quick --pin --token-prompts 512 --only 1 32 64 \
-        --modes isolated isolated+decider router router+decider  (reversed on even i) \
-        --out bench/results/router-decider-ab-$i.json; done
+hashes into block keys (text prompts are not hashed). Issue #22's A/B (docs/PERFORMANCE.md) is twenty runs of
+`--quick --pin --token-prompts 512 --only 1 32 64 --modes isolated isolated+decider router router+decider`
+(the modes reversed in every other run) written to bench/results/router-decider-ab-N.json.
 A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router started with `--workers N`
 (one port, N processes, `pdgate.router.workers`); its CPU is the sum over the parent and its workers, and
 its req/s against the plain mode is the scaling of `--workers` (issue 12 asks for >= 1.8x with 2 on 2 cores).

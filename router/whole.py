@@ -79,6 +79,8 @@ _PD_FAILURES = {
 _LEDGER_REASONS = ("ledger_unavailable", "no_pair")
 # The decider's reasons for whole: with `--whole-on any` these run on either side (`Pool.whole_candidates`).
 _DECIDED = frozenset(reason.value for path, reason in PATH_REASONS if path is Path.WHOLE)
+# Each decision's access-log note, formatted once (`pd:long_prompt`), not per request.
+_NOTES = {(path, reason): f"{path.value}:{reason.value}" for path, reason in PATH_REASONS}
 
 Headers = Callable[[ProxiedRequest, LiveInstance], list[tuple[bytes, bytes]]]
 
@@ -170,7 +172,7 @@ class Whole:
         )
         self._m.decision(decision.labels)
         if req.notes is not None:
-            add_access_note(req.notes, f"{decision.path.value}:{decision.reason.value}")
+            add_access_note(req.notes, _NOTES[decision.path, decision.reason])
         return None if decision.path is Path.PD else decision.reason.value
 
     def _whole_pick(

@@ -57,10 +57,15 @@ def _key_hash(key: bytes) -> int:
     return k
 
 
+def _weight(k: int, instance_id: str) -> int:
+    """An instance's rendezvous weight for a key hashed to `k`: the one rule `rank` and the policy share."""
+    return _mix(k ^ _id_hash(instance_id))
+
+
 def rank(key: bytes, ids: Sequence[str]) -> list[int]:
     """Indices of `ids` from most to least preferred for `key` (rendezvous order)."""
     k = _key_hash(key)
-    weights = [_mix(k ^ _id_hash(i)) for i in ids]
+    weights = [_weight(k, i) for i in ids]
     return sorted(range(len(ids)), key=weights.__getitem__, reverse=True)
 
 
@@ -87,7 +92,7 @@ class PrefixAffinity:
         k = _key_hash(req.prefix)
         best, best_w, top, top_w = -1, -1, 0, -1
         for i, c in enumerate(candidates):
-            w = _mix(k ^ _id_hash(c.id))
+            w = _weight(k, c.id)
             if w > top_w:
                 top, top_w = i, w
             if w > best_w and loads[i] <= bound:
