@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,16 @@ for p in (str(HERE), str(REPO)):
         sys.path.insert(0, p)
 
 from goodput_plan import (  # noqa: E402
+    BURST_RUNS,
+    LOW_SHARE,
     MODES,
+    REPEAT_SHARE,
     SETUPS,
     WORKLOADS,
     Plan,
     Slo,
     capacity,
+    cells,
     dataset_texts,
     plan_lines,
     point_s,
@@ -84,12 +89,14 @@ class Datasets:
     distribution."""
 
     def __init__(self, model_dir: Path, folder: Path) -> None:
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-        self.folder = folder
+        self.model_dir, self.folder = model_dir, folder
+        self.tok: Any = None  # loaded on the first dataset written
 
     def file(self, workload: str, n: int, seed: int, setup: str = "") -> Path:
+        if self.tok is None:
+            from transformers import AutoTokenizer
+
+            self.tok = AutoTokenizer.from_pretrained(str(self.model_dir))
         if setup:
             seed = zlib.crc32(f"{setup}:{seed}".encode()) % 1_000_000_007
         path = self.folder / f"{workload}-{seed}-{n}.jsonl"
@@ -119,7 +126,8 @@ def cpu_model() -> str:
 
 
 class Sweep:
-    """Runs the plan's workloads on one setup at a time; SLOs and ladders come from the first setup."""
+    """Runs the plan's cells in order (`goodput_plan.cells`): at each rate every setup of the cell runs one
+    point, in an order that rotates, before the next rate. SLOs and ladders come from the first setup."""
 
     def __init__(self, plan: Plan, args: argparse.Namespace, run_dir: Path, result: dict[str, Any]) -> None:
         self.plan, self.args, self.run_dir, self.result = plan, args, run_dir, result
@@ -127,40 +135,137 @@ class Sweep:
         self.deadline = time.monotonic() + args.budget_min * 60 if args.budget_min else float("inf")
         self.skipped: list[str] = []
         self.never = 0  # a prompt length no request reaches (max-model-len), set by `run`
+        self._turn = 0  # rotates the order setups take within a round
+        self.runner: Callable[..., dict[str, Any]] | None = None  # goodput_run.run_point unless a test's
 
-    def setup(self, run: Any) -> None:
-        from goodput_run import run_point
-
-        t0 = time.monotonic()
-        entry: dict[str, Any] = {"label": SETUPS[run.name], "workloads": {}}
-        self.result["setups"][run.name] = entry
-        self._warm(run)
-        for w in self.plan.workloads:
-            slo, cap = self._slo(run, w)
-            wl = WORKLOADS[w]
-            out = self.run_dir / run.name / w
-            out.mkdir(parents=True, exist_ok=True)
-            points: list[dict[str, Any]] = []
-            if wl.burst:
-                ds = self.data.file(w, wl.burst, 1000, run.name)
-                points.append(
-                    run_point(
-                        run, self.args.model_dir, ds, out / "burst.json", slo, n=wl.burst, rate=float("inf"),
-                        concurrency=wl.burst,
-                    )
-                )  # fmt: skip
-            else:
-                points = self._ladder(run, w, slo, cap, out)
-            entry["workloads"][w] = {"points": points}
+    def run(self, serving: Any) -> None:
+        warmed: set[str] = set()
+        for index, cell in enumerate(cells(self.plan)):
+            runs = {s: r for s in cell.setups if (r := serving.get(s)) is not None}
+            for name, r in runs.items():
+                if name not in warmed:
+                    self._warm(r)
+                    warmed.add(name)
+            if not runs:
+                continue
+            t0 = time.monotonic()
+            self._cell(index, cell.workload, runs, serving)
+            for name, r in runs.items():
+                entry = self._entry(name)
+                entry["wall_s"] = entry.get("wall_s", 0.0) + (time.monotonic() - t0) / len(runs)
+                if name in serving.runs:
+                    entry["pinning"] = r.pinning()  # read while it runs: a later group stops it
             self._save()
-            _say(f"{run.name} {w}: best goodput {max(p['goodput'] for p in points):.2f} req/s")
-        entry["pinning"] = run.pinning()
-        entry["wall_s"] = time.monotonic() - t0
-        if self.args.quick and run.name == "conditional":
+        if self.args.quick and (cond := serving.get("conditional")) is not None:
             from goodput_quick import decider_check
 
-            self.result["quick_check"] = decider_check(run, self.pd_min_tokens())
+            self.result["quick_check"] = decider_check(cond, self.pd_min_tokens())
         self._save()
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        entry: dict[str, Any] = self.result["setups"].setdefault(name, {"label": SETUPS[name], "workloads": {}})
+        return entry
+
+    def _points(self, name: str, w: str) -> list[dict[str, Any]]:
+        points: list[dict[str, Any]] = self._entry(name)["workloads"].setdefault(w, {"points": []})["points"]
+        return points
+
+    def _cell(self, index: int, w: str, runs: dict[str, Any], serving: Any) -> None:
+        if self.runner is None:
+            from goodput_run import run_point
+
+            self.runner = run_point
+        run_point = self.runner
+        slo, cap = self._slo(next(iter(runs.values())), w)
+        wl = WORKLOADS[w]
+        mode = self.plan.mode
+        live = dict(runs)
+        climbing = list(runs)  # setups whose last point met the SLOs for at least LOW_SHARE of it
+
+        def point(name: str, rate: float) -> None:
+            if name not in live:
+                return
+            points = self._points(name, w)
+            out = self.run_dir / name / w
+            out.mkdir(parents=True, exist_ok=True)
+            k = len(points)
+            n = wl.burst or prompts_for(rate, mode)
+            ds = self.data.file(w, n, 1000 + k if wl.burst else k, name)
+            try:
+                p = run_point(
+                    live[name], self.args.model_dir, ds, out / f"point-{k}.json", slo, n=n, rate=rate,
+                    concurrency=wl.burst,
+                )  # fmt: skip
+            except Exception as exc:  # the setup is left out from here on; the others go on
+                serving.fail(name, exc)
+                del live[name]
+                return
+            p["repeat"] = any(q["rate"] == rate for q in points)
+            p["beside"] = [s for s in runs if s != name]  # the setups that took turns with it
+            points.append(p)
+            if p["good"] < LOW_SHARE * p["sent"] and name in climbing:
+                climbing.remove(name)
+            _say(f"{name} {w} {rate:.2f} req/s: good {p['good']}/{p['sent']}, goodput {p['goodput']:.2f}")
+
+        def round_(todo: list[tuple[str, float]]) -> None:
+            k = self._turn % max(len(todo), 1)
+            self._turn += 1
+            for name, rate in todo[k:] + todo[:k]:
+                point(name, rate)
+
+        def fits(what: str) -> bool:
+            """An optional round runs while it and the mandatory rest fit the budget (`--budget-min`)."""
+            left = self.deadline - time.monotonic() - remaining_s(self.plan, index)
+            if left >= len(live) * point_s(mode, w):
+                return True
+            self.skipped.append(f"{'/'.join(runs)} {w}: {what} (budget)")
+            return False
+
+        if wl.burst:
+            for _ in range(BURST_RUNS):
+                round_([(name, float("inf")) for name in runs])
+        else:
+            self._ladder(w, [f * cap for f in mode.rate_factors], live, climbing, round_, fits)
+        for name in runs:
+            if points := self._points(name, w):
+                _say(f"{name} {w}: best goodput {max(p['goodput'] for p in points):.2f} req/s")
+
+    def _ladder(
+        self,
+        w: str,
+        rates: list[float],
+        live: dict[str, Any],
+        climbing: list[str],
+        round_: Callable[[list[tuple[str, float]]], None],
+        fits: Callable[[str], bool],
+    ) -> None:
+        """The rates in turn (a setup that met the SLOs for under LOW_SHARE of a point's requests stops:
+        higher rates only queue more), growth while a setup's last rate met them, then each setup's best
+        rate again where one run is all it has there and the call is close (REPEAT_SHARE of colocated's)."""
+        mode = self.plan.mode
+        for rate in rates:
+            round_([(s, rate) for s in climbing])
+        for _ in range(mode.extend):
+            grow = []
+            for s in climbing:
+                last = self._points(s, w)[-1]
+                if last["good"] >= GOOD_SHARE * last["sent"]:
+                    grow.append((s, last["rate"] * 2))
+            if not grow or not fits("growth"):
+                break
+            round_(grow)
+        colocated = self._points("colocated", w) if "colocated" in self.result["setups"] else []
+        bar = REPEAT_SHARE * max((p["goodput"] for p in colocated), default=0.0)
+        for _ in range(mode.repeats):
+            todo = []
+            for s in live:
+                points = self._points(s, w)
+                top = max(points, key=lambda q: q["goodput"])
+                if sum(q["rate"] == top["rate"] for q in points) < 2 and top["goodput"] >= bar:
+                    todo.append((s, top["rate"]))
+            if not todo or not fits("repeat"):
+                break
+            round_(todo)
 
     def pd_min_tokens(self) -> int:
         """The conditional router's threshold: `--pd-min-tokens` when given, else the break-even this run's
@@ -184,43 +289,6 @@ class Sweep:
         entry = self.result["setups"].setdefault(name, {"label": SETUPS[name], "workloads": {}})
         entry["failed"] = f"{type(exc).__name__}: {str(exc)[:1000]}"
         self._save()
-
-    def _ladder(self, run: Any, w: str, slo: Slo, cap: float, out: Path) -> list[dict[str, Any]]:
-        from goodput_run import run_point
-
-        mode = self.plan.mode
-        rates = [f * cap for f in mode.rate_factors]
-        points: list[dict[str, Any]] = []
-
-        def point(rate: float) -> None:
-            k = len(points)
-            n = prompts_for(rate, mode)
-            ds = self.data.file(w, n, k, run.name)
-            p = run_point(run, self.args.model_dir, ds, out / f"point-{k}.json", slo, n=n, rate=rate)
-            p["repeat"] = any(q["rate"] == rate for q in points)
-            points.append(p)
-            _say(f"{run.name} {w} {rate:.2f} req/s: good {p['good']}/{p['sent']}, goodput {p['goodput']:.2f}")
-
-        for rate in rates:
-            point(rate)
-
-        def fits(what: str) -> bool:
-            """An optional point runs while it and the mandatory rest fit the budget (`--budget-min`)."""
-            left = self.deadline - time.monotonic() - remaining_s(self.plan, run.name, w)
-            if left >= point_s(mode, w):
-                return True
-            self.skipped.append(f"{run.name} {w}: {what} (budget)")
-            return False
-
-        for _ in range(mode.extend):
-            last = points[-1]
-            if last["good"] < GOOD_SHARE * last["sent"] or not fits("growth"):
-                break
-            point(last["rate"] * 2)
-        for _ in range(mode.repeats):
-            if fits("repeat"):
-                point(max(points, key=lambda q: q["goodput"])["rate"])
-        return points
 
     def _slo(self, run: Any, w: str) -> tuple[Slo, float]:
         """The workload's SLOs and ladder unit, measured unloaded on the first setup that runs it."""
@@ -254,7 +322,7 @@ class Sweep:
 
 
 def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    from goodput_setups import Context, each_setup
+    from goodput_setups import Context, Serving
     from pdgate.deploy.local.stack import ensure_model
     from pdgate.deploy.local.vllm_env import ensure_vllm_env
     from pdgate.deploy.local.vllm_instance import ServeFlags
@@ -293,7 +361,8 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     sweep = Sweep(plan, args, run_dir, result)
     sweep.never = flags.max_model_len
     ctx = Context(args.model_dir, run_dir, args.venv, flags, sweep.pd_min_tokens, _say)
-    each_setup(plan.setups, ctx, sweep.setup, sweep.failed)
+    with Serving(plan.setups, ctx, sweep.failed) as serving:
+        sweep.run(serving)
     result["wall_s"] = time.monotonic() - t0
     result["skipped_for_budget"] = sweep.skipped
     result["host"]["loadavg_after"] = os.getloadavg()

@@ -240,15 +240,22 @@ def render_markdown(result: dict[str, Any], multiturn: dict[str, Any] | None = N
         f"Model `{result['config']['model']}`; every engine `vllm serve {' '.join(result['config']['engine_flags'])}`; "
         f"conditional router {_threshold_used(result['config'])}.",
         "",
-        "Setups, one after another on the same cores (one engine's OMP threads per core, "
-        "`VLLM_CPU_OMP_THREADS_BIND`; API server and engine core unpinned), pdgate-router in front of each:",
+        "Setups on the same cores (one engine's OMP threads per core, `VLLM_CPU_OMP_THREADS_BIND`; API server "
+        "and engine core unpinned), pdgate-router in front of each. colocated, pd and conditional serve side by "
+        "side and take turns: at each rate every setup of a group runs one point, in an order that rotates, "
+        "before the next rate, so the host's drift (its speed moved by 30 % within hours here) falls on all of "
+        "them alike and their ratios are paired in time. The groups, in order: colocated and pd on W1-W3 (the "
+        "conditional threshold is measured from them), colocated and conditional on W1-W3 (colocated's two "
+        "runs of a rate average), all three on W4 and the burst; the stock NIXL pair last, alone:",
         "",
         *[f"- **{s}**: {SETUPS[s]}" for s in result["setups"]],
         "",
         "Load: `vllm bench serve`, Poisson arrivals, prompts of uniformly random token ids (custom dataset), "
         "64 tokens out, `--ignore-eos`, temperature 0; re-scored from the per-request results: a request is good "
         "only with every requested token, TTFT and TPOT within the SLOs. Few requests per point on this "
-        "machine class: points near the knee swing between runs, which is why the best one runs again. "
+        "machine class: points near the knee swing between runs, which is why a setup's best rate runs again "
+        "when it is a close call (at least half of colocated's goodput). A setup that met the SLOs for under a "
+        "quarter of a point's requests runs no higher rate. "
         "The router serves colocated and conditional-whole requests on its whole path (router/whole.py): the "
         "least-loaded live instance, a prefill or a decode alike (`--whole-on any`, the default).",
         "",

@@ -1,14 +1,14 @@
-"""The goodput benchmark's setups, started one after another so no setup shares the cores with another's
-threads; every one gets the same cores (one engine's OMP threads per core, `VLLM_CPU_OMP_THREADS_BIND`
-as pdgate-local pins them, API server and engine core left free: a taskset of the whole engine tree
-slowed one replica's TTFT by 10 % and its TPOT by half), the same model and the same engine flags
-(`ServeFlags`), and pdgate-router in front.
+"""The goodput benchmark's setups. Every one gets the same cores (one engine's OMP threads per core,
+`VLLM_CPU_OMP_THREADS_BIND` as pdgate-local pins them, API server and engine core left free: a taskset of
+the whole engine tree slowed one replica's TTFT by 10 % and its TPOT by half), the same model and the same
+engine flags (`ServeFlags`), and pdgate-router in front. colocated, pd and conditional serve side by side
+and take turns (`Serving`); only one of them has load at a time.
 
 - colocated: two connector-less vLLM replicas, each given to the router as `--prefill URL --decode URL`
   (role both) with `--both-path whole`: every request runs end to end on one replica.
 - pd: `LocalStack` 1P1D (PDGateConnector over NIXL, the router's embedded metaserver).
 - conditional: the same engines, a second router with `--disaggregation conditional` reading the first
-  one's registry and ledger (`--metaserver`): one engine start less, and the engines the same to the byte.
+  one's registry and ledger (`--metaserver`): the engines the same to the byte.
 - nixl: vLLM's stock NixlConnector pair behind pdgate-router (`tests/e2e/nixl_pair.py`, as shipped).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,41 +66,57 @@ def _router(name: str, argv: list[str], run_dir: Path, env: dict[str, str] | Non
     return ManagedProcess(name, full, log_path=run_dir / f"{name}.log", env=penv, cwd=repo_root()).start()
 
 
-@contextmanager
-def colocated(ctx: Context) -> Iterator[Running]:
-    cpus = host_cpus()
-    reps = [
-        SingleInstance(
-            model_dir=ctx.model_dir,
-            run_dir=ctx.run_dir / "colocated" / f"replica-{i}",
-            venv=ctx.venv,
-            install=False,
-            cpu=str(cpus[i % len(cpus)]),
-            flags=ctx.flags,
-            log=ctx.log,
-        )
-        for i in range(2)
-    ]
-    router: ManagedProcess | None = None
-    try:
-        for r in reps:
-            r.launch()
-        for r in reps:
+class Replicas:
+    """colocated: two connector-less replicas, launched at once; `ready` waits for them and starts their
+    router (so pd's engines can boot meanwhile)."""
+
+    def __init__(self, ctx: Context) -> None:
+        cpus = host_cpus()
+        self._ctx = ctx
+        self.router: ManagedProcess | None = None
+        self.reps = [
+            SingleInstance(
+                model_dir=ctx.model_dir,
+                run_dir=ctx.run_dir / "colocated" / f"replica-{i}",
+                venv=ctx.venv,
+                install=False,
+                cpu=str(cpus[i % len(cpus)]),
+                flags=ctx.flags,
+                log=ctx.log,
+            )
+            for i in range(2)
+        ]
+
+    def ready(self) -> Running:
+        ctx = self._ctx
+        for r in self.reps:
             r.wait()
         port = free_port()
         argv = ["--port", str(port), "--both-path", "whole", "--block-size", str(ctx.flags.block_size)]
-        for r in reps:
+        for r in self.reps:
             argv += ["--prefill", r.url, "--decode", r.url]
-        router = _router("colocated-router", argv, ctx.run_dir / "colocated")
+        self.router = _router("colocated-router", argv, ctx.run_dir / "colocated")
         url = f"http://127.0.0.1:{port}"
-        wait_router_ready(router, url, ctx.log, [r.proc for r in reps if r.proc is not None])
-        engines = {f"replica-{i}": r.proc.pid for i, r in enumerate(reps) if r.proc is not None and r.proc.pid}
-        yield Running("colocated", url, engines, router.pid, engine_urls=[r.url for r in reps])
-    finally:
-        if router is not None:
-            stop_all([router])
-        for r in reps:
+        wait_router_ready(self.router, url, ctx.log, [r.proc for r in self.reps if r.proc is not None])
+        engines = {f"replica-{i}": r.proc.pid for i, r in enumerate(self.reps) if r.proc is not None and r.proc.pid}
+        return Running("colocated", url, engines, self.router.pid, engine_urls=[r.url for r in self.reps])
+
+    def stop(self) -> None:
+        if self.router is not None:
+            stop_all([self.router])
+        for r in self.reps:
             r.stop()
+
+
+@contextmanager
+def colocated(ctx: Context) -> Iterator[Replicas]:
+    reps = Replicas(ctx)
+    try:
+        for r in reps.reps:
+            r.launch()
+        yield reps
+    finally:
+        reps.stop()
 
 
 @contextmanager
@@ -169,33 +185,84 @@ def nixl(ctx: Context) -> Iterator[Running]:
         yield Running("nixl", pair.url, engines, pid, decode_url=pair.engine("decode").url, engine_urls=urls)
 
 
-def each_setup(
-    names: tuple[str, ...], ctx: Context, body: Callable[[Running], None], failed: Callable[[str, Exception], None]
-) -> None:
-    """Start each named setup in turn, run `body` on it, stop it; pd and conditional share one stack. A setup
-    that fails (to start, or during its runs: the stock NIXL pair on 2 cores has stalled past its own KV
-    lease and lost an engine) is reported to `failed` and the next one starts: earlier numbers are kept."""
+class Serving:
+    """The setups serving now, started as the run first needs them (bench/goodput_plan.cells): colocated's
+    replicas and pd's engines at once, so they take turns point by point on the same cores (an idle vLLM
+    engine takes 1-2 % of a core); conditional's router on pd's engines once it is first asked for (its
+    threshold is measured from the other two); the stock NIXL pair last, alone, once the others are stopped.
+    A setup that fails to start, or fails during its runs (the stock NIXL pair on 2 cores has stalled past
+    its own KV lease and lost an engine), is reported to `failed` and left out: the sweep goes on."""
 
-    def guarded(name: str, ctxm: Callable[[], AbstractContextManager[Running]]) -> None:
-        try:
-            with ctxm() as run:
-                body(run)
-        except Exception as exc:  # reported in the results, the sweep goes on
-            ctx.log(f"{name} failed: {exc}")
-            failed(name, exc)
+    def __init__(self, names: tuple[str, ...], ctx: Context, failed: Callable[[str, Exception], None]) -> None:
+        self._names, self._ctx, self._failed = names, ctx, failed
+        self._group = ExitStack()
+        self._stack: LocalStack | None = None
+        self._paired_up = False
+        self.runs: dict[str, Running] = {}
+        self.lost: set[str] = set()
 
-    if "colocated" in names:
-        guarded("colocated", lambda: colocated(ctx))
-    if "pd" in names or "conditional" in names:
-        try:
-            with pd_stack(ctx) as stack:
-                if "pd" in names:
-                    guarded("pd", lambda: nullcontext(pd_running(stack)))
-                if "conditional" in names:
-                    guarded("conditional", lambda: conditional(ctx, stack))
-        except Exception as exc:  # the stack did not start: both setups lack numbers
-            for name in ("pd", "conditional"):
-                if name in names:
-                    failed(name, exc)
-    if "nixl" in names:
-        guarded("nixl", lambda: nixl(ctx))
+    def __enter__(self) -> Serving:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._group.close()
+
+    def get(self, name: str) -> Running | None:
+        """The setup `name`, serving (started now if it was not); None once it failed."""
+        if name in self.lost:
+            return None
+        if name not in self.runs:
+            try:
+                self._start(name)
+            except Exception as exc:  # reported in the results, the sweep goes on
+                self.fail(name, exc)
+                return None
+        return self.runs.get(name)
+
+    def fail(self, name: str, exc: Exception) -> None:
+        self._ctx.log(f"{name} failed: {exc}")
+        self.lost.add(name)
+        self.runs.pop(name, None)
+        self._failed(name, exc)
+
+    def _start(self, name: str) -> None:
+        if name == "conditional":
+            self._start_paired()
+            if self._stack is None:
+                raise RuntimeError("pd's engines did not start")
+            self.runs[name] = self._group.enter_context(conditional(self._ctx, self._stack))
+        elif name in ("colocated", "pd"):
+            self._start_paired()
+            if name not in self.runs:
+                raise RuntimeError(f"{name} did not start")
+        else:  # nixl: alone on the cores
+            self._group.close()
+            self.runs.clear()
+            self.runs[name] = self._group.enter_context(nixl(self._ctx))
+
+    def _start_paired(self) -> None:
+        """colocated's replicas and pd's stack, launched together; each one's failure is its own."""
+        if self._paired_up:
+            return
+        self._paired_up = True
+        with_pd = "pd" in self._names or "conditional" in self._names
+        colo = None
+        if "colocated" in self._names:
+            try:
+                colo = self._group.enter_context(colocated(self._ctx))
+            except Exception as exc:
+                self.fail("colocated", exc)
+        if with_pd:
+            try:
+                self._stack = self._group.enter_context(pd_stack(self._ctx))
+                if "pd" in self._names:
+                    self.runs["pd"] = pd_running(self._stack)
+            except Exception as exc:  # both setups on these engines lack numbers
+                for n in ("pd", "conditional"):
+                    if n in self._names:
+                        self.fail(n, exc)
+        if colo is not None:
+            try:
+                self.runs["colocated"] = colo.ready()
+            except Exception as exc:
+                self.fail("colocated", exc)

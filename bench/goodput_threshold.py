@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from goodput_plan import THRESHOLD_WORKLOADS
+
 __all__ = ["BINS", "MIN_REQUESTS", "attainment", "break_even", "measured_threshold", "threshold_section"]
 
 BINS: tuple[int, ...] = (0, 256, 512, 1024, 1536, 2048, 1 << 30)  # prompt-token bin edges
 MIN_REQUESTS = 5
-WORKLOADS = ("W1", "W2", "W3")  # the ones with random prompts: W4's turns hit the prefix cache
 Bin = tuple[int, int]  # good, sent
 
 
@@ -92,7 +93,7 @@ def measured_threshold(result: dict[str, Any], never: int) -> int | None:
 
 def _rows(result: dict[str, Any], setup: str, other: str) -> list[Sequence[int]]:
     rows: list[Sequence[int]] = []
-    for w in WORKLOADS:
+    for w in THRESHOLD_WORKLOADS:
         for p in _common_points(result, setup, other, w):
             rows += p.get("requests") or []
     return rows

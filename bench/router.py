@@ -18,10 +18,11 @@ A pdgate mode with an `@base` suffix (`embedded@base`) is the same mode run from
 by `--baseline DIR` (PYTHONPATH=DIR: e.g. the commit before a change, `git archive` into DIR/pdgate/):
 before and after measured in one run, alternating, on the same sims.
 A pdgate mode with a `+decider` suffix (`isolated+decider`) runs with the conditional decider and the
-KV-event index on (`DECIDER_ARGS`); `--token-prompts N` sends prompts of N token ids, which cache_aware
-hashes into block keys (text prompts are not hashed). Issue #22's A/B (docs/PERFORMANCE.md) is twenty runs of
-`--quick --pin --token-prompts 512 --only 1 32 64 --modes isolated isolated+decider router router+decider`
-(the modes reversed in every other run) written to bench/results/router-decider-ab-N.json.
+KV-event index on (`DECIDER_ARGS`), one with `+policies` with the default policies and neither; `--token-prompts
+N` sends prompts of N token ids, which cache_aware hashes into block keys (text prompts are not hashed).
+Issue #22's A/B (docs/PERFORMANCE.md) is runs of `--quick --pin --token-prompts 512 --only 1 32 64 --modes
+isolated isolated+policies isolated+decider router router+policies router+decider` (the modes reversed in
+every other run) written to bench/results/router-decider-ab-N.json.
 A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router started with `--workers N`
 (one port, N processes, `pdgate.router.workers`); its CPU is the sum over the parent and its workers, and
 its req/s against the plain mode is the scaling of `--workers` (issue 12 asks for >= 1.8x with 2 on 2 cores).
@@ -222,8 +223,8 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
             cmd = peer_command(mode, port, free_port(), sims["prefill"], sims["decode"])
         else:
             raise SystemExit(f"unknown mode {mode}")
-        if plus and extra == "decider":
-            cmd += DECIDER_ARGS
+        if plus and extra in VARIANTS:
+            cmd += VARIANTS[extra]
         elif plus:
             raise SystemExit(f"unknown variant +{extra} of {mode_name}")
         if n_workers:
@@ -243,20 +244,15 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
 # decision is the plain mode's (at c=32 the prefill's load passes the default busy mark of 8); the
 # ipc source that no engine publishes on gives cache_aware an index to look prompts up in (each token-id
 # prompt is hashed into block keys), and it holds nothing, so the choice falls back to prefix affinity.
-DECIDER_ARGS = [
-    "--disaggregation",
-    "conditional",
-    "--pd-min-tokens",
-    "0",
-    "--pd-prefill-busy-load",
-    "1e9",
-    "--prefill-policy",
-    "cache_aware",
-    "--decode-policy",
-    "cache_aware",
-    "--kv-events",
-    "nobody=ipc:///tmp/pdgate-bench-no-kv-events.pub",
-]
+DECIDER_ARGS = ["--disaggregation", "conditional", "--pd-min-tokens", "0", "--pd-prefill-busy-load", "1e9"]
+DECIDER_ARGS += ["--prefill-policy", "cache_aware", "--decode-policy", "cache_aware"]
+DECIDER_ARGS += ["--kv-events", "nobody=ipc:///tmp/pdgate-bench-no-kv-events.pub"]
+# `MODE+policies`: the router's default policies (prefix affinity, least load), decider and index off: the
+# baseline that `+decider` turns the two on from.
+VARIANTS = {
+    "decider": DECIDER_ARGS,
+    "policies": ["--prefill-policy", "prefix_affinity", "--decode-policy", "least_load"],
+}
 TOKEN_PROMPTS = 0  # --token-prompts N: prompts of N token ids instead of text
 
 SCENARIOS_FULL = [
