@@ -5,7 +5,9 @@ turn <= 0.3x a full-prompt transfer).
 Why its own bench, beside `bench/goodput.py`: on 1P1D every policy picks the same pair, so what prefix-aware
 routing buys only shows with a choice to make. One `LocalStack` of 2 prefills and 2 decodes (unpinned: four
 engines on two cores, the same for every setup) whose engines publish their KV events; one router per setup
-on the same engines, started one after another (the first router's embedded metaserver serves them all):
+on the same engines (the first router's embedded metaserver serves them all), taking turns in two blocks of
+half the conversations each, the second block in reverse order (A B C C B A), so the host's drift falls on
+every setup alike:
 
   round-robin    PD for every turn, prefill and decode round robin (`--prefill-policy round_robin
                  --decode-policy round_robin`): what a prefix-blind gateway does
@@ -127,20 +129,23 @@ async def conversation(
     return turns
 
 
-async def drive(url: str, model: str, args: argparse.Namespace, seed: int) -> tuple[list[Turn], float]:
+async def drive(
+    url: str, model: str, args: argparse.Namespace, seed: int, n: int, first_k: int = 0
+) -> tuple[list[Turn], float]:
+    """`n` conversations arriving as a Poisson process at `args.rate`, each its turns one after another."""
     rng = random.Random(seed)
     starts: list[float] = []
     t = 0.0
-    for _ in range(args.conversations):
+    for _ in range(n):
         starts.append(t)
         t += rng.expovariate(args.rate)
-    limits = httpx.Limits(max_connections=args.conversations + 4)
+    limits = httpx.Limits(max_connections=n + 4)
     async with httpx.AsyncClient(timeout=600.0, limits=limits, trust_env=False) as client:
         t0 = time.monotonic()
 
         async def later(k: int, at: float) -> list[Turn]:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            return await conversation(client, url, model, random.Random(seed * 1000 + k), args, k)
+            return await conversation(client, url, model, random.Random(seed * 1000 + k), args, first_k + k)
 
         done = await asyncio.gather(*(later(k, at) for k, at in enumerate(starts)))
         took = time.monotonic() - t0
@@ -175,26 +180,33 @@ def main() -> None:
         router_args=("--health-timeout-s", "15"),
     )
     results: dict[str, Any] = {}
+    # Two blocks per setup, the second in reverse order (A B C C B A): the host's drift over the run (its
+    # load average climbs from ~1 to ~20 as the caches fill) falls on every setup alike, not on the last.
+    half = max(1, args.conversations // 2)
+    order = [(s, 0) for s in args.setups] + [(s, 1) for s in reversed(args.setups)]
     with LocalStack(cfg) as stack:
         decode_logs = [h.log_path for h in stack.by_role("decode")]
-        for i, setup in enumerate(args.setups):
-            proc, url = start_router(stack, setup, run_dir)
-            try:
+        routers = {setup: start_router(stack, setup, run_dir) for setup in args.setups}
+        try:
+            for setup, block in order:
+                i = args.setups.index(setup)
+                url = routers[setup][1]
                 load_before = load_average()
-                turns, took = asyncio.run(drive(url, cfg.model_name, args, seed=100 + i))
+                turns, took = asyncio.run(drive(url, cfg.model_name, args, 100 + i + 50 * block, half, half * block))
                 time.sleep(1.0)  # the decodes' last log lines
-            finally:
-                stop_all([proc])
-            loaded = loaded_tokens(p.read_text(errors="replace") for p in decode_logs)
-            turns = [t.with_loaded(loaded.get(t.rid)) for t in turns]
-            results[setup] = {
-                "summary": summarize(turns),
-                "took_s": took,
-                "load_before": load_before,
-                "load_after": load_average(),
-                "turns": [t.as_dict() for t in turns],
-            }
-            print(f"{setup}: {len(turns)} requests in {took:.1f} s", flush=True)
+                entry = results.setdefault(setup, {"turns": [], "took_s": 0.0, "load": []})
+                entry["turns"] += turns
+                entry["took_s"] += took
+                entry["load"].append([load_before, load_average()])
+                print(f"{setup} (block {block + 1}): {len(turns)} requests in {took:.1f} s", flush=True)
+        finally:
+            stop_all([proc for proc, _ in routers.values()])
+        loaded = loaded_tokens(p.read_text(errors="replace") for p in decode_logs)
+        for entry in results.values():
+            turns = [t.with_loaded(loaded.get(t.rid)) for t in entry["turns"]]
+            entry["summary"] = summarize(turns)
+            entry["load_before"], entry["load_after"] = entry["load"][0][0], entry["load"][-1][1]
+            entry["turns"] = [t.as_dict() for t in turns]
     doc = {
         "what": "bench/multiturn.py: W4 multi-turn on 2P2D, round robin against KV-event routing, same engines",
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t_start)),
