@@ -271,7 +271,10 @@ def plan_lines(plan: Plan) -> list[str]:
     for w in plan.workloads:
         wl = WORKLOADS[w]
         if wl.burst:
-            out.append(f"  {w}: {wl.title}: one burst of {wl.burst} per setup (rate inf, max concurrency {wl.burst})")
+            out.append(
+                f"  {w}: {wl.title}: {BURST_RUNS} bursts of {wl.burst} per setup, taking turns (rate inf, "
+                f"max concurrency {wl.burst})"
+            )
         else:
             out.append(
                 f"  {w}: {wl.title}: Poisson rates x{{{ladder}}} of colocated's unloaded capacity, "

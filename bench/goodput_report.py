@@ -92,8 +92,8 @@ def _max_section(result: dict[str, Any]) -> list[str]:
         "",
         "Requests per second that completed with every requested token within both SLOs, at the best rate (the "
         "mean of its runs; in brackets the range when it ran more than once), and the ratio to colocated. "
-        "The burst row is one run of 256 requests at once, and its number is the burst capacity: requests "
-        "completed with every token / the run's duration (its goodput is under Every rate).",
+        "The burst row is 256 requests at once, run twice per setup, and its number is the burst capacity: "
+        "requests completed with every token / the run's duration (its goodput is under Every rate).",
         "",
         "| workload | " + " | ".join(setups) + " |",
         "|---|" + "---:|" * len(setups),
