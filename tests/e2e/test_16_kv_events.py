@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from pdgate.deploy.local.stack import LocalStack
 
@@ -26,6 +27,13 @@ pytestmark = pytest.mark.e2e
 
 BLOCK = 32  # the stack's block size
 FIRST, NEW = 600, 100
+
+
+def status_rows(stack: LocalStack) -> list[dict[str, object]]:
+    """The router's instance rows as an admin reads them (`/status/data`: each engine's reported load)."""
+    resp = httpx.get(stack.url + "/status/data", headers=stack.admin_headers, timeout=10)
+    rows: list[dict[str, object]] = resp.raise_for_status().json()["instances"]
+    return rows
 
 
 def counter(router_url: str, name: str, labels: dict[str, str]) -> float:
@@ -81,6 +89,14 @@ def test_the_decode_s_published_blocks_keep_a_second_turn_whole_on_it(
         ),
         timeout=20,
         what="the router's index to hold both engines' blocks of turn 1",
+    )
+    # cache_aware weighs the prefix against load, and an engine's reported load trails its work by a
+    # heartbeat: while the decode still reports turn 1 running, the idle prefill's 18 blocks outscore its
+    # 19 and turn 2 runs there (CI saw 576). Wait for both reports to say idle, as a quiet cluster would.
+    wait_for(
+        lambda: all(row.get("load") == 0 for row in status_rows(stack)),
+        timeout=20,
+        what="both engines to report no request running",
     )
     assert counter(stack.url, applied, {"outcome": "applied"}) >= before + 2
     assert counter(stack.url, applied, {"outcome": "gap"}) == 0
