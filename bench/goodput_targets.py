@@ -162,6 +162,53 @@ def _router_cpu() -> list[str]:
     return rows or [_row("router CPU per request with the decider and the index on: <= +10%", "not run", None)]
 
 
+ATTRIBUTION_STEPS = ("affinity", "cacheonly", "decider")
+
+
+def attribution_rows(docs: list[dict[str, Any]]) -> list[str]:
+    """Where `+decider`'s CPU goes, step by step against `+policies`: `+affinity` (the decodes by prefix
+    affinity, what cache_aware falls back to on an empty index), `+cacheonly` (cache_aware and the index, the
+    decider off), `+decider` (both on); the median paired ratio of each over runs in both orders."""
+    ratios: dict[tuple[str, str, int, str], list[float]] = {}
+    for doc in docs:
+        got = {(r["mode"], r["scenario"], int(r.get("concurrency") or 0)): r.get("cpu_us_per_req") for r in doc["rows"]}
+        for (mode, scenario, conc), value in got.items():
+            base, _, step = mode.partition("+")
+            ref = got.get((f"{base}+policies", scenario, conc))
+            if step in ATTRIBUTION_STEPS and value and ref:
+                ratios.setdefault((base, scenario, conc, step), []).append(value / ref)
+    keys = sorted({k[:3] for k in ratios}, key=lambda k: (k[2], k[1], k[0]))
+    out = []
+    for base, scenario, conc in keys:
+        cells = []
+        for step in ATTRIBUTION_STEPS:
+            r = ratios.get((base, scenario, conc, step))
+            cells.append(f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" if r else "-")
+        out.append(f"| {base} {scenario} c={conc} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _attribution() -> list[str]:
+    files = sorted(ROUTER_AB.glob("router-decider-attribution-[0-9]*.json"))
+    rows = attribution_rows([json.loads(f.read_text()) for f in files])
+    if not rows:
+        return []
+    return [
+        "",
+        f"Where `+decider`'s CPU goes ({len(files)} runs of bench/router.py with two more variants, "
+        "router-decider-attribution-N.json), each step's median paired ratio to `+policies` (range): routing "
+        "the decodes by prefix affinity instead of least load (what cache_aware falls back to on an empty "
+        "index), then cache_aware and the KV-event index with the decider off, then the decider on top. The "
+        "decider's own step (the whole pick over both sides, the rule's inputs, the decision, its counter and "
+        "access-log note: about 30 more Python calls a request by cProfile's count) is the last column less the "
+        "second.",
+        "",
+        "| mode | +affinity | +cacheonly | +decider |",
+        "|---|---:|---:|---:|",
+        *rows,
+    ]
+
+
 def _num(v: Any, digits: int = 0) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -195,10 +242,10 @@ def targets_section(result: dict[str, Any], multiturn: dict[str, Any] | None = N
         "decider, cache_aware on both sides, the KV-event index) and with `+policies` (the default policies, "
         "prefix affinity and least load, the decider and the index off) in one run, runs alternating the "
         "order; the row is the median of the paired ratios against `+policies`, and beside it against round "
-        "robin on both sides, the cheapest policy there is. The decision itself (`Whole._decide`: the prefill "
-        "and whole picks, the rule, the counter) costs 8-12 us of CPU in-process, about 1-2% of a request, and "
-        "the decider with round-robin policies measured +1% at concurrency 1; the rest is cache_aware's prefix hashing "
-        "(2.5 us a pick) and, at concurrency 32 and 64, how many requests share each wake-up of the router's "
-        "event loop, which moves one run's ratio by 10-20%. A PD request's first attempt runs on the "
-        "decider's picks, so the policies are asked once a request with the decider on.",
+        "robin on both sides, the cheapest policy there is. One run's ratio swings by 10-20% (at concurrency "
+        "32 and 64, with how many requests share each wake-up of the router's event loop). The index holds "
+        "nothing there (no engine publishes), so no prompt is hashed: the rows are the decider's and the "
+        "policies' own cost. A PD request's first attempt runs on the decider's picks, so the policies are "
+        "asked once a request with the decider on.",
+        *_attribution(),
     ]

@@ -22,7 +22,8 @@ KV-event index on (`DECIDER_ARGS`), one with `+policies` with the default polici
 N` sends prompts of N token ids, which cache_aware hashes into block keys (text prompts are not hashed).
 Issue #22's A/B (docs/PERFORMANCE.md) is runs of `--quick --pin --token-prompts 512 --only 1 32 64 --modes
 isolated isolated+policies isolated+decider router router+policies router+decider` (the modes reversed in
-every other run) written to bench/results/router-decider-ab-N.json.
+every other run) written to bench/results/router-decider-ab-N.json; with `+affinity` and `+cacheonly` added,
+to router-decider-attribution-N.json.
 A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router started with `--workers N`
 (one port, N processes, `pdgate.router.workers`); its CPU is the sum over the parent and its workers, and
 its req/s against the plain mode is the scaling of `--workers` (issue 12 asks for >= 1.8x with 2 on 2 cores).
@@ -242,16 +243,19 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
 # `MODE+decider`: the decider and the KV-event index on (issue #22: router CPU per request at most +10%).
 # The minimum of 0 tokens and a prefill never too busy send every request PD, so the work besides the
 # decision is the plain mode's (at c=32 the prefill's load passes the default busy mark of 8); the
-# ipc source that no engine publishes on gives cache_aware an index to look prompts up in (each token-id
-# prompt is hashed into block keys), and it holds nothing, so the choice falls back to prefix affinity.
+# ipc source that no engine publishes on gives cache_aware an index to look prompts up in; it holds nothing,
+# so no prompt is hashed and the choice falls back to prefix affinity.
 DECIDER_ARGS = ["--disaggregation", "conditional", "--pd-min-tokens", "0", "--pd-prefill-busy-load", "1e9"]
 DECIDER_ARGS += ["--prefill-policy", "cache_aware", "--decode-policy", "cache_aware"]
 DECIDER_ARGS += ["--kv-events", "nobody=ipc:///tmp/pdgate-bench-no-kv-events.pub"]
 # `MODE+policies`: the router's default policies (prefix affinity, least load), decider and index off: the
-# baseline that `+decider` turns the two on from.
+# baseline that `+decider` turns the two on from. `+affinity` (the decodes by prefix affinity, what cache_aware
+# falls back to) and `+cacheonly` (cache_aware and the index, decider off) split the difference between them.
 VARIANTS = {
     "decider": DECIDER_ARGS,
     "policies": ["--prefill-policy", "prefix_affinity", "--decode-policy", "least_load"],
+    "affinity": ["--prefill-policy", "prefix_affinity", "--decode-policy", "prefix_affinity"],
+    "cacheonly": DECIDER_ARGS[6:],
 }
 TOKEN_PROMPTS = 0  # --token-prompts N: prompts of N token ids instead of text
 

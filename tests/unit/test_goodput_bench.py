@@ -317,6 +317,23 @@ def test_router_cpu_with_the_decider_is_the_median_of_paired_runs() -> None:
     ]
 
 
+def test_the_decider_s_cpu_is_split_into_steps_each_against_the_default_policies() -> None:
+    from goodput_targets import attribution_rows
+
+    def run(**cpu: float) -> dict[str, Any]:
+        modes = {"p": "policies", "a": "affinity", "c": "cacheonly", "d": "decider"}
+        rows = [
+            {"scenario": "nonstream", "concurrency": 1, "mode": f"router+{modes[m]}", "cpu_us_per_req": v}
+            for m, v in cpu.items()
+        ]
+        return {"rows": rows}
+
+    rows = attribution_rows([run(p=1000, a=1020, c=1050, d=1100), run(d=1200, c=1100, a=980, p=1000)])
+    assert rows == ["| router nonstream c=1 | 1.00x (0.98-1.02) | 1.08x (1.05-1.10) | 1.15x (1.10-1.20) |"]
+    assert attribution_rows([run(a=1000, d=1100)]) == []  # no +policies in the run: nothing to pair with
+    assert attribution_rows([run(p=1000, d=1100)]) == ["| router nonstream c=1 | - | - | 1.10x (1.10-1.10) |"]
+
+
 def _mode(name: str) -> str:
     return name.replace("_d", "+decider").replace("_p", "+policies")
 
