@@ -189,14 +189,16 @@ def attribution_rows(docs: list[dict[str, Any]]) -> list[str]:
 
 
 def _attribution() -> list[str]:
-    files = sorted(ROUTER_AB.glob("router-decider-attribution-[0-9]*.json"))
-    rows = attribution_rows([json.loads(f.read_text()) for f in files])
+    files = sorted(ROUTER_AB.glob("router-decider-ab-[0-9]*.json"))
+    docs = [json.loads(f.read_text()) for f in files]
+    docs = [d for d in docs if any(r["mode"].endswith("+affinity") for r in d["rows"])]
+    rows = attribution_rows(docs)
     if not rows:
         return []
     return [
         "",
-        f"Where `+decider`'s CPU goes ({len(files)} runs of bench/router.py with two more variants, "
-        "router-decider-attribution-N.json), each step's median paired ratio to `+policies` (range): routing "
+        f"Where `+decider`'s CPU goes (the {len(docs)} runs above, which also ran two more variants), each "
+        "step's median paired ratio to `+policies` (range): routing "
         "the decodes by prefix affinity instead of least load (what cache_aware falls back to on an empty "
         "index), then cache_aware and the KV-event index with the decider off, then the decider on top. The "
         "decider's own step (the whole pick over both sides, the rule's inputs, the decision, its counter and "

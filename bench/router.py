@@ -20,10 +20,9 @@ before and after measured in one run, alternating, on the same sims.
 A pdgate mode with a `+decider` suffix (`isolated+decider`) runs with the conditional decider and the
 KV-event index on (`DECIDER_ARGS`), one with `+policies` with the default policies and neither; `--token-prompts
 N` sends prompts of N token ids, which cache_aware hashes into block keys (text prompts are not hashed).
-Issue #22's A/B (docs/PERFORMANCE.md) is runs of `--quick --pin --token-prompts 512 --only 1 32 64 --modes
-isolated isolated+policies isolated+decider router router+policies router+decider` (the modes reversed in
-every other run) written to bench/results/router-decider-ab-N.json; with `+affinity` and `+cacheonly` added,
-to router-decider-attribution-N.json.
+Issue #22's A/B (docs/PERFORMANCE.md) is runs of `--quick --pin --token-prompts 512 --only 1 32 64 --modes`
+and, for each of isolated and router, MODE MODE+policies MODE+affinity MODE+cacheonly MODE+decider (the
+modes reversed in every other run), written to bench/results/router-decider-ab-N.json.
 A mode with a `_wN` suffix (`router_w2`, `isolated_w2`) is the same router started with `--workers N`
 (one port, N processes, `pdgate.router.workers`); its CPU is the sum over the parent and its workers, and
 its req/s against the plain mode is the scaling of `--workers` (issue 12 asks for >= 1.8x with 2 on 2 cores).

@@ -78,7 +78,7 @@ class CacheAware:
 
     def cached_tokens(self, inst: LiveInstance, req: RequestFacts) -> int:
         """Leading prompt tokens `inst`'s prefix cache holds (0 without events or token ids)."""
-        if self.index is None or not req.token_ids:
+        if self.index is None or not req.token_ids or not self.index.size(inst.id):
             return 0
         size = self.block_size(inst)
         return self.index.matched(inst.id, self.keys(req.token_ids, size)) * size
@@ -88,8 +88,8 @@ class CacheAware:
         if n <= 1:
             return 0 if n else None
         index = self.index
-        if index is None or not req.token_ids:
-            return self._fallback.choose(candidates, req, rng)
+        if index is None or not req.token_ids or not any(index.size(c.id) for c in candidates):
+            return self._fallback.choose(candidates, req, rng)  # a cold index: nothing to weigh, nothing to hash
         fractions: list[float] = []
         for c in candidates:
             keys = self.keys(req.token_ids, self.block_size(c))

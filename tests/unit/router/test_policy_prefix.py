@@ -68,6 +68,16 @@ def test_falls_back_to_prefix_affinity_without_events_text_or_hits() -> None:
     assert CacheAware(KVIndex()).choose(cands, facts(), Random(0)) == affinity
 
 
+def test_a_cold_index_is_not_asked_per_block() -> None:
+    # No candidate holds a block (a fresh cluster, or events that have not arrived): the choice is prefix
+    # affinity's and the decider's cached length 0 without the prompt's keys being built at all.
+    cold = CacheAware(holding(z=8))  # only an instance that is not a candidate holds anything
+    cands = [inst("a"), inst("b")]
+    assert cold.choose(cands, facts(), Random(0)) == PrefixAffinity().choose(cands, facts(), Random(0))
+    assert cold.cached_tokens(inst("a"), facts()) == 0
+    assert cold._last == (None, 0, None)
+
+
 def test_cached_tokens_for_the_decider() -> None:
     p = CacheAware(holding(a=5))
     assert p.cached_tokens(inst("a"), facts()) == 5 * BS
