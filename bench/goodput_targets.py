@@ -115,6 +115,16 @@ ROUTER_AB = Path(__file__).resolve().parent / "results"  # bench/router.py's +de
 ROUTER_CPU_CEILING = 1.10
 
 
+def _cpu_by_mode(doc: dict[str, Any]) -> dict[tuple[str, int, str], float]:
+    """One bench/router.py run's CPU per request by (scenario, concurrency, mode); a row with errors says
+    nothing."""
+    return {
+        (r["scenario"], int(r.get("concurrency") or 0), r["mode"]): float(r["cpu_us_per_req"])
+        for r in doc.get("rows", [])
+        if r.get("cpu_us_per_req") is not None and not r.get("errors")
+    }
+
+
 def router_cpu_rows(docs: list[dict[str, Any]]) -> list[str]:
     """The router's CPU per request with the decider and the KV-event index on (`MODE+decider`) against the
     same mode with both off (`MODE+policies`: the default policies; round robin, `MODE`, in runs without
@@ -125,11 +135,7 @@ def router_cpu_rows(docs: list[dict[str, Any]]) -> list[str]:
     ratios: dict[tuple[str, int, str, str], list[float]] = {}
     cpu: dict[tuple[str, int, str], list[float]] = {}
     for doc in docs:
-        got = {
-            (r["scenario"], int(r.get("concurrency") or 0), r["mode"]): float(r["cpu_us_per_req"])
-            for r in doc.get("rows", [])
-            if r.get("cpu_us_per_req") is not None and not r.get("errors")
-        }
+        got = _cpu_by_mode(doc)
         for (scenario, conc, mode), value in got.items():
             cpu.setdefault((scenario, conc, mode), []).append(value)
             decided = got.get((scenario, conc, f"{mode}+decider"))
@@ -171,11 +177,11 @@ def attribution_rows(docs: list[dict[str, Any]]) -> list[str]:
     decider off), `+decider` (both on); the median paired ratio of each over runs in both orders."""
     ratios: dict[tuple[str, str, int, str], list[float]] = {}
     for doc in docs:
-        got = {(r["mode"], r["scenario"], int(r.get("concurrency") or 0)): r.get("cpu_us_per_req") for r in doc["rows"]}
-        for (mode, scenario, conc), value in got.items():
+        got = _cpu_by_mode(doc)
+        for (scenario, conc, mode), value in got.items():
             base, _, step = mode.partition("+")
-            ref = got.get((f"{base}+policies", scenario, conc))
-            if step in ATTRIBUTION_STEPS and value and ref:
+            ref = got.get((scenario, conc, f"{base}+policies"))
+            if step in ATTRIBUTION_STEPS and ref:
                 ratios.setdefault((base, scenario, conc, step), []).append(value / ref)
     keys = sorted({k[:3] for k in ratios}, key=lambda k: (k[2], k[1], k[0]))
     out = []

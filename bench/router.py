@@ -244,9 +244,9 @@ def start_stack(procs: Procs, modes: list[str], baseline: str | None = None) -> 
 # decision is the plain mode's (at c=32 the prefill's load passes the default busy mark of 8); the
 # ipc source that no engine publishes on gives cache_aware an index to look prompts up in; it holds nothing,
 # so no prompt is hashed and the choice falls back to prefix affinity.
-DECIDER_ARGS = ["--disaggregation", "conditional", "--pd-min-tokens", "0", "--pd-prefill-busy-load", "1e9"]
-DECIDER_ARGS += ["--prefill-policy", "cache_aware", "--decode-policy", "cache_aware"]
-DECIDER_ARGS += ["--kv-events", "nobody=ipc:///tmp/pdgate-bench-no-kv-events.pub"]
+CACHE_ARGS = ["--prefill-policy", "cache_aware", "--decode-policy", "cache_aware"]
+CACHE_ARGS += ["--kv-events", "nobody=ipc:///tmp/pdgate-bench-no-kv-events.pub"]
+DECIDER_ARGS = ["--disaggregation", "conditional", "--pd-min-tokens", "0", "--pd-prefill-busy-load", "1e9", *CACHE_ARGS]
 # `MODE+policies`: the router's default policies (prefix affinity, least load), decider and index off: the
 # baseline that `+decider` turns the two on from. `+affinity` (the decodes by prefix affinity, what cache_aware
 # falls back to) and `+cacheonly` (cache_aware and the index, decider off) split the difference between them.
@@ -254,7 +254,7 @@ VARIANTS = {
     "decider": DECIDER_ARGS,
     "policies": ["--prefill-policy", "prefix_affinity", "--decode-policy", "least_load"],
     "affinity": ["--prefill-policy", "prefix_affinity", "--decode-policy", "prefix_affinity"],
-    "cacheonly": DECIDER_ARGS[6:],
+    "cacheonly": CACHE_ARGS,
 }
 TOKEN_PROMPTS = 0  # --token-prompts N: prompts of N token ids instead of text
 
