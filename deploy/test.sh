@@ -74,5 +74,5 @@ log "mypy --strict: exit $m"
 cat build/typecheck/mypy.log
 ((rc)) || rc=$m
 log "pytest -m e2e"
-"$VENV/bin/python" -m pytest -m e2e --durations=15 || { e=$?; ((rc)) || rc=$e; }
+"$VENV/bin/python" -m pytest -m e2e --durations=15 tests/e2e || { e=$?; ((rc)) || rc=$e; }
 exit "$rc"

@@ -35,27 +35,45 @@ def _log(msg: str) -> None:
     print(f"[e2e] {msg}", flush=True)
 
 
-@contextlib.contextmanager
-def own_1p2d(
-    run_dir: Path, model_dir: Path, vllm_env: VllmEnv, log: Callable[[str], None], *router_args: str
-) -> Iterator[LocalStack]:
-    """A 1P2D stack of one test module's own: the fault tests end with a dead engine, so no other test may
-    share it. The router takes the decodes in turn and probes health every second."""
-    cfg = StackConfig(
-        n_prefill=1,
-        n_decode=2,
-        port=free_port(),
-        model_dir=model_dir,
-        run_dir=run_dir,
-        venv=vllm_env.venv,
-        install=False,
-        router_args=["--decode-policy", "round_robin", "--health-interval-s", "1", *router_args],
-    )
-    stack = LocalStack(cfg, log=log)
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
+class FaultStack:
+    """The 1P2D stack of the fault tests (test_08, then test_11): each ends with a decode it killed, so no
+    other test shares it, and the next one gets a fresh decode in the dead one's place (one engine started,
+    not a whole stack: about a minute of CI). The router takes the decodes in turn and probes health every
+    second."""
+
+    def __init__(self, run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> None:
+        self.run_dir = run_dir
+        self.model_dir = model_dir
+        self.vllm_env = vllm_env
+        self._stack: LocalStack | None = None
+
+    def get(self, log: Callable[[str], None]) -> LocalStack:
+        """The stack with one prefill and two live decodes: started on first use, else revived."""
+        if self._stack is None:
+            cfg = StackConfig(
+                n_prefill=1,
+                n_decode=2,
+                port=free_port(),
+                model_dir=self.model_dir,
+                run_dir=self.run_dir,
+                venv=self.vllm_env.venv,
+                install=False,
+                router_args=["--decode-policy", "round_robin", "--health-interval-s", "1"],
+            )
+            self._stack = LocalStack(cfg, log=log).start()
+            return self._stack
+        stack = self._stack
+        stack.log = log
+        for dead in [h for h in stack.instances if not h.proc.alive()]:
+            stack.remove_instance(dead)
+            stack.add_instance(dead.role)
+        stack.wait_router_ready()
+        return stack
+
+    def stop(self) -> None:
+        if self._stack is not None:
+            self._stack.stop()
+            self._stack = None
 
 
 @pytest.fixture(scope="session")
@@ -213,6 +231,15 @@ def _baseline_instance(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) ->
 
 
 @pytest.fixture(scope="session")
+def fault_stack(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[FaultStack]:
+    holder = FaultStack(e2e_run_dir / "faults-1p2d", model_dir, vllm_env)
+    try:
+        yield holder
+    finally:
+        holder.stop()
+
+
+@pytest.fixture(scope="session")
 def baseline(_baseline_instance: SingleInstance) -> Baseline:
     return Baseline(_baseline_instance)
 
@@ -261,14 +288,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # (test_01, test_09 after test_07 stopped it, test_drop_in after test_16), about a minute of CI each.
 _MAIN_STACK_FIRST = ("test_09_load.py", "test_drop_in.py")
 _BEFORE = "test_05_two_prefills.py"
+_FAULTS = ("test_08_faults.py", "test_11_resume.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Move `_MAIN_STACK_FIRST`'s tests right before `_BEFORE`'s, keeping every other test in file order."""
+    """Move `_MAIN_STACK_FIRST`'s tests right before `_BEFORE`'s and test_11's right after test_08's,
+    keeping every other test in file order."""
     moved = [i for i in items if i.path.name in _MAIN_STACK_FIRST]
-    if not moved:
-        return
     moved.sort(key=lambda i: _MAIN_STACK_FIRST.index(i.path.name))  # stable: file order within a module
     rest = [i for i in items if i.path.name not in _MAIN_STACK_FIRST]
     at = next((n for n, i in enumerate(rest) if i.path.name == _BEFORE), len(rest))
     items[:] = rest[:at] + moved + rest[at:]
+    # The fault tests' shared stack (`FaultStack`): test_11 right after test_08, not after test_10's stack.
+    resume = [i for i in items if i.path.name == _FAULTS[1]]
+    rest = [i for i in items if i.path.name != _FAULTS[1]]
+    at = max((n + 1 for n, i in enumerate(rest) if i.path.name == _FAULTS[0]), default=len(rest))
+    items[:] = rest[:at] + resume + rest[at:]

@@ -8,7 +8,8 @@ What must hold:
 - the prefill's KV usage returns to idle within the handoff lease (its held blocks are freed: DONE for
   the answered requests, abort or expiry for the ones the dead decode took with it);
 - the next 8 requests are answered in full by the surviving decode.
-The stack is this module's own (it ends with a dead engine, so no other test may share it). Three engines
+The stack is the fault tests' own (`conftest.FaultStack`: it ends with a dead engine; test_11 gets a
+fresh decode in its place). Three engines
 on a 2-core host run unpinned (pdgate-local's placement): pinned round robin, decode-1 shared the prefill's
 core and got no CPU at all while the prefill held KV, so its loads failed before any fault (docs/NIXL.md).
 """
@@ -17,19 +18,16 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from pdgate.deploy.local.stack import LocalStack
 from pdgate.deploy.local.tiny_model import MODEL_NAME
-from pdgate.deploy.local.vllm_env import VllmEnv
 
 from pdgate.errors import Code
-from tests.e2e.conftest import own_1p2d
+from tests.e2e.conftest import FaultStack
 from tests.e2e.pdclient import observe, openai_client, prompt_ids, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -44,9 +42,8 @@ def _log(msg: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack_1p2d(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[LocalStack]:
-    with own_1p2d(e2e_run_dir / "faults-1p2d", model_dir, vllm_env, _log) as stack:
-        yield stack
+def stack_1p2d(fault_stack: FaultStack) -> LocalStack:
+    return fault_stack.get(_log)
 
 
 def _idle(counters: dict[str, float]) -> bool:

@@ -1,8 +1,9 @@
 """A decode vLLM killed mid-stream costs latency, not an error (issue #24): its streams resume elsewhere.
 
-Real 1P2D (this module's own stack: it ends with a dead engine), the single connector-less instance as the
-oracle (`baseline`). `CLIENTS` greedy streams of `LONG` tokens run at once; a decode is SIGKILLed (the API
-server and its EngineCore) while it generates for some of them. The router resumes each broken stream on an
+Real 1P2D (the fault tests' stack, `conftest.FaultStack`: the decode test_08 killed is replaced by a fresh
+one), the single connector-less instance as the oracle (`baseline`). `CLIENTS` greedy streams of `LONG`
+tokens run at once; a decode is SIGKILLed (the API server and its EngineCore) while it generates for some
+of them. The router resumes each broken stream on an
 instance left (router/resume.py: prompt ids + the ids the client received, the tokens left). What must
 hold: every client gets the single instance's full greedy answer, token for token, with 0 errors, and the
 router counts the resumes. "The single instance's answer" is its greedy answer up to bfloat16 near-ties
@@ -31,9 +32,8 @@ from pathlib import Path
 import openai
 import pytest
 from pdgate.deploy.local.stack import LocalStack
-from pdgate.deploy.local.vllm_env import VllmEnv
 
-from tests.e2e.conftest import Baseline, own_1p2d
+from tests.e2e.conftest import Baseline, FaultStack
 from tests.e2e.pdclient import Answer, complete, metric, observe, openai_client, prompt_ids, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -48,9 +48,10 @@ def _log(msg: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack_1p2d(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[LocalStack]:
-    with own_1p2d(e2e_run_dir / "resume-1p2d", model_dir, vllm_env, _log, "--max-resumes", "2") as stack:
-        yield stack
+def stack_1p2d(fault_stack: FaultStack) -> Iterator[LocalStack]:
+    """test_08's stack with a fresh decode for the one it killed (the router resumes twice by default)."""
+    yield fault_stack.get(_log)
+    fault_stack.stop()  # it ends with a dead decode: free the cores for what follows
 
 
 _RESUMED = re.compile(r"\[(?P<tid>[^\]\s]+)\] .* after (?P<k>\d+) tokens: resuming")
@@ -98,6 +99,13 @@ def check_equal_up_to_near_ties(baseline: Baseline, prompt: list[int], got: tupl
     return ties
 
 
+def _resumes(router_url: str) -> float:
+    try:
+        return metric(router_url, "pdgate_router_resumes_total")
+    except AssertionError:  # no sample before the first resume
+        return 0.0
+
+
 def _stream(client: openai.OpenAI, seed: int) -> Answer | str:
     """One greedy stream of LONG tokens with its ids, or the error it ended with."""
     try:
@@ -119,6 +127,7 @@ def test_sigkill_decode_mid_stream_every_client_gets_the_single_instances_answer
         wants = {i: f.result() for i, f in asked.items()}
     client = openai_client(stack.openai_base_url, timeout=600)
     gen0 = {d.instance_id: observe(d).get("generated", 0.0) for d in decodes}
+    resumed0 = _resumes(stack.url)  # test_08 resumed streams on this router too
     with ThreadPoolExecutor(max_workers=CLIENTS) as pool:
         futures = {i: pool.submit(_stream, client, 1100 + i) for i in range(CLIENTS)}
         deadline = time.monotonic() + 120
@@ -154,7 +163,7 @@ def test_sigkill_decode_mid_stream_every_client_gets_the_single_instances_answer
             continue
         ties = check_equal_up_to_near_ties(baseline, prompt_ids(120, seed=1100 + i), got.token_ids)
         _log(f"client {i}: resumed at {at}; bfloat16 near-ties of the single instance taken at {ties}")
-    resumed = metric(stack.url, "pdgate_router_resumes_total")
+    resumed = _resumes(stack.url) - resumed0
     _log(f"{resumed:.0f} streams resumed, 0 errors of {CLIENTS}")
     assert resumed >= 1  # the kill landed on streams in flight, and they were resumed, not failed
     survivor = next(d for d in decodes if d is not victim)

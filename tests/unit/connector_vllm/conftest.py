@@ -149,8 +149,11 @@ def make_blocks(block_ids: list[int], *, cached: int = 0) -> KVCacheBlocks:
 
 @pytest.fixture(scope="session")
 def metaserver() -> Iterator[UvicornThread]:
-    """A real metaserver (memory store) over a real socket, with short leases for expiry tests."""
-    settings = MetaSettings(store="memory://", ready_lease_s=30.0, claim_lease_s=10.0, sweep_interval_s=0.05)
+    """A real metaserver (memory store) over a real socket. The expiry tests name their own short leases;
+    a READY handoff otherwise waits 5 minutes, not the service's 30 s: on a loaded CI host (mypy and three
+    workers on two cores) a prefill's answer took ~30 s to reach test_server.py, and its READY was most
+    likely swept before the test looked."""
+    settings = MetaSettings(store="memory://", ready_lease_s=300.0, claim_lease_s=10.0, sweep_interval_s=0.05)
     server = UvicornThread(create_app(settings)).start()
     try:
         yield server

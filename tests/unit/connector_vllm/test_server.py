@@ -139,14 +139,14 @@ def test_prefill_records_ready_and_frees_when_aborted(server: Server) -> None:
     assert params["remote_num_tokens"] == len(PROMPT) and len(params["remote_block_ids"]) == 2
     assert params["prefill_instance_id"] == server.instance_id
 
-    wait_until(lambda: state(server, tid) is HandoffState.READY, timeout=10, what="READY")
+    wait_until(lambda: state(server, tid) is HandoffState.READY, timeout=60, what="READY")
     rec = meta(server.metaserver, lambda c: c.get_handoff(tid))
     assert rec.location is not None and rec.location.block_ids == [params["remote_block_ids"]]
     assert rec.location.num_tokens == len(PROMPT) and rec.location.transport_addresses[0].meta["kind"] == "nixl"
     assert server.counters().get("sends_freed_aborted", 0) == freed  # held until the ledger says so
 
     meta(server.metaserver, lambda c: c.abort(tid, "test"))
-    wait_until(lambda: server.counters().get("sends_freed_aborted") == freed + 1, timeout=10, what="free on ABORTED")
+    wait_until(lambda: server.counters().get("sends_freed_aborted") == freed + 1, timeout=60, what="free on ABORTED")
 
 
 def test_decode_of_a_gone_handoff_recomputes_and_counts_it(server: Server) -> None:
