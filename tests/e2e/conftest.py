@@ -16,17 +16,26 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
-from pdgate.deploy.local.procs import free_port
-from pdgate.deploy.local.stack import LocalStack, SingleInstance, StackConfig, ensure_model
-from pdgate.deploy.local.vllm_env import VllmEnv, find_vllm_env
+from pdgate.deploy.local.procs import ManagedProcess, free_port
+from pdgate.deploy.local.stack import (
+    InstanceHandle,
+    LocalStack,
+    SingleInstance,
+    StackConfig,
+    ensure_model,
+    wait_router_ready,
+)
+from pdgate.deploy.local.vllm_env import VllmEnv, find_vllm_env, repo_root
 from pdgate.deploy.local.vllm_instance import ServeFlags
 
 from tests.e2e.pdclient import MAX_TOKENS, Answer, Ranked, chat, chat_messages, complete, openai_client, ranked
+from tests.support.redis import RedisServer
 
 _RUN_DIR = pytest.StashKey[Path]()
 
@@ -71,6 +80,77 @@ class FaultStack:
         return stack
 
     def stop(self) -> None:
+        if self._stack is not None:
+            self._stack.stop()
+            self._stack = None
+
+
+class RouterReplica:
+    """A second `pdgate-router` over a running stack's engines and ledger (its redis store): the shape of
+    router replicas with their own settings. What the tests read of a stack, for this router."""
+
+    def __init__(self, stack: LocalStack, name: str, router_args: Sequence[str]) -> None:
+        assert stack.config.store, "a replica shares the stack's ledger through its store (redis)"
+        self.stack = stack
+        self.port = free_port()
+        argv = [sys.executable, "-m", "pdgate.router", "--host", "127.0.0.1", "--port", str(self.port)]
+        argv += ["--store", stack.config.store, *router_args]
+        self.proc = ManagedProcess(
+            name, argv, log_path=stack.run_dir / f"{name}.log", env=stack.router_env(), cwd=repo_root()
+        ).start()
+        try:
+            wait_router_ready(self.proc, self.url, stack.log, [i.proc for i in stack.instances])
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.url + "/v1"
+
+    def by_role(self, role: str) -> list[InstanceHandle]:
+        return self.stack.by_role(role)
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class EventsStack:
+    """The engines of test_12 and test_16, started once: a 1P1D stack whose engines publish their KV
+    events, on a redis store. Its own router is test_16's: it follows the events, routes with
+    `cache_aware` and decides with `--disaggregation conditional`. test_12's router is a replica over the
+    same engines and ledger that decides the same way but follows no events (`RouterReplica`): one router
+    process more instead of two engines more (a minute of CI)."""
+
+    EVENTS_ARGS = (
+        *("--disaggregation", "conditional", "--pd-min-tokens", "256"),
+        *("--prefill-policy", "cache_aware", "--decode-policy", "cache_aware"),
+    )
+
+    def __init__(self, stacks: Stacks, redis_url: str) -> None:
+        self.stacks = stacks
+        self.store = f"{redis_url}?prefix=e2e-events"
+        self._stack: LocalStack | None = None
+        self._replicas: list[RouterReplica] = []
+
+    def stack(self) -> LocalStack:
+        if self._stack is None:
+            self._stack = self.stacks.start("kv-events", kv_events=True, store=self.store, router_args=self.EVENTS_ARGS)
+        return self._stack
+
+    def replica(self, name: str, *router_args: str) -> RouterReplica:
+        replica = RouterReplica(self.stack(), name, router_args)
+        self._replicas.append(replica)
+        return replica
+
+    def stop(self) -> None:
+        for replica in self._replicas:
+            replica.stop()
+        self._replicas = []
         if self._stack is not None:
             self._stack.stop()
             self._stack = None
@@ -240,6 +320,15 @@ def fault_stack(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterat
 
 
 @pytest.fixture(scope="session")
+def events_stack(stacks: Stacks, redis_server: RedisServer) -> Iterator[EventsStack]:
+    holder = EventsStack(stacks, redis_server.url)
+    try:
+        yield holder
+    finally:
+        holder.stop()
+
+
+@pytest.fixture(scope="session")
 def baseline(_baseline_instance: SingleInstance) -> Baseline:
     return Baseline(_baseline_instance)
 
@@ -289,18 +378,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 _MAIN_STACK_FIRST = ("test_09_load.py", "test_drop_in.py")
 _BEFORE = "test_05_two_prefills.py"
 _FAULTS = ("test_08_faults.py", "test_11_resume.py")
+_EVENTS = ("test_12_goodput_quick.py", "test_16_kv_events.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Move `_MAIN_STACK_FIRST`'s tests right before `_BEFORE`'s and test_11's right after test_08's,
-    keeping every other test in file order."""
+    """Move `_MAIN_STACK_FIRST`'s tests right before `_BEFORE`'s, test_11's right after test_08's and
+    test_16's right after test_12's, keeping every other test in file order."""
     moved = [i for i in items if i.path.name in _MAIN_STACK_FIRST]
     moved.sort(key=lambda i: _MAIN_STACK_FIRST.index(i.path.name))  # stable: file order within a module
     rest = [i for i in items if i.path.name not in _MAIN_STACK_FIRST]
     at = next((n for n, i in enumerate(rest) if i.path.name == _BEFORE), len(rest))
     items[:] = rest[:at] + moved + rest[at:]
-    # The fault tests' shared stack (`FaultStack`): test_11 right after test_08, not after test_10's stack.
-    resume = [i for i in items if i.path.name == _FAULTS[1]]
-    rest = [i for i in items if i.path.name != _FAULTS[1]]
-    at = max((n + 1 for n, i in enumerate(rest) if i.path.name == _FAULTS[0]), default=len(rest))
-    items[:] = rest[:at] + resume + rest[at:]
+    # Shared stacks (`FaultStack`, `EventsStack`): the second module right after the first, not after a
+    # stack of another module's.
+    for first, second in (_FAULTS, _EVENTS):
+        after = [i for i in items if i.path.name == second]
+        rest = [i for i in items if i.path.name != second]
+        at = max((n + 1 for n, i in enumerate(rest) if i.path.name == first), default=len(rest))
+        items[:] = rest[:at] + after + rest[at:]

@@ -1,7 +1,8 @@
 """The goodput benchmark's quick mode (issue #22 item 1): the conditional decider on real vLLM takes each
 path at least once, and either path answers what the single instance answers, token for token.
 
-A 1P1D stack whose router runs `--disaggregation conditional --pd-min-tokens 256`: a 64-token prompt is
+A 1P1D stack (test_16's engines, `conftest.EventsStack`) through a router of its own that follows no KV
+events and runs `--disaggregation conditional --pd-min-tokens 256`: a 64-token prompt is
 short (whole, on one instance), a 600-token prompt is long (PD, its KV pulled by the decode). Both go
 non-streamed and streamed, greedy, with token-id prompts. The router's `pdgate_router_decisions_total`
 must count both paths under the rules that apply (short_prompt, long_prompt); the decode's connector
@@ -15,17 +16,13 @@ covers only the blocks beyond them, and the answer is still the single instance'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from pdgate.deploy.local.stack import LocalStack
 
-from tests.e2e.conftest import Baseline, Stacks
+from tests.e2e.conftest import Baseline, EventsStack, RouterReplica
 from tests.e2e.pdclient import complete, delta, openai_client, prompt_ids, scrape, settled
 
 pytestmark = pytest.mark.e2e
 
-MIN_PD_TOKENS = 256
 SHORT, LONG = 64, 600
 BLOCK = 32  # the stack's block size
 DECISIONS = "pdgate_router_decisions_total"
@@ -37,19 +34,13 @@ def decisions(router_url: str) -> dict[tuple[str, str], float]:
 
 
 @pytest.fixture(scope="module")
-def conditional_stack(stacks: Stacks) -> Iterator[LocalStack]:
-    stack = stacks.start(
-        "goodput-quick",
-        router_args=("--disaggregation", "conditional", "--pd-min-tokens", str(MIN_PD_TOKENS)),
-    )
-    try:
-        yield stack
-    finally:
-        stack.stop()  # frees the cores for what follows
+def conditional_stack(events_stack: EventsStack) -> RouterReplica:
+    """test_16's engines, through a router of this module's own that follows no KV events."""
+    return events_stack.replica("router-goodput-quick", "--disaggregation", "conditional", "--pd-min-tokens", "256")
 
 
 def test_decider_takes_each_path_with_the_single_instances_output(
-    conditional_stack: LocalStack, baseline: Baseline
+    conditional_stack: RouterReplica, baseline: Baseline
 ) -> None:
     stack = conditional_stack
     [decode] = stack.by_role("decode")
@@ -76,7 +67,7 @@ def test_decider_takes_each_path_with_the_single_instances_output(
 
 
 def test_a_second_turn_pulls_only_the_blocks_the_decode_lacks(
-    conditional_stack: LocalStack, baseline: Baseline
+    conditional_stack: RouterReplica, baseline: Baseline
 ) -> None:
     stack = conditional_stack
     [decode] = stack.by_role("decode")

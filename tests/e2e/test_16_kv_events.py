@@ -1,8 +1,9 @@
 """The engines' KV events reach the router on real vLLM, and the decider and the policy act on them
 (issue #22 item 4: "precise where the engines say what they hold").
 
-A 1P1D stack whose engines publish their prefix-cache events (`StackConfig.kv_events`: vLLM's zmq publisher
-over ipc sockets) and whose router follows them (`--kv-events`), routes with `cache_aware` on both sides
+A 1P1D stack (`conftest.EventsStack`, on a redis store; test_12 runs on its engines first, through a
+router of its own) whose engines publish their prefix-cache events (`StackConfig.kv_events`: vLLM's zmq
+publisher over ipc sockets) and whose router follows them (`--kv-events`), routes with `cache_aware` on both sides
 and decides with `--disaggregation conditional --pd-min-tokens 256`. Turn 1 of a conversation (600
 tokens) goes PD: nobody holds it. Turn 2 (turn 1's prompt, its answer and 100 new tokens) is long, but the
 index knows the decode already holds all but its last 104 tokens, so the decider keeps it whole
@@ -20,7 +21,7 @@ import httpx
 import pytest
 from pdgate.deploy.local.stack import LocalStack
 
-from tests.e2e.conftest import Baseline, Stacks
+from tests.e2e.conftest import Baseline, EventsStack
 from tests.e2e.pdclient import complete, delta, openai_client, prompt_ids, scrape, settled, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -41,31 +42,15 @@ def counter(router_url: str, name: str, labels: dict[str, str]) -> float:
 
 
 @pytest.fixture(scope="module")
-def events_stack(stacks: Stacks) -> Iterator[LocalStack]:
-    stack = stacks.start(
-        "kv-events",
-        kv_events=True,
-        router_args=(
-            "--disaggregation",
-            "conditional",
-            "--pd-min-tokens",
-            "256",
-            "--prefill-policy",
-            "cache_aware",
-            "--decode-policy",
-            "cache_aware",
-        ),
-    )
-    try:
-        yield stack
-    finally:
-        stack.stop()
+def kv_events_stack(events_stack: EventsStack) -> Iterator[LocalStack]:
+    yield events_stack.stack()
+    events_stack.stop()  # test_12's engines too: it ran just before (conftest's order)
 
 
 def test_the_decode_s_published_blocks_keep_a_second_turn_whole_on_it(
-    events_stack: LocalStack, baseline: Baseline
+    kv_events_stack: LocalStack, baseline: Baseline
 ) -> None:
-    stack = events_stack
+    stack = kv_events_stack
     [decode] = stack.by_role("decode")
     client = openai_client(stack.openai_base_url)
     applied = "pdgate_router_kv_event_batches_total"
