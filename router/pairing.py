@@ -38,6 +38,7 @@ class InstanceView:
     draining: bool = False
     static: bool = False
     reported: int = 0  # running + waiting, from the registry's load figures
+    reported_at: float = 0.0  # the heartbeat that carried them (metaserver clock): which report this is
     kv_usage: float = 0.0
 
     @classmethod
@@ -57,6 +58,7 @@ class InstanceView:
             transport=inst.transport,
             draining=inst.state.value == "draining",
             reported=inst.load.running + inst.load.waiting,
+            reported_at=inst.last_heartbeat,
             kv_usage=inst.load.kv_usage,
         )
 

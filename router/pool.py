@@ -59,7 +59,18 @@ __all__ = ["Lease", "LiveInstance", "Pool"]
 class LiveInstance:
     """The router's live record of one instance (one DP rank): load, breaker, health."""
 
-    __slots__ = ("breaker", "compat", "health_reason", "healthy", "id", "public", "requests", "tokens", "view")
+    __slots__ = (
+        "breaker",
+        "compat",
+        "health_reason",
+        "healthy",
+        "id",
+        "own_at_report",
+        "public",
+        "requests",
+        "tokens",
+        "view",
+    )
 
     def __init__(self, view: InstanceView, breaker: CircuitBreaker, public: str = "") -> None:
         self.id = view.id
@@ -67,14 +78,22 @@ class LiveInstance:
         self.view = view
         self.requests = 0
         self.tokens = 0
+        self.own_at_report = 0  # `requests` when the current report came in (`Pool.replace`)
         self.breaker = breaker
         self.healthy = True
         self.health_reason = ""
         self.compat = -1  # its compatibility class: a small int per distinct compat key (set by Pool._rebuild)
 
     @property
-    def reported(self) -> int:
-        return self.view.reported
+    def others(self) -> int:
+        """The requests others (router replicas, workers, direct clients) had on the instance as of its last
+        report: what it reported running and waiting, less what this router had in flight to it when that
+        report came in. Not the report itself: after a burst, an idle engine still reports the burst until
+        its next heartbeat reaches the registry and this router (a second or two), and a report taken as
+        load kept steering requests away from it meanwhile (test_16 saw a turn go to the wrong engine).
+        Requests this router sent count live, in `requests`."""
+        others = self.view.reported - self.own_at_report
+        return others if others > 0 else 0
 
     def where(self, side: str) -> tuple[str, str]:
         """This instance serving `side`, as a client reads it (the opaque name) and as the log and the
@@ -149,6 +168,9 @@ class Pool:
                     v, CircuitBreaker(self._breaker_cfg, self._transition_cb(v.id)), self.public_name(v.id)
                 )
             else:
+                was = inst.view
+                if v.reported_at != was.reported_at or v.reported != was.reported:  # a new report
+                    inst.own_at_report = inst.requests
                 inst.view = v
             instances[v.id] = inst
         for gone in self.instances.keys() - instances.keys():

@@ -12,8 +12,9 @@ What each worker has of its own, and why that stays coherent:
 - health: each probes every engine every `health_interval_s`, so a dead engine leaves the rotation of
   every worker within one health interval (and at once, on its own failed requests, via the breaker);
   the cost is N probes per engine per interval;
-- load: each counts its own in-flight requests; the policies take the larger of that and the load the
-  engine reports to the registry, which every worker reads, so the workers share that figure;
+- load: each counts its own in-flight requests, live; the policies add the engine's last report to the
+  registry (which every worker reads) less what the worker itself had in flight when it came in, so
+  each sees the others' share as of that report (`pool.LiveInstance.others`);
 - the ledger: one ledger, because it lives in the store. `--workers > 1` therefore needs either
   `--metaserver URL` or an embedded metaserver on a shared store (every scheme of
   `metaserver.store.SCHEMES` but `memory://`: Redis, Sentinel, Cluster, TLS or not): N in-process `memory://`

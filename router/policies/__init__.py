@@ -6,10 +6,11 @@ an index or None. It never records anything: the caller counts the request again
 dispatches to (`Pool.lease`). Each policy lives in its own module; `POLICIES` maps names (the
 `--prefill-policy`/`--decode-policy` values) to classes, and `make_policy` builds one.
 
-Load, the same for every policy that looks at it: the larger of the router's own in-flight requests
-to the instance and the running+waiting figures the instance last reported to the registry (other
-router replicas' traffic shows only there), plus in-flight tokens / `TOKEN_UNIT`, so a few long
-prompts weigh like many short ones.
+Load, the same for every policy that looks at it: the router's own in-flight requests to the instance
+(live), plus the requests others had on it as of its last report to the registry (`LiveInstance.others`:
+other router replicas' traffic shows only there), plus in-flight tokens / `TOKEN_UNIT`, so a few long
+prompts weigh like many short ones. The report alone trails the engine by a heartbeat and a registry
+read; the router's own count does not.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ TOKEN_UNIT = 2048
 
 
 def load_of(c: LiveInstance) -> float:
-    own = c.requests
-    reported = c.reported
-    return (own if own > reported else reported) + c.tokens / TOKEN_UNIT
+    return c.requests + c.others + c.tokens / TOKEN_UNIT
 
 
 class Policy(Protocol):

@@ -19,7 +19,7 @@ class C:
     id: str
     requests: int = 0
     tokens: int = 0
-    reported: int = 0
+    others: int = 0
 
 
 def facts(prefix: bytes = b"") -> RequestFacts:
@@ -33,9 +33,9 @@ def test_registry_names() -> None:
     assert isinstance(make_policy("prefix_affinity", load_factor=2.0, unrelated=1), PrefixAffinity)
 
 
-def test_load_is_the_larger_of_own_and_reported_plus_tokens() -> None:
-    assert load_of(C("a", requests=2, reported=5)) == 5
-    assert load_of(C("a", requests=6, reported=5, tokens=TOKEN_UNIT)) == 7
+def test_load_is_own_plus_others_plus_tokens() -> None:
+    assert load_of(C("a", requests=2, others=5)) == 7
+    assert load_of(C("a", requests=6, others=0, tokens=TOKEN_UNIT)) == 7
 
 
 def test_empty_and_single() -> None:
@@ -53,7 +53,7 @@ def test_round_robin_cycles() -> None:
 
 def test_least_load_picks_the_minimum_and_breaks_ties_by_rng() -> None:
     p = LeastLoad()
-    cands = [C("a", requests=3), C("b", requests=1), C("c", reported=2)]
+    cands = [C("a", requests=3), C("b", requests=1), C("c", others=2)]
     assert p.choose(cands, facts(), Random(0)) == 1
     tied = [C("a", requests=1), C("b", requests=1), C("c", requests=4)]
     seen = {p.choose(tied, facts(), Random(seed)) for seed in range(20)}

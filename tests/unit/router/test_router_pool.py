@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
 from pdgate.router.breaker import BreakerConfig, BreakerState
 from pdgate.router.pairing import InstanceView
+from pdgate.router.policies import load_of
 from pdgate.router.pool import Pool
 
 from pdgate.models import Role
@@ -67,10 +69,34 @@ def test_live_instances_keep_counts_across_refreshes_and_drop_vanished_ids() -> 
     inst = pool.instances["p1"]
     with pool.lease(inst, 100, lambda: 0):
         pool.replace([replace(P1, reported=7), D1])
-        assert pool.instances["p1"] is inst and inst.requests == 1 and inst.tokens == 100 and inst.reported == 7
+        assert pool.instances["p1"] is inst and inst.requests == 1 and inst.tokens == 100 and inst.others == 6
         pool.replace([D1])
         assert "p1" not in pool.instances and seen[-1] == ("p1", 0)
     assert inst.requests == 0 and inst.tokens == 0  # a lease ending after its instance left never goes negative
+
+
+def test_a_report_counts_only_what_others_had_in_flight_and_the_routers_own_count_is_live() -> None:
+    """An engine reports running+waiting with each heartbeat, and the router reads it a poll later: the
+    figure includes this router's own requests as they were then. After they finish, the stale report
+    must not keep the engine loaded (the old load, max(own, reported), stayed at the report until the
+    next heartbeat); a request from another router replica in the report still counts."""
+    pool = Pool()
+    pool.replace([P1, D1])
+    inst = pool.instances["d1"]
+    with ExitStack() as ours:
+        for _ in range(3):
+            ours.enter_context(pool.lease(inst, 0, lambda: 0))
+        pool.replace([P1, replace(D1, reported=4, reported_at=10.0)])  # our 3 and one of another replica's
+        assert inst.others == 1 and load_of(inst) == 4
+    assert inst.others == 1 and load_of(inst) == 1  # the report is stale; our own count is not
+    pool.replace([P1, replace(D1, reported=4, reported_at=10.0)])  # the same report, read again
+    assert load_of(inst) == 1
+    pool.replace([P1, replace(D1, reported=1, reported_at=11.0)])  # the next heartbeat
+    assert inst.others == 1 and load_of(inst) == 1
+    with pool.lease(inst, 0, lambda: 0):
+        assert load_of(inst) == 2
+        pool.replace([P1, replace(D1, reported=0, reported_at=12.0)])  # ours not there yet: never negative
+        assert inst.others == 0 and load_of(inst) == 1
 
 
 def test_a_lease_ends_its_count_however_the_request_ends() -> None:
