@@ -34,6 +34,7 @@ from pdgate.deploy.local.stack import (
 from pdgate.deploy.local.vllm_env import VllmEnv, find_vllm_env, repo_root
 from pdgate.deploy.local.vllm_instance import ServeFlags
 
+from tests.e2e.nixl_pair import LoopbackRouter
 from tests.e2e.pdclient import MAX_TOKENS, Answer, Ranked, chat, chat_messages, complete, openai_client, ranked
 from tests.support.redis import RedisServer
 
@@ -85,7 +86,7 @@ class FaultStack:
             self._stack = None
 
 
-class RouterReplica:
+class RouterReplica(LoopbackRouter):
     """A second `pdgate-router` over a running stack's engines and ledger (its redis store): the shape of
     router replicas with their own settings. What the tests read of a stack, for this router."""
 
@@ -103,14 +104,6 @@ class RouterReplica:
         except BaseException:
             self.proc.stop()
             raise
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def openai_base_url(self) -> str:
-        return self.url + "/v1"
 
     def by_role(self, role: str) -> list[InstanceHandle]:
         return self.stack.by_role(role)

@@ -134,7 +134,21 @@ class Engine(InstanceHandle):
     side_channel_port: int = 0
 
 
-class NixlPair:
+class LoopbackRouter:
+    """A router of the tests' own on a loopback port: its addresses, as a client reaches them."""
+
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.url + "/v1"
+
+
+class NixlPair(LoopbackRouter):
     """Start/stop a stock NixlConnector prefill + decode and pdgate-router in front; a context manager."""
 
     def __init__(
@@ -163,14 +177,6 @@ class NixlPair:
         self.startup_timeout_s = startup_timeout_s
         self.engines: list[Engine] = []
         self.router: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def openai_base_url(self) -> str:
-        return self.url + "/v1"
 
     def engine(self, role: str) -> Engine:
         return next(e for e in self.engines if e.role == role)
