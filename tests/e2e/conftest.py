@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -51,29 +51,17 @@ class FaultStack:
     not a whole stack: about a minute of CI). The router takes the decodes in turn and probes health every
     second."""
 
-    def __init__(self, run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> None:
-        self.run_dir = run_dir
-        self.model_dir = model_dir
-        self.vllm_env = vllm_env
+    def __init__(self, stacks: Stacks) -> None:
+        self.stacks = stacks
         self._stack: LocalStack | None = None
 
-    def get(self, log: Callable[[str], None]) -> LocalStack:
+    def get(self) -> LocalStack:
         """The stack with one prefill and two live decodes: started on first use, else revived."""
         if self._stack is None:
-            cfg = StackConfig(
-                n_prefill=1,
-                n_decode=2,
-                port=free_port(),
-                model_dir=self.model_dir,
-                run_dir=self.run_dir,
-                venv=self.vllm_env.venv,
-                install=False,
-                router_args=["--decode-policy", "round_robin", "--health-interval-s", "1"],
-            )
-            self._stack = LocalStack(cfg, log=log).start()
+            args = ("--decode-policy", "round_robin", "--health-interval-s", "1")
+            self._stack = self.stacks.start("faults-1p2d", n_decode=2, router_args=args)
             return self._stack
         stack = self._stack
-        stack.log = log
         for dead in [h for h in stack.instances if not h.proc.alive()]:
             stack.remove_instance(dead)
             stack.add_instance(dead.role)
@@ -304,8 +292,8 @@ def _baseline_instance(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) ->
 
 
 @pytest.fixture(scope="session")
-def fault_stack(e2e_run_dir: Path, model_dir: Path, vllm_env: VllmEnv) -> Iterator[FaultStack]:
-    holder = FaultStack(e2e_run_dir / "faults-1p2d", model_dir, vllm_env)
+def fault_stack(stacks: Stacks) -> Iterator[FaultStack]:
+    holder = FaultStack(stacks)
     try:
         yield holder
     finally:

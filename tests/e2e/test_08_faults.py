@@ -43,7 +43,7 @@ def _log(msg: str) -> None:
 
 @pytest.fixture(scope="module")
 def stack_1p2d(fault_stack: FaultStack) -> LocalStack:
-    return fault_stack.get(_log)
+    return fault_stack.get()
 
 
 def _idle(counters: dict[str, float]) -> bool:

@@ -50,7 +50,7 @@ def _log(msg: str) -> None:
 @pytest.fixture(scope="module")
 def stack_1p2d(fault_stack: FaultStack) -> Iterator[LocalStack]:
     """test_08's stack with a fresh decode for the one it killed (the router resumes twice by default)."""
-    yield fault_stack.get(_log)
+    yield fault_stack.get()
     fault_stack.stop()  # it ends with a dead decode: free the cores for what follows
 
 

@@ -75,9 +75,11 @@ def test_the_decode_s_published_blocks_keep_a_second_turn_whole_on_it(
         timeout=20,
         what="the router's index to hold both engines' blocks of turn 1",
     )
-    # cache_aware weighs the prefix against load, and an engine's reported load trails its work by a
-    # heartbeat: while the decode still reports turn 1 running, the idle prefill's 18 blocks outscore its
-    # 19 and turn 2 runs there (CI saw 576). Wait for both reports to say idle, as a quiet cluster would.
+    # cache_aware weighs the prefix against load, and an engine's report trails its work by a heartbeat.
+    # The router discounts its own requests that were in flight when a report came in (`LiveInstance.others`),
+    # but a report taken during turn 1 and read after it ended still counts turn 1 as someone else's until
+    # the next one; then the idle prefill's 18 blocks outscore the decode's 19 and turn 2 runs there (CI saw
+    # 576). Wait for both reports to say idle, as a quiet cluster would.
     wait_for(
         lambda: all(row.get("load") == 0 for row in status_rows(stack)),
         timeout=20,
