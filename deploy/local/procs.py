@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,11 +36,47 @@ class ProcessFailed(RuntimeError):
         super().__init__(f"{proc.name}: {why}\n  log: {proc.log_path}\n  last lines of the log:\n{tail}")
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+# Ports handed out below the kernel's ephemeral range start here (clear of the well-known and most
+# registered services' ports, which sit lower).
+_LOWEST_PORT = 12000
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (outgoing connections' local ports, `bind(0)`)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", *, span: int = 0) -> int:
+    """A port nobody listens on now, chosen below the kernel's ephemeral range (ports `span` above it too).
+
+    Why not `bind(0)`: the kernel hands the same port out again, as the local port of any outgoing
+    connection on the machine. A server that binds it seconds later (a vLLM engine binds its HTTP
+    port only after loading, about 40 s on two cores) can then find it taken by a client socket;
+    a Redis Sentinel that exited that way cost CI a run. A random port under the range is never
+    handed out by the kernel, so only another process choosing the same one can race for it."""
+    lo, _ = ephemeral_range()
+    top = lo - 1 - span
+    if top - _LOWEST_PORT >= 1000:
+        for _ in range(200):
+            port = random.randint(_LOWEST_PORT, top)
+            if all(_bindable(host, p) for p in {port, port + span}):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a host configured without that room
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -9,10 +9,8 @@ joined by `redis-cli --cluster create`.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 from collections.abc import Callable
 from functools import partial
@@ -68,20 +66,8 @@ def crash(server: RedisServer) -> None:
 
 
 def cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too; Redis needs both below 65536."""
-    while True:
-        port = random.randint(20000, 45000)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    """A free port whose cluster bus port (+10000) is free too (both below the kernel's ephemeral range)."""
+    return free_port(span=10000)
 
 
 Cli = Callable[..., str]  # (port, *args): one redis-cli command's stdout, as `redis_cli` (plain) or over TLS
@@ -98,6 +84,17 @@ def sentinel_field(cli: Cli, port: int, name: str) -> str:
     return dict(zip(lines[::2], lines[1::2], strict=False)).get(name, "")
 
 
+def _pings(port: int) -> bool:
+    try:
+        return redis_cli(port, "ping", timeout=5.0) == "PONG"
+    except (subprocess.SubprocessError, OSError):
+        return False
+
+
+def _up_or_exited(proc: subprocess.Popen[bytes], port: int) -> bool:
+    return proc.poll() is not None or _pings(port)
+
+
 def wait_replica_in_sync(cli: Cli, replica_port: int) -> None:
     """Until the replica's link to its master is up: a failover before that would promote an empty replica."""
     wait_for("replica in sync", lambda: "master_link_status:up" in cli(replica_port, "info", "replication"))
@@ -111,8 +108,19 @@ def wait_sentinels_formed(cli: Cli, sentinel_ports: list[int]) -> None:
             sentinel_field(cli, port, "num-other-sentinels") == "2" and sentinel_field(cli, port, "num-slaves") == "1"
         )
 
+    def view(port: int) -> str:
+        try:
+            return f"{port}: {sentinel_field(cli, port, 'num-other-sentinels')} other Sentinels, " + (
+                f"{sentinel_field(cli, port, 'num-slaves')} replicas, flags {sentinel_field(cli, port, 'flags')}"
+            )
+        except Exception as exc:  # a Sentinel that does not answer is what the message shows
+            return f"{port}: no answer ({exc})"
+
     for port in sentinel_ports:
-        wait_for("Sentinels found the replica and each other", partial(formed, port))
+        try:
+            wait_for("Sentinels found the replica and each other", partial(formed, port))
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; each Sentinel's view: {'; '.join(map(view, sentinel_ports))}") from None
 
 
 class Group:
@@ -152,7 +160,15 @@ class SentinelGroup(Group):
         self.replica.extra_args += ["--replicaof", "127.0.0.1", str(self.master.port)]
         self.replica.start(BOUND_S)
         wait_replica_in_sync(redis_cli, self.replica.port)
-        for port in self.sentinel_ports:
+        for i in range(len(self.sentinel_ports)):
+            self._start_sentinel(i)
+        wait_sentinels_formed(redis_cli, self.sentinel_ports)
+        return self
+
+    def _start_sentinel(self, i: int) -> None:
+        """Sentinel `i`, answering PING; a port taken since it was chosen gets a fresh one (as RedisServer)."""
+        for _ in range(3):
+            port = self.sentinel_ports[i]
             d = Path(self.master._dir.name) / f"sentinel-{port}"
             d.mkdir()
             conf = d / "sentinel.conf"
@@ -164,10 +180,19 @@ class SentinelGroup(Group):
                 f"sentinel parallel-syncs {SERVICE} 1\n"
             )
             cmd = [shutil.which("redis-server") or "/usr/bin/redis-server", str(conf), "--sentinel"]
-            self._sentinels.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._sentinels.append(proc)
             self._dirs.append(d)
-        wait_sentinels_formed(redis_cli, self.sentinel_ports)
-        return self
+            wait_for(f"Sentinel on {port} answers or exits", partial(_up_or_exited, proc, port))
+            if proc.poll() is None:
+                return
+            log = d / "sentinel.log"
+            if "Address already in use" not in (log.read_text() if log.exists() else ""):
+                raise RuntimeError(f"Sentinel on {port} exited with {proc.returncode}: see {log}")
+            self._sentinels.remove(proc)
+            self._dirs.remove(d)
+            self.sentinel_ports[i] = free_port()
+        raise RuntimeError(f"no free port for Sentinel {i} in three tries")
 
     @property
     def url_hosts(self) -> str:

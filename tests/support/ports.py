@@ -1,19 +1,16 @@
-"""Free loopback ports and readiness polling (poll, never sleep a fixed time)."""
+"""Free loopback ports and readiness polling (poll, never sleep a fixed time).
+
+`free_port` is the launcher's own (`pdgate.deploy.local.procs`): one rule for where a port comes from.
+"""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
+from pdgate.deploy.local.procs import free_port
+
 __all__ = ["free_port", "wait_until"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel just handed out; a listener started right after gets it in practice."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(

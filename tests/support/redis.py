@@ -37,6 +37,9 @@ def _ping(port: int) -> bool:
 class RedisServer:
     def __init__(self, port: int | None = None, *, extra_args: list[str] | None = None) -> None:
         self.port = port or free_port()
+        # A port we chose may be taken by the time the server binds it: then take another, but only
+        # before the first start (a restart must keep the port its clients know).
+        self._may_move = port is None
         self.extra_args = extra_args or []
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="pdgate-redis-")
@@ -72,11 +75,15 @@ class RedisServer:
             if self._proc.poll() is not None:
                 log = Path(self._dir.name, "redis.log")
                 text = log.read_text() if log.exists() else ""
+                if self._may_move and "Address already in use" in text:
+                    self._may_move, self._proc, self.port = False, None, free_port()
+                    return self.start(timeout)
                 raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {text[-2000:]}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"redis-server on port {self.port} did not answer PING within {timeout} s")
             time.sleep(0.01)
+        self._may_move = False
         return self
 
     def stop(self) -> None:
