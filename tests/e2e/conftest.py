@@ -2,10 +2,10 @@
 
 A vLLM engine takes 45-75 s to start on two cores, so the suite starts as few as it can: the baseline
 single instance boots while the 1P1D stack boots; the 2P1D test adds a second prefill to the running
-stack; the negative control swaps the decode for a corrupting one at the very end (the stack is
-stopped afterwards so nothing later sees it). The other modules on the main stack run before those two
-(`pytest_collection_modifyitems`); the modules that need engines configured their own way start stacks
-of their own after it.
+stack at the very end. The other modules on the main stack run before it (`pytest_collection_modifyitems`);
+the modules that need engines configured their own way start stacks of their own after it, and stop the
+main stack first. Stacks are shared where a module's engines fit another's tests (`FaultStack`,
+`EventsStack`; the negative control runs on test_15's faulty decode).
 
 The tests need the vLLM venv (`deploy/local/vllm_env.py` finds it: $PDGATE_VLLM_VENV or
 <repo>/.venv-vllm). A missing venv fails the tests; it never skips them. Set PDGATE_E2E_RUN_DIR to
@@ -353,8 +353,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                 report.sections.append((f"log {log_path.relative_to(run_dir)} (last 40 lines)", "\n".join(lines)))
 
 
-# Modules on the main 1P1D stack that run before test_05 turns it into 2P1D (test_09 counts one prefill)
-# and test_06 corrupts its decode and stops it. In file order the main stack started three times
+# Modules on the main 1P1D stack that run before test_05 turns it into 2P1D (test_09 counts one prefill).
+# In file order the main stack started three times
 # (test_01, test_09 after test_07 stopped it, test_drop_in after test_16), about a minute of CI each.
 _MAIN_STACK_FIRST = ("test_09_load.py", "test_drop_in.py")
 _BEFORE = "test_05_two_prefills.py"

@@ -3,7 +3,8 @@
 Three independent witnesses per request: the connector's counters on decode (blocks and tokens
 pulled), vLLM's own accounting on decode (`vllm:prompt_tokens_by_source`: external_kv_transfer vs
 local_compute), and the handoff ledger (the record names the prefill that computed the KV and the
-decode that claimed it, and ended DONE). A negative control lives in test_06_negative_control.py.
+decode that claimed it, and ended DONE). A negative control lives in test_15_layerwise.py
+(a decode whose pulled KV is corrupted answers differently).
 """
 
 from __future__ import annotations

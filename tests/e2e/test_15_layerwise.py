@@ -9,7 +9,11 @@ layer-wise load (`recv_layerwise`) and each wait of vLLM's forward for one of it
 one per model layer, none out of order), and its log line for the transfer lists the layers in the order
 the forward waited for them. A prompt below the threshold is loaded whole (counted by `recv_ok`, not by
 `recv_layerwise`) and is equal too. Afterwards the ledger holds no live handoff and the prefill no block.
-Last, the decode is swapped for one whose read of layer 1 fails: the load fails typed, nothing is held.
+Last, the decode is swapped for a faulty one (TEST ONLY options): its read of layer 1 fails, so a
+layer-wise load fails typed and nothing is held; and it XORs the bytes of every whole load, the negative
+control of every equality test here and in the other modules: a decode using corrupted pulled KV must answer
+differently from the single instance, so the equality comes from the transferred KV, not from a decode
+quietly recomputing the prompt. (One engine carries both faults: each is an engine start saved in CI.)
 
 Why this stack works where the dropped two-server test (commit 30d7aaf) did not: see docs/TRANSFER.md
 ("Layer-wise", end-to-end evidence).
@@ -132,18 +136,26 @@ def test_nothing_is_held_afterwards(layerwise_stack: LocalStack) -> None:
     assert settled(decode)["done_refused"] == 0
 
 
-def test_a_read_failed_at_layer_1_fails_the_load_typed_and_holds_nothing(
-    layerwise_stack: LocalStack, baseline: Baseline
-) -> None:
-    """Last (it swaps the decode): a decode whose read of layer 1 fails (`test_fail_layer`, TEST ONLY). vLLM
-    fails the request (`kv_load_failure_policy: fail`, its default), the connector names the transport's
-    typed error, the handoff is aborted so the prefill frees, and the router answers the request whole."""
+@pytest.fixture(scope="module")
+def faulty_decode(layerwise_stack: LocalStack) -> InstanceHandle:
+    """The stack's decode swapped for one whose read of layer 1 fails (`test_fail_layer`) and whose whole loads
+    are XORed (`corrupt_pulled_bytes`); the tests that use it come last in the module."""
     stack = layerwise_stack
-    [prefill] = stack.by_role("prefill")
     [good] = stack.by_role("decode")
     stack.remove_instance(good)
-    bad = stack.add_instance("decode", extra={"test_fail_layer": 1})
+    bad = stack.add_instance("decode", extra={"test_fail_layer": 1, "corrupt_pulled_bytes": True})
     stack.wait_router_ready()
+    return bad
+
+
+def test_a_read_failed_at_layer_1_fails_the_load_typed_and_holds_nothing(
+    layerwise_stack: LocalStack, faulty_decode: InstanceHandle, baseline: Baseline
+) -> None:
+    """vLLM fails the request (`kv_load_failure_policy: fail`, its default), the connector names the
+    transport's typed error, the handoff is aborted so the prefill frees, and the router answers the request
+    whole (computed on an instance, so nothing corrupted is used)."""
+    stack, bad = layerwise_stack, faulty_decode
+    [prefill] = stack.by_role("prefill")
     prompt = prompt_ids(300, seed=1520)
     want = baseline.complete(prompt)
     d0, p0 = settled(bad), settled(prefill)
@@ -167,3 +179,25 @@ def test_a_read_failed_at_layer_1_fails_the_load_typed_and_holds_nothing(
     p = delta(settled(prefill), p0)
     assert p["sends_freed_aborted"] >= 1 and p["sends_freed_expired"] == 0, p
     assert p["sends_held"] == p["sends_freed_aborted"] + p["sends_freed_done"], p
+
+
+def test_corrupted_kv_changes_the_output(
+    layerwise_stack: LocalStack, faulty_decode: InstanceHandle, baseline: Baseline
+) -> None:
+    """The negative control: prompts below `MIN_TOKENS` are loaded whole, and XORed; the answers must differ
+    from the single instance's although every load succeeded and nothing was recomputed."""
+    bad = faulty_decode
+    client = openai_client(layerwise_stack.openai_base_url)
+    before = settled(bad)
+    prompts = [prompt_ids(n, seed=800) for n in (40, 64, SHORT)]
+    for prompt in prompts:
+        assert len(prompt) < MIN_TOKENS
+        got = complete(client, prompt)
+        assert got.headers.get("x-pdgate-path") != "whole", got.headers  # the decode pulled the KV
+        want = baseline.complete(prompt)
+        assert got.token_ids != want.token_ids, f"corrupted KV gave the baseline output ({len(prompt)} tokens)"
+    d = delta(settled(bad), before)  # the stats file trails the last answer by up to 0.2 s
+    # The corruption hit KV that really was pulled and used: the loads succeeded, nothing was recomputed.
+    assert d["recv_ok"] == len(prompts) and d["recv_failed"] == 0 and d["recv_layerwise"] == 0, d
+    assert d["blocks_pulled"] >= sum(len(p) // BLOCK for p in prompts), d
+    assert d["tokens_local_compute"] < BLOCK * len(prompts), d
