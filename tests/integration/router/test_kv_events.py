@@ -86,9 +86,11 @@ def pubs() -> Iterator[list[Pub]]:
         p.pub.shutdown()
 
 
-async def connected(pub: Pub, index: KVIndex, instance: str = "p1") -> None:
+async def connected(pub: Pub, index: KVIndex, instance: str = "p1", timeout: float = 20.0) -> None:
     """PUB/SUB drops what is sent before the subscription is live: send empty batches until one lands."""
+    deadline = time.monotonic() + timeout
     while index.expected(instance) is None:
+        assert time.monotonic() < deadline, f"no batch of {instance} reached the index in {timeout} s"
         await pub.publish()
         await asyncio.sleep(0.02)
 
