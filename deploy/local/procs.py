@@ -63,20 +63,11 @@ def free_port(host: str = "127.0.0.1", *, span: int = 0) -> int:
     if top - _LOWEST_PORT >= 1000:
         for _ in range(200):
             port = random.randint(_LOWEST_PORT, top)
-            if all(_bindable(host, p) for p in {port, port + span}):
+            if all(port_is_free(p, host) for p in {port, port + span}):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a host configured without that room
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -19,7 +19,7 @@ from typing import Self
 
 from tests.support.ports import free_port, wait_until
 from tests.support.procs import end
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, answers_ping
 
 __all__ = [
     "BOUND_S",
@@ -84,15 +84,8 @@ def sentinel_field(cli: Cli, port: int, name: str) -> str:
     return dict(zip(lines[::2], lines[1::2], strict=False)).get(name, "")
 
 
-def _pings(port: int) -> bool:
-    try:
-        return redis_cli(port, "ping", timeout=5.0) == "PONG"
-    except (subprocess.SubprocessError, OSError):
-        return False
-
-
 def _up_or_exited(proc: subprocess.Popen[bytes], port: int) -> bool:
-    return proc.poll() is not None or _pings(port)
+    return proc.poll() is not None or answers_ping(port)
 
 
 def wait_replica_in_sync(cli: Cli, replica_port: int) -> None:

@@ -20,12 +20,13 @@ from pathlib import Path
 from tests.support.ports import free_port
 from tests.support.procs import end
 
-__all__ = ["REDIS_SERVER", "RedisServer"]
+__all__ = ["REDIS_SERVER", "RedisServer", "answers_ping"]
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
-def _ping(port: int) -> bool:
+def answers_ping(port: int) -> bool:
+    """True when a Redis (or a Sentinel) on 127.0.0.1:`port` answers PING."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
@@ -71,7 +72,7 @@ class RedisServer:
         ]  # fmt: skip
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
-        while not _ping(self.port):
+        while not answers_ping(self.port):
             if self._proc.poll() is not None:
                 log = Path(self._dir.name, "redis.log")
                 text = log.read_text() if log.exists() else ""
