@@ -153,12 +153,14 @@ class KVEventSubscriber:
         return sorted(self._tasks)
 
     async def close(self) -> None:
-        tasks = [t for _, t in self._tasks.values()]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        """Stop every follower, then the context (`term` would block on a socket still open). A follower
+        that lived through a cancel is cancelled again rather than awaited for ever: the router's shutdown
+        must not hang on one (`_replayed` says how the replay's read keeps a cancel from being lost)."""
+        pending = {t for _, t in self._tasks.values()}
+        while pending:
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         self._tasks.clear()
         self._ctx.term()
 
@@ -228,29 +230,36 @@ class KVEventSubscriber:
         sock.connect(src.replay)
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            await asyncio.wait_for(self._replayed(src.instance, sock), self.replay_timeout_s)
-        except asyncio.TimeoutError:
-            log.warning(
-                "kv events of %s: no replay from %s within %ss", src.instance, src.replay, self.replay_timeout_s
-            )
+            if not await self._replayed(src.instance, sock, asyncio.get_running_loop().time() + self.replay_timeout_s):
+                log.warning(
+                    "kv events of %s: no replay from %s within %ss", src.instance, src.replay, self.replay_timeout_s
+                )
         finally:
             sock.close(linger=0)
 
-    async def _replayed(self, instance: str, sock: zmq.asyncio.Socket) -> None:
-        """Apply replayed batches until the end marker, or until one cannot follow in order."""
+    async def _replayed(self, instance: str, sock: zmq.asyncio.Socket, deadline: float) -> bool:
+        """Apply replayed batches until the end marker, until one cannot follow in order (True), or until
+        `deadline` on the loop's clock (False). Each frame is awaited by the socket's own poll, with what is
+        left of the time: not by asyncio.wait_for, which on Python < 3.12 swallows a cancel that comes as
+        its result does (the replay's last batch makes the index whole, the router closes the subscriber
+        in the same moment), and the follower would then outlive `close`."""
+        loop = asyncio.get_running_loop()
         while True:
+            left = deadline - loop.time()
+            if left <= 0 or not await sock.poll(left * 1000, zmq.POLLIN):
+                return False
             frames = await sock.recv_multipart()
             if len(frames) != 4:
                 continue
             seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == END_SEQ:
-                return
+                return True
             try:
                 events = decode_batch(frames[3])
             except ValueError:
-                return  # the rest cannot be applied in order: the caller resumes after the gap
+                return True  # the rest cannot be applied in order: the caller resumes after the gap
             if self.index.apply(instance, seq, events, replayed=True) is Outcome.GAP:
-                return  # the buffer no longer holds the start: the caller resumes
+                return True  # the buffer no longer holds the start: the caller resumes
 
 
 class KVEvents:

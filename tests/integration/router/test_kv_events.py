@@ -176,6 +176,31 @@ async def test_an_instance_that_leaves_takes_its_entries(pubs: list[Pub]) -> Non
         assert index.size("p1") == 0
 
 
+async def test_close_ends_a_follower_that_lived_through_a_cancel(pubs: list[Pub]) -> None:
+    """On Python < 3.12, asyncio.wait_for swallows a cancel that comes as its result does, and a follower
+    that swallowed one went on reading for ever while `close` awaited it (two hung test runs here, in the
+    gap test, whose replay's end marker raced the close). The replay no longer uses wait_for; `close`
+    also cancels again whatever is still running, so a lost cancel costs a second, not the shutdown."""
+    pubs.append(pub := Pub())
+    index = KVIndex()
+    sub = KVEventSubscriber(index)
+    cancels: list[int] = []
+    follow = sub._follow
+
+    async def swallows_one_cancel(src: Source) -> None:
+        try:
+            await follow(src)
+        except asyncio.CancelledError:
+            cancels.append(1)
+        await follow(src)  # lives on, as a follower whose cancel was lost did
+
+    sub._follow = swallows_one_cancel  # type: ignore[method-assign]
+    sub.sync({"p1": pub.source()})
+    await connected(pub, index)
+    await asyncio.wait_for(sub.close(), 10.0)
+    assert cancels == [1] and sub.following() == []
+
+
 def test_a_payload_that_is_not_a_batch_is_refused() -> None:
     with pytest.raises(ValueError):
         decode_batch(b"\x93\x01")
