@@ -386,6 +386,7 @@ def clock_skew(f: Facts) -> list[Finding]:
 
     try:
         client = redis.Redis.from_url(f.redis, socket_timeout=f.admin.s.timeout_s)
+        client.ping()  # connect (and AUTH) first: TIME's own round trip then brackets Redis's reading
         t0 = f.clock()
         sec, usec = client.time()
         t1 = f.clock()
