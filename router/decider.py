@@ -63,6 +63,7 @@ __all__ = [
     "Slo",
     "config_from",
     "decide",
+    "decide_early",
     "decide_request",
     "side",
     "slo_from_headers",
@@ -161,33 +162,54 @@ class Decision(NamedTuple):
         return self.path.value, self.reason.value
 
 
-def decide(cfg: DeciderConfig, x: Inputs) -> Decision:
-    """PD or whole for one request, the rule that decided and where it goes (module docstring)."""
-    whole_at = x.decode.id
+def _threshold(cfg: DeciderConfig, slo: Slo) -> tuple[int, bool]:
+    """The non-cached length from which PD pays for this request, and whether its TPOT SLO is strict."""
+    strict_tpot = slo.tpot_ms is not None and slo.tpot_ms <= cfg.strict_tpot_ms
+    return (cfg.min_pd_tokens // 2 if strict_tpot else cfg.min_pd_tokens), strict_tpot
+
+
+def decide_early(
+    cfg: DeciderConfig, prompt_tokens: int, whole_at: str, *, has_prefill: bool, ledger_ok: bool, slo: Slo
+) -> Decision | None:
+    """The rules that need neither the prefill's pick nor the decode's cache (mode "never", no_prefill,
+    ledger_down, short_prompt), or None: `decide` must weigh the rest. The router asks this first, so that
+    a request kept whole costs no prefill pick and no cache lookup; `decide` starts with it, so the order
+    of the rules stays in one place."""
     if cfg.mode == "never":
         return Decision(Path.WHOLE, Reason.NEVER, whole_at)
     if cfg.mode == "always":
-        return Decision(Path.PD, Reason.ALWAYS, x.prefill.id if x.prefill is not None else "")
-    p = x.prefill
-    if p is None:
+        return None
+    if not has_prefill:
         return Decision(Path.WHOLE, Reason.NO_PREFILL, whole_at)
-    if not x.ledger_ok:
+    if not ledger_ok:
         return Decision(Path.WHOLE, Reason.LEDGER_DOWN, whole_at)
-    threshold = cfg.min_pd_tokens
-    strict_tpot = x.slo.tpot_ms is not None and x.slo.tpot_ms <= cfg.strict_tpot_ms
-    if strict_tpot:
-        threshold //= 2
-    suffix = x.prompt_tokens - min(max(x.decode_cached_tokens, 0), x.prompt_tokens)
-    if x.prompt_tokens < threshold:
+    if prompt_tokens < _threshold(cfg, slo)[0]:
         return Decision(Path.WHOLE, Reason.SHORT_PROMPT, whole_at)
+    return None
+
+
+def decide(cfg: DeciderConfig, x: Inputs) -> Decision:
+    """PD or whole for one request, the rule that decided and where it goes (module docstring)."""
+    early = decide_early(
+        cfg, x.prompt_tokens, x.decode.id, has_prefill=x.prefill is not None, ledger_ok=x.ledger_ok, slo=x.slo
+    )
+    if early is not None:
+        return early
+    p = x.prefill
+    if p is None:  # mode "always" with no prefill: PD's own path names the error
+        return Decision(Path.PD, Reason.ALWAYS, "")
+    if cfg.mode == "always":
+        return Decision(Path.PD, Reason.ALWAYS, p.id)
+    threshold, strict_tpot = _threshold(cfg, x.slo)
+    suffix = x.prompt_tokens - min(max(x.decode_cached_tokens, 0), x.prompt_tokens)
     if suffix < threshold:
-        return Decision(Path.WHOLE, Reason.DECODE_CACHED, whole_at)
+        return Decision(Path.WHOLE, Reason.DECODE_CACHED, x.decode.id)
     queued = p.load >= cfg.prefill_busy_load and p.load > x.decode.load
     kv_full = p.kv_usage >= cfg.prefill_kv_full and p.kv_usage > x.decode.kv_usage
     if queued or kv_full:
-        return Decision(Path.WHOLE, Reason.PREFILL_BUSY, whole_at)
+        return Decision(Path.WHOLE, Reason.PREFILL_BUSY, x.decode.id)
     if x.slo.ttft_ms is not None and p.load > x.decode.load:
-        return Decision(Path.WHOLE, Reason.SLO_TTFT, whole_at)
+        return Decision(Path.WHOLE, Reason.SLO_TTFT, x.decode.id)
     if strict_tpot and suffix < cfg.min_pd_tokens:
         return Decision(Path.PD, Reason.SLO_TPOT, p.id)
     return Decision(Path.PD, Reason.LONG_PROMPT, p.id)

@@ -30,7 +30,8 @@ O(P + D) Python calls per request (bench/pool.py: ~135 us each side at 1,000 x 1
 every instance is either plainly in rotation (healthy, breaker closed, not draining) or plainly out of
 it (draining or unhealthy), and that only changes at a refresh, a health verdict or a breaker move. So
 the candidates of a model, and the decodes of a class, are kept as lists built once per such change
-(`_fast_prefills`, `_fast_decodes`; every such change calls `_invalidate`). A list is kept only when it
+(`_fast_prefills`, `_fast_decodes`, and both sides for whole requests; every such change calls
+`_invalidate`). A list is kept only when it
 does not depend on the clock: while any instance it would judge has a breaker that is not closed (open
 or half-open: whether it passes depends on `now` and on its probe), the decision tests instance by
 instance as before. Same candidates, same order, either way (tests/unit/router/test_router_pool_fast.py
@@ -139,6 +140,7 @@ class Pool:
         # The clock-free candidate lists (see the module docstring); None: test instance by instance.
         self._fast_p: dict[str, list[LiveInstance] | None] = {}
         self._fast_d: dict[int, list[LiveInstance] | None] = {}
+        self._fast_w: dict[str, list[LiveInstance] | None] = {}  # model -> both sides, for whole requests
         self._public_key = os.urandom(16)  # names instances to clients (`public_name`); see `key_public_names`
 
     def key_public_names(self, secret: bytes | None) -> None:
@@ -195,6 +197,7 @@ class Pool:
         """Something a candidate list depends on changed: a snapshot, a health verdict, a breaker."""
         self._fast_p.clear()
         self._fast_d.clear()
+        self._fast_w.clear()
 
     def _transition_cb(self, instance_id: str) -> Callable[[BreakerState, BreakerState], None]:
         def cb(before: BreakerState, to: BreakerState) -> None:
@@ -301,12 +304,16 @@ class Pool:
         prompt that comes with no remote KV; a decode's memory is sized for the generation. `either`: the
         decodes and the prefills together (the decider's whole requests, `--whole-on any`), each once."""
         if either:
-            seen: dict[str, LiveInstance] = {}
-            for side in (self.decodes, self.prefills):
-                for i in side.get(model, ()):
-                    if i.id not in exclude and i.id not in seen and i.unavailable(now) is None:
-                        seen[i.id] = i
-            return list(seen.values())
+            both = None
+            fast = self._fast_w.get(model, _UNBUILT) if not exclude else None
+            if fast is _UNBUILT:
+                both = _each_once(self.decodes.get(model, ()), self.prefills.get(model, ()))
+                fast = self._fast_w[model] = _settled(both)
+            if fast is not None:
+                return fast.copy()
+            if both is None:
+                both = _each_once(self.decodes.get(model, ()), self.prefills.get(model, ()))
+            return [i for i in both if i.id not in exclude and i.unavailable(now) is None]
         for side in (self.decodes, self.prefills):
             out = [i for i in side.get(model, ()) if i.id not in exclude and i.unavailable(now) is None]
             if out:
@@ -387,6 +394,15 @@ class Pool:
 
 
 _UNBUILT: list[LiveInstance] = []  # a sentinel: the candidate list of this key is not built since the last change
+
+
+def _each_once(*sides: Iterable[LiveInstance]) -> list[LiveInstance]:
+    """The instances of `sides` in order, an instance of role both (on both sides) once."""
+    seen: dict[str, LiveInstance] = {}
+    for side in sides:
+        for i in side:
+            seen.setdefault(i.id, i)
+    return list(seen.values())
 
 
 def _settled(instances: Iterable[LiveInstance]) -> list[LiveInstance] | None:

@@ -30,7 +30,7 @@ from time import perf_counter
 
 import orjson
 from pdgate.router.bodies import COMPLETIONS, RequestFacts
-from pdgate.router.decider import PATH_REASONS, Path, config_from, decide_request
+from pdgate.router.decider import PATH_REASONS, Path, config_from, decide_early, decide_request
 from pdgate.router.engine_call import Answer, open_answer
 from pdgate.router.errors import (
     DecodeFailed,
@@ -143,17 +143,11 @@ class Whole:
         would use and the instance the request would run whole on; counted by reason. The picks are made
         once: PD's first attempt takes them (`req.prefill_at`, and `req.whole_at` as its decode when it is
         one that pairs), so the decode whose cache was weighed is the one that pulls the KV, and a request
-        costs no more policy calls than without the decider. With no instance to ask, PD's own path names
-        the error."""
+        costs no more policy calls than without the decider; the prefill is picked only when the rules that
+        need no pick (`decide_early`) leave the request undecided. With no instance to ask, PD's own path
+        names the error."""
         now = self._clock()
         prefills = self._pool.prefill_candidates(model, now)
-        prefill = None
-        if prefills:
-            if self._p_policy is None:
-                prefill = min(prefills, key=load_of)
-            else:
-                prefill = prefills[self._p_policy.choose(prefills, req.facts, self._rng) or 0]
-            req.prefill_at = prefill
         # Weighed on the instance the request would run whole on (with KV events, the one holding the most of
         # its prefix, a prefill included under --whole-on any): a conversation's turn kept whole on a prefill
         # is weighed there next turn, not on a decode that holds none of it.
@@ -161,15 +155,20 @@ class Whole:
         if where is None:
             return None
         req.whole_at = where  # the policies keep state (round robin's turn): chosen once, run there first
-        decision = decide_request(
-            self._decider,
-            req.facts,
-            where,
-            prefill,
-            cached_tokens=self._cached,
-            ledger_ok=not self._pool.ledger_down,
-            slo=req.slo,
+        ledger_ok = not self._pool.ledger_down
+        prompt = req.facts.prompt_tokens
+        decision = decide_early(
+            self._decider, prompt, where.id, has_prefill=bool(prefills), ledger_ok=ledger_ok, slo=req.slo
         )
+        if decision is None:  # the prefill's pick and the decode's cache count: a request kept whole asks neither
+            if self._p_policy is None:
+                prefill = min(prefills, key=load_of)
+            else:
+                prefill = prefills[self._p_policy.choose(prefills, req.facts, self._rng) or 0]
+            req.prefill_at = prefill
+            decision = decide_request(
+                self._decider, req.facts, where, prefill, cached_tokens=self._cached, ledger_ok=ledger_ok, slo=req.slo
+            )
         self._m.decision(decision.labels)
         if req.notes is not None:
             add_access_note(req.notes, _NOTES[decision.path, decision.reason])

@@ -12,6 +12,7 @@ from pdgate.router.decider import (
     SideState,
     Slo,
     decide,
+    decide_early,
     slo_from_headers,
 )
 
@@ -118,3 +119,32 @@ def test_every_decision_is_a_metric_series_from_the_start() -> None:
         assert f'pdgate_router_decisions_total{{path="{path.value}",reason="{reason.value}"}} 0.0' in text
     m.decision(decide(COND, _x(prompt=10)).labels)
     assert 'pdgate_router_decisions_total{path="whole",reason="short_prompt"} 1.0' in m.render().decode()
+
+
+@pytest.mark.parametrize("mode", ["always", "conditional", "never"])
+def test_the_early_rules_answer_as_decide_does_whatever_the_prefill_and_the_cache(mode: str) -> None:
+    """The router asks `decide_early` before it picks a prefill or looks up the decode's cache: where it
+    answers, no prefill's state or cached length may change `decide`'s answer; where it does not, some
+    prefill's state or cached length must be what decides."""
+    cfg = DeciderConfig(mode=mode, min_pd_tokens=1024, prefill_busy_load=8.0, strict_tpot_ms=50.0)
+    prefills = [None, P, SideState("p2", load=9.0, kv_usage=0.95), SideState("p3", load=0.0)]
+    slos = [Slo(), Slo(ttft_ms=100.0), Slo(tpot_ms=20.0), Slo(ttft_ms=100.0, tpot_ms=80.0)]
+    answered = undecided = 0
+    for prompt in (0, 511, 512, 1023, 1024, 4096):
+        for ledger_ok in (True, False):
+            for slo in slos:
+                for has_prefill in (False, True):
+                    early = decide_early(cfg, prompt, "d1", has_prefill=has_prefill, ledger_ok=ledger_ok, slo=slo)
+                    full = {
+                        decide(cfg, _x(prompt, prefill=p, decode_cached_tokens=c, ledger_ok=ledger_ok, slo=slo))
+                        for p in prefills
+                        if (p is not None) is has_prefill
+                        for c in (0, 600, 4096)
+                    }
+                    if early is not None:
+                        answered += 1
+                        assert full == {early}, (prompt, ledger_ok, slo, has_prefill)
+                    else:
+                        undecided += 1
+                        assert mode != "never" and (has_prefill or mode == "always")
+    assert (answered or mode == "always") and (undecided or mode == "never")

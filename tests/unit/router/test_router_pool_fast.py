@@ -22,8 +22,11 @@ from pdgate.models import Role
 OPEN_S = 5.0
 
 
-def _views(n: int) -> list[InstanceView]:
-    views = []
+def _views(n: int, *, both: int = 0) -> list[InstanceView]:
+    views = [
+        InstanceView(id=f"b{i:02d}", role=Role.BOTH, url=f"http://10.0.1.{i}:8000", model="m", block_size=16)
+        for i in range(both)
+    ]
     for i in range(n):
         for role, tag in ((Role.PREFILL, "p"), (Role.DECODE, "d")):
             views.append(
@@ -53,11 +56,23 @@ def _oracle_decodes(pool: Pool, prefill: LiveInstance, now: float, exclude: list
     return [d.id for d in decodes if d.id not in exclude and d.unavailable(now) is None]
 
 
+def _oracle_whole(pool: Pool, now: float, exclude: list[str]) -> list[str]:
+    """Either side's available instances, decodes first, an instance of role both once."""
+    out: list[str] = []
+    for side in (pool.decodes, pool.prefills):
+        for i in side.get("m", ()):
+            if i.id not in exclude and i.id not in out and i.unavailable(now) is None:
+                out.append(i.id)
+    return out
+
+
 def _check(pool: Pool, now: float, rng: Random) -> None:
     ids = list(pool.instances)
     for exclude in ([], rng.sample(ids, min(3, len(ids)))):
         got = [p.id for p in pool.prefill_candidates("m", now, exclude)]
         assert got == _oracle_prefills(pool, now, exclude)
+        whole = [i.id for i in pool.whole_candidates("m", now, exclude, either=True)]
+        assert whole == _oracle_whole(pool, now, exclude)
         for p in pool.prefills.get("m", ()):
             got_d = [d.id for d in pool.decode_candidates(p, now, exclude)]
             assert got_d == _oracle_decodes(pool, p, now, exclude), (p.id, exclude)
@@ -66,7 +81,7 @@ def _check(pool: Pool, now: float, rng: Random) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_candidates_equal_the_instance_by_instance_oracle_after_every_change(seed: int) -> None:
     rng = Random(seed)
-    views = _views(6)
+    views = _views(6, both=2)
     pool = Pool(BreakerConfig(failures=2, open_s=OPEN_S, successes=1))
     pool.replace(views)
     now = 0.0
@@ -103,12 +118,13 @@ def test_a_list_is_kept_between_decisions_and_rebuilt_after_a_change() -> None:
     assert pool._fast_p["m"] is not None and len(first) == 4
     first.pop()  # the caller's copy: the kept list is not the one handed out
     assert len(pool.prefill_candidates("m", 0.0)) == 4
+    assert len(pool.whole_candidates("m", 0.0, either=True)) == 8 and pool._fast_w["m"] is not None
     pool.set_health("http://10.0.0.1:8000", False, "down")
     assert [p.id for p in pool.prefill_candidates("m", 0.0)] == ["p00", "p02", "p03"]
     d0 = pool.instances["d00"]
     with pool.lease(d0, 1, lambda: 0.0) as lease:
         lease.failed()  # d00's breaker opens: its class's lists depend on the clock now
-    assert pool._fast_p == {} and pool._fast_d == {}
+    assert pool._fast_p == {} and pool._fast_d == {} and pool._fast_w == {}
     assert [p.id for p in pool.prefill_candidates("m", 0.0)] == ["p00", "p02", "p03"]  # d02 serves p00's class
     assert pool._fast_p["m"] is None
     assert [d.id for d in pool.decode_candidates(pool.instances["p00"], OPEN_S)] == ["d00", "d02"]  # half-open
