@@ -3,7 +3,8 @@
 Under load the decode used to claim late (an HTTP call from a GIL-busy engine process), its DONE then
 arrived after the claim lapsed and was refused, and the prefill kept those blocks for the rest of the
 READY lease. Now the router claims for the decode it picked and the decode trusts that claim, so:
-- every answer still equals the single instance's (fresh prompts, so every one is a KV transfer);
+- every answer still equals the single instance's (fresh prompts, so every one is a KV transfer), up to
+  the bfloat16 near-ties where the single instance itself answers otherwise in a batch (near_ties.py);
 - the decode pulled every one under the router's claim, and the ledger refused none of its DONEs;
 - 2 s after the last answer no handoff is live (every record DONE: the prefill freed at once);
 - the decode's claim latency is recorded in its stats (`claim_ms`: count, p50, p99, max), measured,
@@ -21,6 +22,7 @@ from pdgate.deploy.local.stack import LocalStack
 
 from pdgate.models import HandoffState
 from tests.e2e.conftest import Baseline
+from tests.e2e.near_ties import check_equal_up_to_near_ties
 from tests.e2e.pdclient import (
     Answer,
     complete,
@@ -37,6 +39,9 @@ from tests.e2e.pdclient import (
 pytestmark = pytest.mark.e2e
 
 STREAMS = 64
+# Requests that may differ from the single instance at its own near-ties (tests/e2e/near_ties.py): the
+# single instance asked the same 64 prompts at once differed from itself one at a time in 1 of them.
+MAX_TIED = 4
 
 
 def _live_handoffs(metaserver_url: str) -> float:
@@ -63,8 +68,11 @@ def test_64_concurrent_streams_leave_no_handoff_and_no_refused_done(
         results = list(pool.map(send, range(STREAMS)))
     last_end = max(end for _, end in results)
 
+    tied: dict[int, tuple[list[int], list[float]]] = {}
     for i, ((got, _), want) in enumerate(zip(results, wanted, strict=True)):
-        assert got.token_ids == want.token_ids, f"request {i} differs from the single instance"
+        if got.token_ids != want.token_ids:  # only at the single instance's own near-ties (near_ties.py)
+            tied[i] = check_equal_up_to_near_ties(baseline, prompts[i], got.token_ids, max_ties=2)
+    assert len(tied) <= MAX_TIED, f"requests {sorted(tied)} took near-ties: more than batching explains ({tied})"
 
     # 2 s after the last answer, the ledger holds no live handoff: each one is DONE.
     time.sleep(max(0.0, last_end + 2.0 - time.monotonic()))

@@ -11,11 +11,11 @@ router counts the resumes. "The single instance's answer" is its greedy answer u
 and a decode batched with other streams computes its logits in other shapes than the lone instance, so in
 bfloat16 two candidates within rounding of each other can swap (CI saw it at token 101 at a resume point,
 and at token 1002, 999 steps after one). A position where the stream leaves the single instance's answer
-passes only if the single instance itself ranked the stream's token within NEAR_TIE of its first;
-the check then goes on from the single instance's answer to the prompt plus the stream up to there, so
-every later token is held to the same rule. A lost, repeated or reordered token is not a near-tie of the
-single instance and fails, as it failed the plain equality. 8 clients:
-the 2-core CI host runs three engines unpinned (test_08's note); a
+passes only if the single instance itself ranked the stream's token within `NEAR_TIE` of its first
+(tests/e2e/near_ties.py); the check then goes on from the single instance's answer to the prompt plus the
+stream up to there, so every later token is held to the same rule. A lost, repeated or reordered token is
+not a near-tie of the single instance and fails, as it failed the plain equality. 8 clients: the 2-core CI
+host runs three engines unpinned (test_08's note); a
 GPU host may raise `PDGATE_E2E_RESUME_CLIENTS` to 32.
 """
 
@@ -34,6 +34,7 @@ import pytest
 from pdgate.deploy.local.stack import LocalStack
 
 from tests.e2e.conftest import Baseline, FaultStack
+from tests.e2e.near_ties import check_equal_up_to_near_ties
 from tests.e2e.pdclient import Answer, complete, metric, observe, openai_client, prompt_ids, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -65,38 +66,7 @@ def resume_points(router_log: Path) -> dict[str, list[int]]:
     return points
 
 
-# The flips seen here had gaps of 0, 1/64 and 1/32 nats: one or two steps of bfloat16 at these logits
-# (a resumed stream took 9 in 1,197 tokens, an unresumed one an exact tie at token 1,039). 0.05 is three
-# steps, under test_drop_in's LOGPROB_TOL between PD's and the single instance's logprobs.
-NEAR_TIE = 0.05
 MAX_NEAR_TIES = 24  # per stream (2% of LONG): more is not rounding
-
-
-def check_equal_up_to_near_ties(baseline: Baseline, prompt: list[int], got: tuple[int, ...]) -> list[int]:
-    """The positions where `got` took another of the single instance's top candidates at a near-tie; AssertionError at
-    a position that is not one. From each such position on, the reference is the single instance's greedy
-    answer to prompt + got up to and including it."""
-    ties: list[int] = []
-    gaps: list[float] = []
-    k = 0
-    while k < LONG:
-        ref = baseline.ranked(prompt + list(got[:k]), LONG - k)  # top 3: a tie may be three-way
-        assert len(ref.token_ids) == LONG - k
-        off = next((j for j, (a, b) in enumerate(zip(got[k:], ref.token_ids, strict=True)) if a != b), None)
-        if off is None:
-            break
-        at, top = k + off, ref.top[off]
-        best, lp = top.get(ref.token_ids[off]), top.get(got[k + off])
-        assert best is not None and lp is not None and best - lp <= NEAR_TIE, (
-            f"token {at}: the stream has {got[at]}, the single instance {ref.token_ids[off]} "
-            f"(its top candidates {top}): not a near-tie"
-        )
-        ties.append(at)
-        gaps.append(round(best - lp, 4))
-        assert len(ties) <= MAX_NEAR_TIES, f"near-ties at {ties} (gaps {gaps}): more than rounding explains"
-        k = at + 1
-    _log(f"near-tie gaps {gaps}")
-    return ties
 
 
 def _resumes(router_url: str) -> float:
@@ -161,7 +131,10 @@ def test_sigkill_decode_mid_stream_every_client_gets_the_single_instances_answer
         at = sorted(points.get(got.headers.get("x-request-id", ""), []))
         if got.token_ids == wants[i].token_ids:
             continue
-        ties = check_equal_up_to_near_ties(baseline, prompt_ids(120, seed=1100 + i), got.token_ids)
+        ties, gaps = check_equal_up_to_near_ties(
+            baseline, prompt_ids(120, seed=1100 + i), got.token_ids, max_ties=MAX_NEAR_TIES
+        )
+        _log(f"near-tie gaps {gaps}")
         _log(f"client {i}: resumed at {at}; bfloat16 near-ties of the single instance taken at {ties}")
     resumed = _resumes(stack.url) - resumed0
     _log(f"{resumed:.0f} streams resumed, 0 errors of {CLIENTS}")
