@@ -246,7 +246,7 @@ class KVEventSubscriber:
         loop = asyncio.get_running_loop()
         while True:
             left = deadline - loop.time()
-            if left <= 0 or not await sock.poll(left * 1000, zmq.POLLIN):
+            if left <= 0 or not await sock.poll(left * 1000):  # POLLIN, the default
                 return False
             frames = await sock.recv_multipart()
             if len(frames) != 4:
