@@ -31,11 +31,10 @@ every instance is either plainly in rotation (healthy, breaker closed, not drain
 it (draining or unhealthy), and that only changes at a refresh, a health verdict or a breaker move. So
 the candidates of a model, and the decodes of a class, are kept as lists built once per such change
 (`_fast_prefills`, `_fast_decodes`, and both sides for whole requests; every such change calls
-`_invalidate`). A list is kept only when it
-does not depend on the clock: while any instance it would judge has a breaker that is not closed (open
-or half-open: whether it passes depends on `now` and on its probe), the decision tests instance by
-instance as before. Same candidates, same order, either way (tests/unit/router/test_router_pool_fast.py
-checks both against each other under random changes).
+`_invalidate`). A list is kept only when it does not depend on the clock: while any instance it would
+judge has a breaker that is not closed (open or half-open: whether it passes depends on `now` and on its
+probe), the decision tests instance by instance as before. Same candidates, same order, either way
+(tests/unit/router/test_router_pool_fast.py checks both against each other under random changes).
 """
 
 from __future__ import annotations
@@ -304,21 +303,26 @@ class Pool:
         prompt that comes with no remote KV; a decode's memory is sized for the generation. `either`: the
         decodes and the prefills together (the decider's whole requests, `--whole-on any`), each once."""
         if either:
-            both = None
-            fast = self._fast_w.get(model, _UNBUILT) if not exclude else None
-            if fast is _UNBUILT:
-                both = _each_once(self.decodes.get(model, ()), self.prefills.get(model, ()))
-                fast = self._fast_w[model] = _settled(both)
-            if fast is not None:
-                return fast.copy()
-            if both is None:
-                both = _each_once(self.decodes.get(model, ()), self.prefills.get(model, ()))
-            return [i for i in both if i.id not in exclude and i.unavailable(now) is None]
+            if not exclude:
+                fast = self._fast_w.get(model, _UNBUILT)
+                if fast is _UNBUILT:
+                    fast = self._fast_w[model] = _settled(self._either_side(model))
+                if fast is not None:
+                    return fast.copy()
+            return [i for i in self._either_side(model) if i.id not in exclude and i.unavailable(now) is None]
         for side in (self.decodes, self.prefills):
             out = [i for i in side.get(model, ()) if i.id not in exclude and i.unavailable(now) is None]
             if out:
                 return out
         return []
+
+    def _either_side(self, model: str) -> list[LiveInstance]:
+        """The decodes, then the prefills of `model`, an instance of role both (on both sides) once."""
+        seen: dict[str, LiveInstance] = {}
+        for side in (self.decodes, self.prefills):
+            for i in side.get(model, ()):
+                seen.setdefault(i.id, i)
+        return list(seen.values())
 
     def models(self, now: float) -> list[str]:
         """Models that have at least one eligible, compatible prefill/decode pair now."""
@@ -394,15 +398,6 @@ class Pool:
 
 
 _UNBUILT: list[LiveInstance] = []  # a sentinel: the candidate list of this key is not built since the last change
-
-
-def _each_once(*sides: Iterable[LiveInstance]) -> list[LiveInstance]:
-    """The instances of `sides` in order, an instance of role both (on both sides) once."""
-    seen: dict[str, LiveInstance] = {}
-    for side in sides:
-        for i in side:
-            seen.setdefault(i.id, i)
-    return list(seen.values())
 
 
 def _settled(instances: Iterable[LiveInstance]) -> list[LiveInstance] | None:
