@@ -457,6 +457,12 @@ class Dispatcher:
                         lease.succeeded()
                         req.abort_reason = "kv_expired"
                         raise KVExpired(f"the KV of transfer {req.tid} expired before {where.public} could claim it")
+                    if resp.status == 409:
+                        # The decode could not claim the handoff: another decode holds it (an earlier attempt
+                        # whose claim the router could not take back, the ledger down at that moment). The
+                        # ledger's state, never the client's request: another attempt, or a resume, serves it.
+                        lease.succeeded()
+                        raise failed(DecodeFailed, where, "answered 409 (the handoff is claimed)", snippet(data))
                     if v == Verdict.REJECTED:
                         lease.succeeded()
                         req.abort_reason = "decode_rejected"

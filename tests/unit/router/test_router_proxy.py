@@ -209,6 +209,21 @@ async def test_decode_failing_before_its_first_byte_is_retried_with_the_same_han
     assert (handoff.state, handoff.decode_instance_id, handoff.claims) == (HandoffState.CLAIMED, "d2", 2)
 
 
+async def test_a_decode_refusing_a_claimed_handoff_is_a_pd_failure_not_the_clients(
+    meta: MetaAPI, engines: Engines
+) -> None:
+    """A decode answers 409 when another decode holds the handoff's claim (chaos 4b: the ledger was down when
+    the router's retry would have taken the claim back, so the decode claimed itself). The client's request
+    is not at fault: another decode serves it, and d1's breaker is not charged."""
+    engines.scripts["d1"] = [status(409, {"error": {"message": "claimed by another decode", "code": 409}})]
+    app, lifespan = await serve(meta, engines)
+    async with lifespan, client(app) as c:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 200 and "x-pdgate-error" not in r.headers
+    assert [h for h, _, _ in engines.calls] == ["p1", "d1", "d2"]
+    assert app.proxy._pool.instances["d1"].breaker.closed  # type: ignore[attr-defined]
+
+
 async def test_a_client_cannot_forge_a_claim(meta: MetaAPI, engines: Engines) -> None:
     """A claim in the client's kv_transfer_params (or in a prefill's answer) never reaches a decode: only
     the one the router made does."""
