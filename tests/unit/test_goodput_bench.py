@@ -393,3 +393,39 @@ def test_setups_take_turns_at_each_rate_and_only_close_calls_are_repeated(tmp_pa
     points = result["setups"]["colocated"]["workloads"]["W2"]["points"]
     assert [p["repeat"] for p in points] == [False, False, False, True, True, True, True]
     assert points[-1]["beside"] == ["conditional"]
+
+
+def test_every_setup_runs_colocated_s_best_rate_again_even_far_behind(tmp_path: Path) -> None:
+    """The targets compare each setup's best against colocated's, whose best rate is the mean of two or
+    three runs: a setup that ran that rate once must run it again, though its own best lies lower and far
+    from colocated's (no close call)."""
+    import argparse
+
+    from goodput import Sweep
+
+    low, high = (f * 5.0 for f in DEFAULT.rate_factors)
+
+    def share(name: str, rate: float) -> float:
+        if name == "colocated":
+            return 0.85  # below GOOD_SHARE: no growth, its best is `high`
+        return 1.0 if rate == low else 0.3  # conditional's best is `low`, under half of colocated's best
+
+    calls: list[tuple[str, float]] = []
+
+    def runner(run: Any, model_dir: Path, ds: Path, out: Path, slo: Slo, *, n: int, rate: float, **kw: Any) -> Any:
+        calls.append((run.name, rate))
+        good = round(share(run.name, rate) * n)
+        return {"rate": rate, "sent": n, "good": good, "goodput": good / 5.0}
+
+    args = argparse.Namespace(model_dir=tmp_path, budget_min=0.0, quick=False, out=tmp_path / "r.json")
+    result: dict[str, Any] = {"setups": {}, "slo": {"W2": {"ttft_ms": 100.0, "tpot_ms": 10.0, "capacity_rps": 5.0}}}
+    sweep = Sweep(Plan(DEFAULT, ("colocated", "conditional"), ("W2",)), args, tmp_path, result)
+    sweep.data = type("Data", (), {"file": lambda self, *a: tmp_path / "ds.jsonl"})()
+    sweep.runner = runner
+    sweep._warm = lambda run: None  # type: ignore[method-assign]
+    sweep.run(_Serving())
+
+    cond = result["setups"]["conditional"]["workloads"]["W2"]["points"]
+    assert max(cond, key=lambda p: p["goodput"])["rate"] == low
+    assert [r for s, r in calls if s == "conditional"] == [low, high, high]
+    assert [r for s, r in calls if s == "colocated"].count(high) == 3  # twice alone, once beside: no fourth
