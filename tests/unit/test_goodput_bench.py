@@ -181,6 +181,15 @@ def test_the_targets_say_met_or_not_from_the_numbers() -> None:
     assert w3 + "at that rate 22% apart | within noise |" in rows
     assert "| W2 (short chat): conditional >= 0.95x colocated | 1.70 / 2.00 req/s = 0.85x | **no** |" in rows
 
+    # The W3 row says when the decider kept every request whole (conditional then routes as colocated
+    # does), and says nothing of it once one request went PD.
+    cond = result["setups"]["conditional"]["workloads"]["W3"]["points"][0]
+    cond["where"] = dict(cond["where"], decisions={"whole:short_prompt": 30.0})
+    rows = "\n".join(targets_section(result))
+    assert "22% apart; the decider kept all 30 requests whole (PD paid at no prompt length here)" in rows
+    cond["where"]["decisions"] = {"whole:short_prompt": 29.0, "pd:long_prompt": 1.0}
+    assert "kept all" not in "\n".join(targets_section(result))
+
 
 def test_w4_comes_from_the_multiturn_run_beside_it() -> None:
     from goodput_targets import targets_section
