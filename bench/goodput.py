@@ -55,6 +55,7 @@ from goodput_plan import (  # noqa: E402
     LOW_SHARE,
     MODES,
     REPEAT_SHARE,
+    SETTLE_S,
     SETUPS,
     WORKLOADS,
     Plan,
@@ -306,6 +307,7 @@ class Sweep:
             ds = self.data.file(w, self.plan.mode.probe_prompts, -1)
             out = self.run_dir / run.name / w / "unloaded.json"
             out.parent.mkdir(parents=True, exist_ok=True)
+            time.sleep(SETTLE_S)  # the previous point's queue drains and its engines stop spinning first
             u = unloaded(run, self.args.model_dir, ds, out, self.plan.mode.probe_prompts)
             slo = slo_from_unloaded(u["ttft_ms"], u["tpot_ms"])
             known = {"measured_on": run.name, "unloaded": u, "ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}

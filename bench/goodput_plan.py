@@ -31,6 +31,7 @@ __all__ = [
     "LOW_SHARE",
     "PAIRED",
     "REPEAT_SHARE",
+    "SETTLE_S",
     "SETUPS",
     "THRESHOLD_WORKLOADS",
     "WORKLOADS",
@@ -108,7 +109,7 @@ DEFAULT = Mode(
     min_prompts=6,
     extend=1,
     repeats=1,
-    probe_prompts=4,
+    probe_prompts=8,  # with 4, W2's unloaded TTFT p50 read 19 ms in one run and 69 ms in the next
 )
 QUICK = Mode(
     "quick",
@@ -139,6 +140,9 @@ SLOWER = {"nixl": 2.0}  # the stock pair's points run this much longer (its queu
 PAIRED = ("colocated", "pd", "conditional")
 # The workloads the conditional threshold is measured on (random prompts: W4's turns hit the prefix cache).
 THRESHOLD_WORKLOADS = ("W1", "W2", "W3")
+# Before a workload's unloaded probe: vLLM's shared-memory queue readers (engine core and worker) spin for
+# 1 s after their last message, so the engines of the point just run still hold both cores meanwhile.
+SETTLE_S = 2.0
 LOW_SHARE = 0.25  # a setup meeting the SLOs for fewer of a point's requests runs no higher rate
 REPEAT_SHARE = 0.5  # the best point is repeated when within this share of colocated's: a close call
 
@@ -246,8 +250,8 @@ def estimate_s(plan: Plan) -> float:
     """Seconds the plan should take here (engine starts, probes, every point, the repeats)."""
     m = plan.mode
     total = FIXED_S + _starts_s(plan.setups)
-    for w in plan.workloads:
-        total += m.probe_prompts * SERVICE_S[w] + POINT_OVERHEAD_S  # the first setup's unloaded probe (the SLOs)
+    for w in plan.workloads:  # the first setup's unloaded probe (the SLOs), after the settle
+        total += SETTLE_S + m.probe_prompts * SERVICE_S[w] + POINT_OVERHEAD_S
     seen: set[tuple[str, str]] = set()
     for c in cells(plan):
         for s in c.setups:

@@ -254,7 +254,9 @@ def render_markdown(result: dict[str, Any], multiturn: dict[str, Any] | None = N
         "64 tokens out, `--ignore-eos`, temperature 0; re-scored from the per-request results: a request is good "
         "only with every requested token, TTFT and TPOT within the SLOs. Few requests per point on this "
         "machine class: points near the knee swing between runs, which is why a setup's best rate runs again "
-        "when it is a close call (at least half of colocated's goodput). A setup that met the SLOs for under a "
+        "when it is a close call (at least half of colocated's goodput), and every setup that ran colocated's "
+        "best rate runs it again, so the ratios compare means of runs, not one run with a mean. "
+        "A setup that met the SLOs for under a "
         "quarter of a point's requests runs no higher rate. "
         "The router serves colocated and conditional-whole requests on its whole path (router/whole.py): the "
         "least-loaded live instance, a prefill or a decode alike (`--whole-on any`, the default).",
