@@ -38,7 +38,7 @@ from pdgate.connector.control_process import ControlProcess
 from pdgate.connector.errors import ConfigError
 from pdgate.connector.location import EngineFacts
 from pdgate.connector.logs import setup_logging
-from pdgate.connector.messages import FeedStatus, Register, UpdateLoad, WriteStats
+from pdgate.connector.messages import FeedStatus, Register
 from pdgate.connector.metadata import PullOutcome, StepMetadata
 from pdgate.connector.registration import build_registration, kv_layout_tag
 from pdgate.connector.scheduler import SchedulerHalf, idle_step
@@ -335,7 +335,7 @@ class PDGateConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
         if self._control is not None and self._sched is not None:
-            self._control.submit([WriteStats(self._sched.snapshot())])
+            self._control.publish_stats(self._sched.snapshot())  # close() writes it: the last one is kept
             self._control.close(abort_transfer_ids=self._sched.held_transfer_ids())
             self._control = None
 
@@ -370,21 +370,20 @@ class PDGateConnector(KVConnectorBase_V1):
             self._control.submit(commands)
 
     def _publish(self) -> None:
-        """Hand the control thread the current load and counters when they changed (no I/O here)."""
+        """Leave the control thread the current load and counters when they changed (no I/O, no wake-up:
+        it reads them when it heartbeats or writes the stats file). Runs at every step: the load's
+        figures are compared before a model of them is built."""
         assert self._sched is not None and self._control is not None
-        out: list[Any] = []
         usage = self._kv_cache_manager.usage if self._kv_cache_manager is not None else 0.0
-        load = self._sched.load(usage)
-        key = (load.running, load.waiting, round(load.kv_usage, 3))
+        running, waiting = self._sched.load_figures()
+        key = (running, waiting, round(usage, 3))
         if key != self._published_load:
             self._published_load = key
-            out.append(UpdateLoad(load))
+            self._control.publish_load(self._sched.load(usage))
         if self._cfg.stats_file and self._sched.counters_version != self._published_version:
             # The control thread coalesces these and writes the file at most every few hundred ms.
             self._published_version = self._sched.counters_version
-            out.append(WriteStats(self._sched.snapshot()))
-        if out:
-            self._control.submit(out)
+            self._control.publish_stats(self._sched.snapshot())
 
 
 def _tp_rank() -> int:

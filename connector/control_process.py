@@ -6,9 +6,10 @@ may wait a whole switch interval for (`bench/control.py` measures it). In a chil
 calls have an interpreter to themselves, and the engine thread pays only for what it does anyway at its
 hooks: one pipe write per `submit()` and non-blocking pipe reads in `drain()`.
 
-Same API as `ControlThread` (`submit`, `drain`, `close`, `feed_ok_at`), so the scheduler half cannot tell
-them apart. Commands and results are the frozen dataclasses of `messages.py`, pickled, one length-prefixed
-frame each, over two pipes. The child runs `python -m pdgate.connector.control_process <cmd fd> <result fd>`
+Same API as `ControlThread` (`submit`, `publish_load`, `publish_stats`, `drain`, `close`, `feed_ok_at`),
+so the scheduler half cannot tell them apart. Commands and results are the frozen dataclasses of
+`messages.py` (the load and the stats snapshot as they are), pickled, one length-prefixed frame each,
+over two pipes. The child runs `python -m pdgate.connector.control_process <cmd fd> <result fd>`
 (a plain subprocess, not multiprocessing: vLLM's engine core may be a daemonic process, which
 multiprocessing forbids to have children), receives its `ConnectorConfig` as the first frame, and exits
 when the parent's end of the command pipe closes (the parent exited or died) after a goodbye of its own.
@@ -31,6 +32,8 @@ from typing import Any
 
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.messages import Command, FeedStatus, Result
+
+from pdgate.models import InstanceLoad
 
 __all__ = ["ControlProcess", "main"]
 
@@ -119,6 +122,14 @@ class ControlProcess:
         if commands and not self._closed:
             self._send(("commands", commands))
 
+    def publish_load(self, load: InstanceLoad) -> None:
+        if not self._closed:
+            self._send(("load", load))
+
+    def publish_stats(self, snapshot: dict[str, Any]) -> None:
+        if not self._closed:
+            self._send(("stats", snapshot))
+
     def drain(self) -> list[Result]:
         out: list[Result] = []
         while True:
@@ -183,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 control = ControlThread(rest[0], emit=emit)
             elif kind == "commands" and control is not None:
                 control.submit(rest[0])
+            elif kind == "load" and control is not None:
+                control.publish_load(rest[0])
+            elif kind == "stats" and control is not None:
+                control.publish_stats(rest[0])
             elif kind == "close":
                 abort_ids, timeout = rest[0], rest[1]
     if control is not None:

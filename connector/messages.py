@@ -10,10 +10,9 @@ scheduler half branches on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pdgate.errors import Code
-from pdgate.models import Handoff, HandoffState, InstanceLoad, InstanceRegistration, KVLocation
+from pdgate.models import Handoff, HandoffState, InstanceRegistration, KVLocation
 
 __all__ = [
     "Abort",
@@ -33,8 +32,6 @@ __all__ = [
     "Registered",
     "Result",
     "Terminal",
-    "UpdateLoad",
-    "WriteStats",
 ]
 
 # ---- commands (scheduler half -> control thread) ------------------------------------------------
@@ -84,19 +81,7 @@ class Register:
     registration: InstanceRegistration
 
 
-@dataclass(frozen=True)
-class UpdateLoad:
-    load: InstanceLoad
-
-
-@dataclass(frozen=True)
-class WriteStats:
-    """Write the counters to `stats_file` (atomically) for observers outside the engine."""
-
-    snapshot: dict[str, Any]
-
-
-Command = MarkReady | Claim | Done | Abort | Check | Register | UpdateLoad | WriteStats
+Command = MarkReady | Claim | Done | Abort | Check | Register
 
 # ---- results (control thread -> scheduler half) -------------------------------------------------
 

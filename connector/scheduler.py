@@ -190,9 +190,14 @@ class SchedulerHalf:
     def held_transfer_ids(self) -> list[str]:
         return self._prefill.held_transfer_ids()
 
-    def load(self, kv_usage: float) -> InstanceLoad:
+    def load_figures(self) -> tuple[int, int]:
+        """(running, waiting): the requests this engine holds, those still loading their KV counted as
+        waiting. Plain ints, asked at every step (`PDGateConnector._publish`)."""
         waiting = self._decode.loading
-        running = max(self._live_requests - waiting, 0)
+        return max(self._live_requests - waiting, 0), waiting
+
+    def load(self, kv_usage: float) -> InstanceLoad:
+        running, waiting = self.load_figures()
         return InstanceLoad(running=running, waiting=waiting, kv_usage=min(max(kv_usage, 0.0), 1.0))
 
     def snapshot(self) -> dict[str, Any]:

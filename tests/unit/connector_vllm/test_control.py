@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pdgate.connector.config import ConnectorConfig
 from pdgate.connector.control import ControlThread
-from pdgate.connector.messages import Claim, Claimed, ClaimFailed, Register, Registered, Result, Terminal, WriteStats
+from pdgate.connector.messages import Claim, Claimed, ClaimFailed, Register, Registered, Result, Terminal
 from pdgate.metaserver.app import create_app
 from pdgate.metaserver.settings import MetaSettings
 
@@ -22,6 +22,7 @@ from pdgate.models import (
     Handoff,
     HandoffCreate,
     HandoffState,
+    InstanceLoad,
     InstanceRegistration,
     KVLocation,
     Role,
@@ -187,8 +188,45 @@ def test_stats_are_written_atomically_and_the_last_one_wins(metaserver: UvicornT
     control = ControlThread(config(metaserver.url, instance_id=uid("st"), stats_file=str(path)))
     try:
         for i in range(20):
-            control.submit([WriteStats({"counters": {"recv_ok": i}})])
+            control.publish_stats({"counters": {"recv_ok": i}})
         wait_until(lambda: path.exists() and json.loads(path.read_text())["counters"]["recv_ok"] == 19, what="stats")
         assert [p.name for p in path.parent.iterdir()] == ["c.json"]  # no temp files left behind
+    finally:
+        control.close()
+
+
+def test_the_load_reaches_the_registry_at_the_next_heartbeat_and_publishing_wakes_nothing(
+    metaserver: UvicornThread, tmp_path: Path
+) -> None:
+    """The engine thread publishes the load (and the stats) at almost every step. They are state the loop
+    reads on its own timers: a step's publish must not wake the loop (each wake-up is a socket write and a
+    GIL hand-over in the step that the model runner waits for), yet the heartbeat reports the newest load
+    and the stats file gets the last snapshot."""
+    path = tmp_path / "stats.json"
+    cfg = config(metaserver.url, instance_id=uid("load"), stats_file=str(path))
+    control = ControlThread(cfg)
+    try:
+        control.submit([Register(registration(cfg))])
+        Collector(control).wait_for(Registered)
+        wakeups: list[object] = []
+        real = control._loop.call_soon_threadsafe
+
+        def counted(callback: Any, *args: Any) -> Any:
+            wakeups.append(callback)
+            return real(callback, *args)
+
+        control._loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        for i in range(1000):  # a thousand steps, each with a new load and new counters
+            control.publish_load(InstanceLoad(running=i % 7, waiting=i % 3, kv_usage=i / 1000))
+            control.publish_stats({"counters": {"recv_ok": i}})
+        control.publish_load(InstanceLoad(running=5, waiting=2, kv_usage=0.25))
+        assert len(wakeups) <= 2  # one stats write armed (a second if the first fired meanwhile); no load
+
+        def reported() -> bool:
+            load = sync_meta(metaserver.url, lambda c: c.get_instance(cfg.instance_id)).load
+            return (load.running, load.waiting, load.kv_usage) == (5, 2, 0.25)
+
+        wait_until(reported, timeout=5.0, what="the newest load in the registry")
+        wait_until(lambda: path.exists() and json.loads(path.read_text())["counters"]["recv_ok"] == 999, what="stats")
     finally:
         control.close()

@@ -25,7 +25,6 @@ from pdgate.connector.messages import (
     MarkReady,
     ReadyRecorded,
     Result,
-    WriteStats,
 )
 from pdgate.metaserver.app import create_app
 from pdgate.metaserver.settings import MetaSettings
@@ -212,7 +211,7 @@ def test_queue_depth_and_call_latency_reach_the_stats_file(server: UvicornThread
     try:
         control.submit([Claim(t) for t in ids])
         results.wait(Claimed, set(ids))
-        control.submit([WriteStats({"counters": {}})])
+        control.publish_stats({"counters": {}})
 
         def written() -> dict[str, Any] | None:
             if not path.exists():

@@ -19,6 +19,7 @@ from pdgate.models import (
     BatchCreate,
     BatchReady,
     HandoffState,
+    InstanceLoad,
     KVLocation,
 )
 from tests.support.meta import sync_meta, uid
@@ -99,3 +100,21 @@ def test_the_child_exits_when_the_parent_end_closes(server: UvicornThread) -> No
     control._closed = True
     assert control._proc.wait(timeout=30) == 0
     os.close(control._in)
+
+
+def test_the_load_published_in_the_engine_reaches_the_registry_from_the_child(server: UvicornThread) -> None:
+    cfg = config(server.url, "decode")
+    control = ControlProcess(cfg)
+    try:
+        kept: list[Result] = []
+        control.submit([Register(registration(cfg))])
+        wait_results(control, kept, lambda rs: any(isinstance(r, Registered) for r in rs))
+        control.publish_load(InstanceLoad(running=4, waiting=1, kv_usage=0.5))
+
+        def reported() -> bool:
+            load = sync_meta(server.url, lambda c: c.get_instance(cfg.instance_id)).load
+            return (load.running, load.waiting, load.kv_usage) == (4, 1, 0.5)
+
+        wait_until(reported, timeout=5.0, what="the load in the registry")
+    finally:
+        control.close()
