@@ -105,6 +105,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def ratios(result: dict[str, Any]) -> list[float]:
+    """The connector's engines' mean req/s over the plain ones', one ratio per round (paired in time)."""
+    rows = result["rows"]
+    out = []
+    for k in sorted({r["round"] for r in rows}):
+        plain = [r["rps"] for r in rows if r["round"] == k and r["engine"].startswith("plain")]
+        conn = [r["rps"] for r in rows if r["round"] == k and r["engine"].startswith("pdgate")]
+        if plain and conn:
+            out.append(statistics.mean(conn) / statistics.mean(plain))
+    return out
+
+
 def summary(result: dict[str, Any]) -> list[str]:
     """The table: per engine the medians over rounds; then connector / plain, paired round by round."""
     rows = result["rows"]
@@ -116,20 +128,9 @@ def summary(result: dict[str, Any]) -> list[str]:
             f"| {n} | {_median([r['rps'] for r in mine]):.2f} | {_median([r['ttft_p50_ms'] for r in mine]):.0f} "
             f"| {_median([r['tpot_p50_ms'] for r in mine]):.2f} | {len(mine)} |"
         )
-    ratios = []
-    for k in sorted({r["round"] for r in rows}):
-        plain = [r["rps"] for r in rows if r["round"] == k and r["engine"].startswith("plain")]
-        conn = [r["rps"] for r in rows if r["round"] == k and r["engine"].startswith("pdgate")]
-        if plain and conn:
-            ratios.append(statistics.mean(conn) / statistics.mean(plain))
-    if ratios:
-        rng = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        out += [
-            "",
-            f"pdgate engines / plain engines, req/s: median of {len(ratios)} rounds {_median(ratios):.2f}x ({rng})",
-        ]
-    result["ratio_median"] = _median(ratios) if ratios else None
-    result["ratios"] = ratios
+    if rs := ratios(result):
+        rng = f"{min(rs):.2f}-{max(rs):.2f}"
+        out += ["", f"pdgate engines / plain engines, req/s: median of {len(rs)} rounds {_median(rs):.2f}x ({rng})"]
     return out
 
 

@@ -76,6 +76,7 @@ from pdgate.router.decider import DeciderConfig  # noqa: E402
 RESULTS = HERE / "results"
 DOCS = REPO / "docs" / "PERFORMANCE.md"
 MULTITURN = RESULTS / "multiturn.json"  # bench/multiturn.py's W4 run on 2P2D, rendered beside this one
+OVERHEAD = RESULTS / "engine-overhead.json"  # bench/engine_overhead.py's run, rendered beside this one
 GOOD_SHARE = 0.9  # a point whose good/sent is at least this still meets the SLOs: the ladder may grow
 
 
@@ -416,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     from goodput_report import render_markdown, render_table
 
     multiturn = json.loads(MULTITURN.read_text()) if MULTITURN.exists() else None  # W4, its own bench
+    overhead = json.loads(OVERHEAD.read_text()) if OVERHEAD.exists() else None
     if args.render_only:
-        DOCS.write_text(render_markdown(json.loads(args.out.read_text()), multiturn))
+        DOCS.write_text(render_markdown(json.loads(args.out.read_text()), multiturn, overhead))
         print(f"wrote {DOCS} from {args.out}")
         return 0
     result = run(plan, args)
@@ -425,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render_table(result))
     print(f"results: {args.out}")
     if not args.no_docs and not args.quick:
-        DOCS.write_text(render_markdown(result, multiturn))
+        DOCS.write_text(render_markdown(result, multiturn, overhead))
         print(f"wrote {DOCS}")
     check = result.get("quick_check")
     if args.quick and check is None:  # the conditional setup failed before the check could run

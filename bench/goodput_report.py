@@ -224,8 +224,35 @@ def _threshold_lines(result: dict[str, Any]) -> list[str]:
     return [*lines, ""] if lines else []
 
 
-def render_markdown(result: dict[str, Any], multiturn: dict[str, Any] | None = None) -> str:
-    """docs/PERFORMANCE.md: the goodput run, with bench/multiturn.py's W4 run beside it when there is one."""
+def _overhead_section(overhead: dict[str, Any] | None) -> list[str]:
+    """What the connector costs the engines that carry it on whole requests: the conditional setup's
+    whole requests run there, colocated's on plain engines."""
+    if not overhead:
+        return []
+    from engine_overhead import summary
+
+    cfg = overhead["config"]
+    return [
+        "## What the connector costs an engine on whole requests (bench/engine_overhead.py)",
+        "",
+        f"Run {overhead['started']}. Conditional keeps most requests whole on the PD engines, which carry the "
+        "PDGateConnector; colocated runs them on plain vLLM. Each engine asked directly (no router), in turn, "
+        f"{cfg['prompts']} W3-like prompts at concurrency {cfg['concurrency']} per round, {cfg['rounds']} rounds; "
+        "medians over the rounds, and the ratio of the connector's engines to the plain ones paired round by round. "
+        "What is left is mostly vLLM's own: with a KV connector configured its model runner wraps every "
+        "attention layer and aggregates the connector's output each step (py-spy on the decode: the "
+        "connector's own code under 1 % of the engine core's and the worker's samples).",
+        "",
+        *summary(overhead),
+        "",
+    ]
+
+
+def render_markdown(
+    result: dict[str, Any], multiturn: dict[str, Any] | None = None, overhead: dict[str, Any] | None = None
+) -> str:
+    """docs/PERFORMANCE.md: the goodput run, with bench/multiturn.py's W4 run and bench/engine_overhead.py's
+    run beside it when there are ones."""
     from goodput_targets import targets_section  # it reads `best` from here
 
     host = result["host"]
@@ -271,6 +298,7 @@ def render_markdown(result: dict[str, Any], multiturn: dict[str, Any] | None = N
         "",
         *_where_section(result),
         "",
+        *_overhead_section(overhead),
         *_threshold_lines(result),
         *_rates_section(result),
         "",

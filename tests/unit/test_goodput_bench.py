@@ -148,6 +148,18 @@ def test_the_report_gives_ratios_to_colocated_and_says_what_failed() -> None:
     assert "- nixl: RuntimeError: x" in doc
     # The targets are read off the same numbers: W2's conditional is not run here, the burst's PD is.
     assert "| W2 (short chat): conditional >= 0.95x colocated | not run | - |" in doc
+    assert "bench/engine_overhead.py" not in doc  # no run of it saved: no section
+
+    # bench/engine_overhead.py's run beside it: the connector's engines over the plain ones, paired per round.
+    def row(engine: str, k: int, rps: float) -> dict[str, Any]:
+        return {"engine": engine, "round": k, "rps": rps, "ttft_p50_ms": 80.0, "tpot_p50_ms": 4.0}
+
+    rows = [row("plain-0", 0, 10.0), row("plain-1", 0, 10.0), row("pdgate-prefill-0", 0, 9.0)]
+    rows += [row("plain-0", 1, 20.0), row("plain-1", 1, 10.0), row("pdgate-decode-0", 1, 12.0)]
+    overhead = {"started": "x", "config": {"rounds": 2, "prompts": 48, "concurrency": 8}, "rows": rows}
+    doc = render_markdown(result, None, overhead)
+    assert "| pdgate-prefill-0 | 9.00 | 80 | 4.00 | 1 |" in doc
+    assert "pdgate engines / plain engines, req/s: median of 2 rounds 0.85x (0.80-0.90)" in doc
 
 
 def test_the_targets_say_met_or_not_from_the_numbers() -> None:
