@@ -66,6 +66,7 @@ class LiveInstance:
         "healthy",
         "id",
         "own_at_report",
+        "peak",
         "public",
         "requests",
         "tokens",
@@ -78,7 +79,8 @@ class LiveInstance:
         self.view = view
         self.requests = 0
         self.tokens = 0
-        self.own_at_report = 0  # `requests` when the current report came in (`Pool.replace`)
+        self.own_at_report = 0  # the most `requests` reached between the last two reports' arrivals
+        self.peak = 0  # the most `requests` reached since the current report came in (`Pool.lease`)
         self.breaker = breaker
         self.healthy = True
         self.health_reason = ""
@@ -87,11 +89,18 @@ class LiveInstance:
     @property
     def others(self) -> int:
         """The requests others (router replicas, workers, direct clients) had on the instance as of its last
-        report: what it reported running and waiting, less what this router had in flight to it when that
-        report came in. Not the report itself: after a burst, an idle engine still reports the burst until
-        its next heartbeat reaches the registry and this router (a second or two), and a report taken as
-        load kept steering requests away from it meanwhile (test_16 saw a turn go to the wrong engine).
-        Requests this router sent count live, in `requests`."""
+        report: what it reported running and waiting, less the most this router had in flight to it while
+        that report could have been taken (between the previous report's arrival and this one's). Requests
+        this router sent count live, in `requests`.
+
+        Not the report itself: after a burst, an idle engine still reports the burst until its next
+        heartbeat reaches the registry and this router (a second or two), and a report taken as load kept
+        steering requests away from it meanwhile. Nor the report less this router's count when it came in:
+        a report taken while a conversation's turn was on the engine and read after the turn ended counted
+        that turn as somebody else's until the next heartbeat, and the next turn went to the wrong engine
+        (test_16 had to wait for idle reports). The most this router had in flight meanwhile is at least
+        what it had when the engine took the report, so the estimate never counts this router's own
+        requests; another replica's show once they exceed this router's own swing in that window."""
         others = self.view.reported - self.own_at_report
         return others if others > 0 else 0
 
@@ -171,7 +180,8 @@ class Pool:
             else:
                 was = inst.view
                 if v.reported_at != was.reported_at or v.reported != was.reported:  # a new report
-                    inst.own_at_report = inst.requests
+                    inst.own_at_report = inst.peak  # see `LiveInstance.others`
+                    inst.peak = inst.requests
                 inst.view = v
             instances[v.id] = inst
         for gone in self.instances.keys() - instances.keys():
@@ -353,6 +363,8 @@ class Pool:
     def lease(self, inst: LiveInstance, tokens: int, clock: Callable[[], float]) -> Lease:
         """Count one request against `inst` until the returned `Lease` is exited (use it as `with`)."""
         inst.requests += 1
+        if inst.requests > inst.peak:
+            inst.peak = inst.requests
         inst.tokens += tokens
         seq = inst.breaker.on_dispatch(clock())
         if self._on_inflight is not None:

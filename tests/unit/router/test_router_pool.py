@@ -92,11 +92,36 @@ def test_a_report_counts_only_what_others_had_in_flight_and_the_routers_own_coun
     pool.replace([P1, replace(D1, reported=4, reported_at=10.0)])  # the same report, read again
     assert load_of(inst) == 1
     pool.replace([P1, replace(D1, reported=1, reported_at=11.0)])  # the next heartbeat
+    # Taken while our 3 may still have been on the engine: the 1 could be ours, so it counts as nobody's.
+    assert inst.others == 0 and load_of(inst) == 0
+    pool.replace([P1, replace(D1, reported=1, reported_at=12.0)])  # taken with nothing of ours in flight
     assert inst.others == 1 and load_of(inst) == 1
     with pool.lease(inst, 0, lambda: 0):
         assert load_of(inst) == 2
-        pool.replace([P1, replace(D1, reported=0, reported_at=12.0)])  # ours not there yet: never negative
+        pool.replace([P1, replace(D1, reported=0, reported_at=13.0)])  # ours not there yet: never negative
         assert inst.others == 0 and load_of(inst) == 1
+
+
+def test_a_report_read_after_our_requests_ended_does_not_count_them_as_someone_elses() -> None:
+    """The engine takes its report at a heartbeat; the router reads it up to a registry poll later. A turn
+    of a conversation in flight at the heartbeat and finished before the read is in the report and no
+    longer in this router's count: the report less the count at the read would make it somebody else's
+    (load 1 on an idle engine until the next heartbeat). The most this router had in flight since the
+    previous report's arrival bounds what it had at the heartbeat."""
+    pool = Pool()
+    pool.replace([P1, replace(D1, reported=0, reported_at=1.0)])
+    inst = pool.instances["d1"]
+    with ExitStack() as turn:
+        for _ in range(4):
+            turn.enter_context(pool.lease(inst, 0, lambda: 0))
+    with pool.lease(inst, 0, lambda: 0):  # the next request, in flight when the report is read
+        pool.replace([P1, replace(D1, reported=4, reported_at=2.0)])  # taken while the 4 ran
+        assert inst.others == 0 and load_of(inst) == 1
+    # Another router's 2 requests beside ours: seen once our own swing no longer covers them.
+    pool.replace([P1, replace(D1, reported=2, reported_at=3.0)])  # taken while ours (1, at most) ran too
+    assert inst.others == 1
+    pool.replace([P1, replace(D1, reported=2, reported_at=4.0)])  # nothing of ours since the last read
+    assert inst.others == 2 and load_of(inst) == 2
 
 
 def test_a_lease_ends_its_count_however_the_request_ends() -> None:
