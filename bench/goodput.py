@@ -55,8 +55,10 @@ from goodput_plan import (  # noqa: E402
     LOW_SHARE,
     MODES,
     REPEAT_SHARE,
+    REPORT_FRESH_S,
     SETTLE_S,
     SETUPS,
+    SHARED_ENGINES,
     WORKLOADS,
     Plan,
     Slo,
@@ -138,6 +140,7 @@ class Sweep:
         self.skipped: list[str] = []
         self.never = 0  # a prompt length no request reaches (max-model-len), set by `run`
         self._turn = 0  # rotates the order setups take within a round
+        self._last = ""  # the setup of the point run last (`SHARED_ENGINES`)
         self.runner: Callable[..., dict[str, Any]] | None = None  # goodput_run.run_point unless a test's
 
     def run(self, serving: Any) -> None:
@@ -193,6 +196,9 @@ class Sweep:
             k = len(points)
             n = wl.burst or prompts_for(rate, mode)
             ds = self.data.file(w, n, 1000 + k if wl.burst else k, name)
+            if name != self._last and {name, self._last} <= SHARED_ENGINES:
+                time.sleep(REPORT_FRESH_S)  # the other router's load has left the engines' reports
+            self._last = name
             try:
                 p = run_point(
                     live[name], self.args.model_dir, ds, out / f"point-{k}.json", slo, n=n, rate=rate,

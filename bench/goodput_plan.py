@@ -28,11 +28,14 @@ from typing import Any
 
 __all__ = [
     "BURST_RUNS",
+    "HEARTBEAT_S",
     "LOW_SHARE",
     "PAIRED",
     "REPEAT_SHARE",
+    "REPORT_FRESH_S",
     "SETTLE_S",
     "SETUPS",
+    "SHARED_ENGINES",
     "THRESHOLD_WORKLOADS",
     "WORKLOADS",
     "Cell",
@@ -143,6 +146,14 @@ THRESHOLD_WORKLOADS = ("W1", "W2", "W3")
 # Before a workload's unloaded probe: vLLM's shared-memory queue readers (engine core and worker) spin for
 # 1 s after their last message, so the engines of the point just run still hold both cores meanwhile.
 SETTLE_S = 2.0
+# pd and conditional run on the same engines, each through its own router. An engine's load report,
+# taken during one setup's point, reaches the other setup's router as another router's requests
+# (`pool.LiveInstance.others`) until the next heartbeat: one engine looks busy and the other gets the
+# next point's first requests. So pd's engines heartbeat every HEARTBEAT_S, and a point that follows one
+# on the same engines starts once a report taken after it has been read (a heartbeat and a registry poll).
+HEARTBEAT_S = 1.0
+SHARED_ENGINES = frozenset({"pd", "conditional"})
+REPORT_FRESH_S = HEARTBEAT_S + 1.0  # the routers read the registry every second (`--refresh-interval-s`)
 LOW_SHARE = 0.25  # a setup meeting the SLOs for fewer of a point's requests runs no higher rate
 REPEAT_SHARE = 0.5  # the best point is repeated when within this share of colocated's: a close call
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from goodput_plan import HEARTBEAT_S
 from pdgate.deploy.local.procs import ManagedProcess, free_port, stop_all
 from pdgate.deploy.local.stack import LocalStack, SingleInstance, StackConfig, host_cpus, wait_router_ready
 from pdgate.deploy.local.vllm_env import repo_root
@@ -130,6 +131,7 @@ def pd_stack(ctx: Context) -> Iterator[LocalStack]:
         block_size=ctx.flags.block_size,
         max_model_len=ctx.flags.max_model_len,
         router_args=ROUTER_ARGS,
+        connector_extra={"heartbeat_s": HEARTBEAT_S},  # see goodput_plan.SHARED_ENGINES
     )
     with LocalStack(cfg, log=ctx.log) as stack:
         yield stack

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from goodput_plan import (
@@ -450,3 +452,41 @@ def test_every_setup_runs_colocated_s_best_rate_again_even_far_behind(tmp_path: 
     assert max(cond, key=lambda p: p["goodput"])["rate"] == low
     assert [r for s, r in calls if s == "conditional"] == [low, high, high]
     assert [r for s, r in calls if s == "colocated"].count(high) == 3  # twice alone, once beside: no fourth
+
+
+def test_a_point_after_one_on_the_same_engines_waits_for_a_fresh_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pd and conditional share engines through two routers: a report taken during one's point reads as
+    the other router's load until the next heartbeat, so a switch between them waits for a fresh one."""
+    import argparse
+
+    import goodput
+    from goodput import Sweep
+    from goodput_plan import REPORT_FRESH_S
+
+    calls: list[tuple[str, float]] = []
+    order: list[str] = []
+    monkeypatch.setattr(goodput.time, "sleep", lambda s: order.append(f"sleep {s:g}"))
+
+    def runner(run: Any, model_dir: Path, ds: Path, out: Path, slo: Slo, *, n: int, rate: float, **kw: Any) -> Any:
+        calls.append((run.name, rate))
+        order.append(run.name)
+        return {"rate": rate, "sent": n, "good": n, "goodput": n / 5.0}
+
+    args = argparse.Namespace(model_dir=tmp_path, budget_min=0.0, quick=False, out=tmp_path / "r.json")
+    result: dict[str, Any] = {"setups": {}, "slo": {"W4": {"ttft_ms": 100.0, "tpot_ms": 10.0, "capacity_rps": 5.0}}}
+    sweep = Sweep(Plan(DEFAULT, ("colocated", "pd", "conditional"), ("W4",)), args, tmp_path, result)
+    sweep.data = type("Data", (), {"file": lambda self, *a: tmp_path / "ds.jsonl"})()
+    sweep.runner = runner
+    sweep._warm = lambda run: None  # type: ignore[method-assign]
+    sweep.run(_Serving())
+
+    ran = [x for x in order if not x.startswith("sleep")]
+    switches = sum({a, b} == {"pd", "conditional"} for a, b in itertools.pairwise(ran))
+    assert switches > 0
+    for i, x in enumerate(order):
+        if x in ("pd", "conditional"):
+            before = [y for y in order[:i] if not y.startswith("sleep")]
+            waited = i > 0 and order[i - 1] == f"sleep {REPORT_FRESH_S:g}"
+            assert waited == (bool(before) and {before[-1], x} == {"pd", "conditional"}), order
