@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 from e2e import NIXL_XFER, histograms, transfer_lines
-from goodput_plan import OUTPUT_TOKENS, Slo, rescore
+from goodput_plan import OUTPUT_TOKENS, Slo, rescore, unloaded_figures
 from goodput_setups import Running
 from pdgate.deploy.local import vllm_cli
 from pdgate.deploy.local.tiny_model import MODEL_NAME
@@ -209,10 +209,11 @@ def run_point(
 
 
 def unloaded(run: Running, model_dir: Path, dataset: Path, out: Path, n: int) -> dict[str, Any]:
-    """`n` requests one at a time: the TTFT and TPOT the SLOs are multiples of."""
+    """`n` requests one at a time: the TTFT and TPOT the SLOs are multiples of (`unloaded_figures`: over
+    the streams whose tokens did not arrive in one piece)."""
     argv = serve_argv(run.url, model_dir, dataset, n, out, None, rate=float("inf"), concurrency=1)
     result = bench_serve(argv, out.with_suffix(".log"))
-    scored = rescore(result, Slo(float("inf"), float("inf")))
-    if scored["complete"] == 0:
+    figures = unloaded_figures(result)
+    if figures["n"] == 0:
         raise RuntimeError(f"{run.name}: no unloaded request completed (see {out.with_suffix('.log')})")
-    return {"ttft_ms": scored["ttft_ms"]["p50"], "tpot_ms": scored["tpot_ms"]["p50"], "n": scored["complete"]}
+    return figures

@@ -72,6 +72,26 @@ def test_prompts_are_random_tokens_within_their_length_and_share_no_prefix() -> 
     assert again == texts and not set(other) & set(texts)  # same for every setup, fresh for every point
 
 
+def test_the_unloaded_figures_leave_out_streams_that_arrived_in_one_piece() -> None:
+    """A probe stream whose tokens all reached the client at once has its TTFT at the answer's end and a
+    TPOT of ~0: taken as the unloaded TPOT, it made the TPOT SLO 0 ms and every point fail."""
+    from goodput_plan import unloaded_figures
+
+    # Three streamed (TTFT 20 ms, 2 ms a token), five arrived in one piece (170 ms, then nothing).
+    ttfts = [0.020, 0.021, 0.019] + [0.170] * 5
+    result = {
+        "output_lens": [64] * 8,
+        "ttfts": ttfts,
+        "latencies": [0.020 + 63 * 0.002, 0.021 + 63 * 0.002, 0.019 + 63 * 0.002] + [0.1702] * 5,
+        "errors": [""] * 8,
+    }
+    u = unloaded_figures(result)
+    assert (u["n"], u["coalesced"]) == (8, 5)
+    assert u["ttft_ms"] == pytest.approx(20.0) and u["tpot_ms"] == pytest.approx(2.0)
+    everyone = unloaded_figures(dict(result, ttfts=[0.170] * 8, latencies=[0.1702] * 8))
+    assert everyone["coalesced"] == 8 and everyone["ttft_ms"] == pytest.approx(170.0)  # none streamed: all count
+
+
 def test_multi_turn_prompts_extend_the_turn_before() -> None:
     texts = dataset_texts("W4", 8, seed=0, vocab=2048, encode=encode, decode=decode)
     convs = 8 // WORKLOADS["W4"].turns
@@ -135,7 +155,7 @@ def test_the_report_gives_ratios_to_colocated_and_says_what_failed() -> None:
         "slo": {
             "W2": {
                 "measured_on": "colocated",
-                "unloaded": {"ttft_ms": 50.0, "tpot_ms": 9.0},
+                "unloaded": {"ttft_ms": 50.0, "tpot_ms": 9.0, "n": 8, "coalesced": 1},
                 "ttft_ms": 200.0,
                 "tpot_ms": 27.0,
                 "capacity_rps": 3.0,
@@ -146,7 +166,7 @@ def test_the_report_gives_ratios_to_colocated_and_says_what_failed() -> None:
     table = render_table(result)
     assert "0.80 (0.40x)" in table and "8.00 (0.40x)" in table  # the burst's headline is its capacity
     doc = render_markdown(result)
-    assert "| W2 | 50 | 9.0 | 200 | 27.0 | 3.00 |" in doc
+    assert "| W2 | 50 | 9.0 | 1 of 8 | 200 | 27.0 | 3.00 |" in doc
     assert "- nixl: RuntimeError: x" in doc
     # The targets are read off the same numbers: W2's conditional is not run here, the burst's PD is.
     assert "| W2 (short chat): conditional >= 0.95x colocated | not run | - |" in doc
@@ -490,3 +510,30 @@ def test_a_point_after_one_on_the_same_engines_waits_for_a_fresh_report(
             before = [y for y in order[:i] if not y.startswith("sleep")]
             waited = i > 0 and order[i - 1] == f"sleep {REPORT_FRESH_S:g}"
             assert waited == (bool(before) and {before[-1], x} == {"pd", "conditional"}), order
+
+
+def test_a_probe_with_most_streams_in_one_piece_runs_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    import goodput
+    import goodput_run
+    from goodput import Sweep
+
+    probes = [
+        {"ttft_ms": 170.0, "tpot_ms": 0.004, "n": 8, "coalesced": 6},
+        {"ttft_ms": 20.0, "tpot_ms": 2.0, "n": 8, "coalesced": 1},
+    ]
+    asked: list[Path] = []
+
+    def fake_unloaded(run: Any, model_dir: Path, ds: Path, out: Path, n: int) -> dict[str, Any]:
+        asked.append(out)
+        return probes[len(asked) - 1]
+
+    monkeypatch.setattr(goodput_run, "unloaded", fake_unloaded)
+    monkeypatch.setattr(goodput.time, "sleep", lambda s: None)
+    args = argparse.Namespace(model_dir=tmp_path, budget_min=0.0, quick=False, out=tmp_path / "r.json")
+    sweep = Sweep(Plan(DEFAULT, ("colocated",), ("W2",)), args, tmp_path, {"setups": {}, "slo": {}})
+    sweep.data = type("Data", (), {"file": lambda self, *a: tmp_path / "ds.jsonl"})()
+    slo, _ = sweep._slo(type("Run", (), {"name": "colocated"})(), "W2")
+    assert len(asked) == 2 and asked[1].name == "unloaded-again.json"
+    assert (slo.ttft_ms, slo.tpot_ms) == (80.0, 6.0)  # from the second probe, the one that streamed
