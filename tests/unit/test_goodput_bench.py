@@ -398,10 +398,23 @@ class _Serving:
         self.runs.pop(name, None)
 
 
-def test_setups_take_turns_at_each_rate_and_only_close_calls_are_repeated(tmp_path: Path) -> None:
+def _sweep(tmp_path: Path, setups: tuple[str, ...], w: str, runner: Any, result: dict[str, Any] | None = None) -> Any:
+    """bench/goodput.Sweep over `setups` on workload `w`, its points run by `runner` (no engine, no dataset)."""
     import argparse
 
     from goodput import Sweep
+
+    args = argparse.Namespace(model_dir=tmp_path, budget_min=0.0, quick=False, out=tmp_path / "r.json")
+    if result is None:
+        result = {"setups": {}, "slo": {w: {"ttft_ms": 100.0, "tpot_ms": 10.0, "capacity_rps": 5.0}}}
+    sweep = Sweep(Plan(DEFAULT, setups, (w,)), args, tmp_path, result)
+    sweep.data = type("Data", (), {"file": lambda self, *a: tmp_path / "ds.jsonl"})()
+    sweep.runner = runner
+    sweep._warm = lambda run: None
+    return sweep
+
+
+def test_setups_take_turns_at_each_rate_and_only_close_calls_are_repeated(tmp_path: Path) -> None:
 
     share = {"colocated": 1.0, "pd": 0.2, "conditional": 0.95}  # of a point's requests that meet the SLOs
     calls: list[tuple[str, float]] = []
@@ -411,13 +424,9 @@ def test_setups_take_turns_at_each_rate_and_only_close_calls_are_repeated(tmp_pa
         good = round(share[run.name] * n)
         return {"rate": rate, "sent": n, "good": good, "goodput": good / 5.0}
 
-    args = argparse.Namespace(model_dir=tmp_path, budget_min=0.0, quick=False, out=tmp_path / "r.json")
-    result: dict[str, Any] = {"setups": {}, "slo": {"W2": {"ttft_ms": 100.0, "tpot_ms": 10.0, "capacity_rps": 5.0}}}
-    sweep = Sweep(Plan(DEFAULT, ("colocated", "pd", "conditional"), ("W2",)), args, tmp_path, result)
-    sweep.data = type("Data", (), {"file": lambda self, *a: tmp_path / "ds.jsonl"})()
-    sweep.runner = runner
-    sweep._warm = lambda run: None  # type: ignore[method-assign]
+    sweep = _sweep(tmp_path, ("colocated", "pd", "conditional"), "W2", runner)
     sweep.run(_Serving())
+    result = sweep.result
 
     low, high = (f * 5.0 for f in DEFAULT.rate_factors)
     first = calls[: calls.index(("colocated", low), 1)]  # the first cell: colocated and pd
@@ -442,9 +451,6 @@ def test_every_setup_runs_colocated_s_best_rate_again_even_far_behind(tmp_path: 
     """The targets compare each setup's best against colocated's, whose best rate is the mean of two or
     three runs: a setup that ran that rate once must run it again, though its own best lies lower and far
     from colocated's (no close call)."""
-    import argparse
-
-    from goodput import Sweep
 
     low, high = (f * 5.0 for f in DEFAULT.rate_factors)
 
@@ -460,13 +466,9 @@ def test_every_setup_runs_colocated_s_best_rate_again_even_far_behind(tmp_path: 
         good = round(share(run.name, rate) * n)
         return {"rate": rate, "sent": n, "good": good, "goodput": good / 5.0}
 
-    args = argparse.Namespace(model_dir=tmp_path, budget_min=0.0, quick=False, out=tmp_path / "r.json")
-    result: dict[str, Any] = {"setups": {}, "slo": {"W2": {"ttft_ms": 100.0, "tpot_ms": 10.0, "capacity_rps": 5.0}}}
-    sweep = Sweep(Plan(DEFAULT, ("colocated", "conditional"), ("W2",)), args, tmp_path, result)
-    sweep.data = type("Data", (), {"file": lambda self, *a: tmp_path / "ds.jsonl"})()
-    sweep.runner = runner
-    sweep._warm = lambda run: None  # type: ignore[method-assign]
+    sweep = _sweep(tmp_path, ("colocated", "conditional"), "W2", runner)
     sweep.run(_Serving())
+    result = sweep.result
 
     cond = result["setups"]["conditional"]["workloads"]["W2"]["points"]
     assert max(cond, key=lambda p: p["goodput"])["rate"] == low
@@ -479,10 +481,8 @@ def test_a_point_after_one_on_the_same_engines_waits_for_a_fresh_report(
 ) -> None:
     """pd and conditional share engines through two routers: a report taken during one's point reads as
     the other router's load until the next heartbeat, so a switch between them waits for a fresh one."""
-    import argparse
 
     import goodput
-    from goodput import Sweep
     from goodput_plan import REPORT_FRESH_S
 
     calls: list[tuple[str, float]] = []
@@ -494,13 +494,7 @@ def test_a_point_after_one_on_the_same_engines_waits_for_a_fresh_report(
         order.append(run.name)
         return {"rate": rate, "sent": n, "good": n, "goodput": n / 5.0}
 
-    args = argparse.Namespace(model_dir=tmp_path, budget_min=0.0, quick=False, out=tmp_path / "r.json")
-    result: dict[str, Any] = {"setups": {}, "slo": {"W4": {"ttft_ms": 100.0, "tpot_ms": 10.0, "capacity_rps": 5.0}}}
-    sweep = Sweep(Plan(DEFAULT, ("colocated", "pd", "conditional"), ("W4",)), args, tmp_path, result)
-    sweep.data = type("Data", (), {"file": lambda self, *a: tmp_path / "ds.jsonl"})()
-    sweep.runner = runner
-    sweep._warm = lambda run: None  # type: ignore[method-assign]
-    sweep.run(_Serving())
+    _sweep(tmp_path, ("colocated", "pd", "conditional"), "W4", runner).run(_Serving())
 
     ran = [x for x in order if not x.startswith("sleep")]
     switches = sum({a, b} == {"pd", "conditional"} for a, b in itertools.pairwise(ran))
@@ -513,11 +507,9 @@ def test_a_point_after_one_on_the_same_engines_waits_for_a_fresh_report(
 
 
 def test_a_probe_with_most_streams_in_one_piece_runs_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
 
     import goodput
     import goodput_run
-    from goodput import Sweep
 
     probes = [
         {"ttft_ms": 170.0, "tpot_ms": 0.004, "n": 8, "coalesced": 6},
@@ -531,9 +523,7 @@ def test_a_probe_with_most_streams_in_one_piece_runs_again(tmp_path: Path, monke
 
     monkeypatch.setattr(goodput_run, "unloaded", fake_unloaded)
     monkeypatch.setattr(goodput.time, "sleep", lambda s: None)
-    args = argparse.Namespace(model_dir=tmp_path, budget_min=0.0, quick=False, out=tmp_path / "r.json")
-    sweep = Sweep(Plan(DEFAULT, ("colocated",), ("W2",)), args, tmp_path, {"setups": {}, "slo": {}})
-    sweep.data = type("Data", (), {"file": lambda self, *a: tmp_path / "ds.jsonl"})()
+    sweep = _sweep(tmp_path, ("colocated",), "W2", None, {"setups": {}, "slo": {}})
     slo, _ = sweep._slo(type("Run", (), {"name": "colocated"})(), "W2")
     assert len(asked) == 2 and asked[1].name == "unloaded-again.json"
     assert (slo.ttft_ms, slo.tpot_ms) == (80.0, 6.0)  # from the second probe, the one that streamed
