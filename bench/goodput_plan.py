@@ -373,52 +373,57 @@ def _pct(values: Sequence[float], q: float) -> float | None:
 COALESCED_TPOT_MS = 0.1
 
 
+def _timings(result: dict[str, Any], want_tokens: int) -> list[tuple[int, tuple[float, float] | None]]:
+    """Per request of vLLM's lists: its prompt tokens, and (TTFT ms, TPOT ms) when it is complete (no
+    error and every requested token), else None. The one rule `rescore` and `unloaded_figures` share."""
+    errors = result.get("errors") or []
+    outs = result.get("output_lens") or []
+    ttfts = result.get("ttfts") or []
+    lats = result.get("latencies") or []
+    ins = result.get("input_lens") or []
+    out: list[tuple[int, tuple[float, float] | None]] = []
+    for i in range(len(outs)):
+        prompt = int(ins[i]) if i < len(ins) else 0
+        if (errors[i] if i < len(errors) else "") or outs[i] < want_tokens:
+            out.append((prompt, None))
+        else:
+            out.append((prompt, (ttfts[i] * 1e3, (lats[i] - ttfts[i]) * 1e3 / max(outs[i] - 1, 1))))
+    return out
+
+
 def unloaded_figures(result: dict[str, Any], want_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
     """The unloaded TTFT and TPOT p50 the SLOs are multiples of, over the probe's complete requests whose
     tokens streamed (`COALESCED_TPOT_MS`); over all of them when none did. `coalesced` says how many
     were left out."""
-    scored = rescore(result, Slo(float("inf"), float("inf")), want_tokens)
-    outs, ttfts, lats = result.get("output_lens") or [], result.get("ttfts") or [], result.get("latencies") or []
-    errors = result.get("errors") or []
-    pairs = [
-        (ttfts[i] * 1e3, (lats[i] - ttfts[i]) * 1e3 / max(outs[i] - 1, 1))
-        for i in range(len(outs))
-        if not (errors[i] if i < len(errors) else "") and outs[i] >= want_tokens
-    ]
-    streamed = [p for p in pairs if p[1] >= COALESCED_TPOT_MS] or pairs
+    done = [t for _, t in _timings(result, want_tokens) if t is not None]
+    streamed = [t for t in done if t[1] >= COALESCED_TPOT_MS] or done
     return {
-        "ttft_ms": _pct([p[0] for p in streamed], 50),
-        "tpot_ms": _pct([p[1] for p in streamed], 50),
-        "n": scored["complete"],
-        "coalesced": sum(p[1] < COALESCED_TPOT_MS for p in pairs),
+        "ttft_ms": _pct([t[0] for t in streamed], 50),
+        "tpot_ms": _pct([t[1] for t in streamed], 50),
+        "n": len(done),
+        "coalesced": sum(t[1] < COALESCED_TPOT_MS for t in done),
     }
 
 
 def rescore(result: dict[str, Any], slo: Slo, want_tokens: int = OUTPUT_TOKENS) -> dict[str, Any]:
     """Goodput and latency percentiles from vLLM's per-request lists: complete = no error and every
     requested token; good = complete within both SLOs. TTFT/TPOT percentiles are over complete requests."""
-    errors = result.get("errors") or []
-    outs = result.get("output_lens") or []
-    ttfts = result.get("ttfts") or []
-    lats = result.get("latencies") or []
-    ins = result.get("input_lens") or []
-    n = len(outs)
     ttft_ms: list[float] = []
     tpot_ms: list[float] = []
     requests: list[list[int]] = []  # [prompt tokens, good 0/1] each: SLO attainment by prompt length
     good = 0
-    for i in range(n):
-        prompt = int(ins[i]) if i < len(ins) else 0
-        if (errors[i] if i < len(errors) else "") or outs[i] < want_tokens:
+    timings = _timings(result, want_tokens)
+    for prompt, t in timings:
+        if t is None:
             requests.append([prompt, 0])
             continue
-        ttft = ttfts[i] * 1e3
-        tpot = (lats[i] - ttfts[i]) * 1e3 / max(outs[i] - 1, 1)
+        ttft, tpot = t
         ttft_ms.append(ttft)
         tpot_ms.append(tpot)
         ok = ttft <= slo.ttft_ms and tpot <= slo.tpot_ms
         good += ok
         requests.append([prompt, int(ok)])
+    n = len(timings)
     duration = float(result.get("duration") or 0.0) or float("nan")
     return {
         "sent": n,
