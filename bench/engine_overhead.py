@@ -50,13 +50,12 @@ def _median(xs: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from goodput import Datasets
+    from goodput import Datasets, offline_loopback_env
     from goodput_run import bench_serve, serve_argv
     from goodput_setups import Context, Serving
     from pdgate.deploy.local.vllm_instance import ServeFlags
 
-    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
+    offline_loopback_env()
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdgate-bench-engine-overhead-")).resolve()
     flags = ServeFlags(model_dir=args.model_dir)
     ctx = Context(args.model_dir, run_dir, None, flags, lambda: flags.max_model_len, _say)

@@ -116,6 +116,14 @@ class Datasets:
         return path
 
 
+def offline_loopback_env() -> None:
+    """Offline (the tokenizer is local) and never through a proxy to the loopback setups."""
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(
+        x for x in ("127.0.0.1,localhost", os.environ.get("NO_PROXY", "")) if x
+    )
+
+
 def cpu_model() -> str:
     """The processor and the vector extensions vLLM's CPU kernels use: a bfloat16 engine runs several times
     slower without AVX-512 (BF16) or AMX, so absolute numbers from two hosts differ by that much."""
@@ -369,11 +377,7 @@ def run(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
         "slo": {},
         "setups": {},
     }
-    # Offline (the tokenizer is local) and never through a proxy to the loopback setups.
-    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(
-        x for x in ("127.0.0.1,localhost", os.environ.get("NO_PROXY", "")) if x
-    )
+    offline_loopback_env()
     try:
         import pandas  # noqa: F401  # vLLM's custom dataset reads JSONL with it
     except ImportError:
